@@ -1,0 +1,132 @@
+"""Dataclass configs as the single source of truth for defaults, validation, YAML and CLI flags.
+
+Each component declares a ``@dataclass(kw_only=True)`` whose fields are made with :func:`opt`
+(default + help text). From that one declaration we derive:
+
+* the argparse flags (``batch_size`` -> ``--batch-size``), see :func:`add_args`;
+* construction from a YAML mapping with unknown keys refused, see :func:`from_dict`;
+* validation in ``__post_init__`` via :func:`check`, whose message names the flag and the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, TypeVar
+
+from streamnmt.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def opt(default: Any, help: str, *, choices: tuple | None = None, cli: bool = True) -> Any:
+    """A config field: ``default`` plus the help text shown by ``--help``."""
+    meta = {"help": help, "choices": choices, "cli": cli}
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def flag_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def check(ok: bool, key: str, message: str) -> None:
+    """Raise a ConfigError naming ``key`` (as flag and YAML key) unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{flag_name(key)} (config key '{key}'): {message}")
+
+
+def check_choice(value: Any, key: str, choices: tuple) -> None:
+    check(value in choices, key, f"must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+def _base_type(annotation: Any) -> tuple[type, bool]:
+    """(underlying type, optional?) for annotations like ``int``, ``str | None``."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, vars(__import__("builtins")))  # noqa: S307 - our own annotations
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0], True
+    return annotation, False
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    typ, optional = _base_type(annotation)
+    if value is None:
+        check(optional, key, "must not be empty")
+        return None
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        check(False, key, f"must be true or false; got {value!r}")
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            check(False, key, f"must be an integer; got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            check(False, key, f"must be an integer; got {value!r}")
+    if typ is float:
+        if isinstance(value, bool):
+            check(False, key, f"must be a number; got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            check(False, key, f"must be a number; got {value!r}")
+    if typ is str:
+        check(isinstance(value, (str, int, float)), key, f"must be a string; got {value!r}")
+        return str(value)
+    return value
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def from_dict(cls: type[T], values: dict[str, Any], where: str = "") -> T:
+    """Build ``cls`` from a mapping; unknown keys and badly typed values raise ConfigError."""
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"{where}unknown config key '{key}'; known keys: {', '.join(sorted(names))}")
+        kwargs[key] = _coerce(value, hints[key], key)
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def add_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
+    """Add one flag per CLI field of ``cls``. Defaults are SUPPRESSed so only given flags count."""
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("cli", True):
+            continue
+        typ, _ = _base_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
+        if typ is bool:
+            parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **kw)
+            continue
+        # Values arrive as strings and are coerced (and validated) by from_dict, so that a bad
+        # flag and a bad YAML value give the same message.
+        kw["metavar"] = typ.__name__.upper() if typ in (int, float) else "VALUE"
+        if f.metadata.get("choices"):
+            kw["metavar"] = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
+        parser.add_argument(flag_name(f.name), **kw)
+
+
+def pick(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``values`` that are fields of ``cls``."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in values.items() if k in names}

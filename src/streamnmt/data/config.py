@@ -1,0 +1,44 @@
+"""Data settings: where the corpus is, how it is tokenized, batched and loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from streamnmt.configbase import check, check_choice, opt
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    data: str | None = opt(None, "corpus directory (train/dev/test .json, .jsonl, .tsv or .en/.zh pairs); "
+                                 "none = the built-in English->Chinese corpus")
+    src_lang: str = opt("en", "source-language key in JSON records / file extension")
+    tgt_lang: str = opt("ch", "target-language key in JSON records / file extension")
+    tokenizer_eng: str | None = opt(None, "existing SentencePiece model for the source side")
+    tokenizer_chn: str | None = opt(None, "existing SentencePiece model for the target side")
+    src_vocab: int = opt(32000, "source SentencePiece vocabulary size when training one "
+                                "(capped for small corpora)")
+    tgt_vocab: int = opt(32000, "target SentencePiece vocabulary size when training one "
+                                "(capped for small corpora)")
+    batch_size: int = opt(32, "sentences per batch (ignored when --max-tokens is set)")
+    max_tokens: int = opt(0, "token budget per batch (padded tokens, the longer side); 0 = batch by sentences")
+    max_len: int = opt(128, "longest sentence in tokens (bos/eos included) the model is fed")
+    overlong: str = opt("truncate", "what to do with sentences over --max-len",
+                        choices=("truncate", "drop"))
+    pad_multiple: int = opt(8, "padded lengths are rounded up to a multiple of this (bounds batch shapes)")
+    workers: int = opt(0, "DataLoader worker processes (0 = load in the main process)")
+    prefetch_factor: int = opt(4, "batches each worker loads ahead")
+    builtin_size: int = opt(40000, "sentence pairs in the built-in corpus's training split")
+
+    def __post_init__(self) -> None:
+        check(self.src_vocab >= 16, "src_vocab", f"must be at least 16; got {self.src_vocab}")
+        check(self.tgt_vocab >= 16, "tgt_vocab", f"must be at least 16; got {self.tgt_vocab}")
+        check(self.batch_size > 0, "batch_size", f"must be a positive integer; got {self.batch_size}")
+        check(self.max_tokens >= 0, "max_tokens", f"must be 0 (off) or a positive integer; got {self.max_tokens}")
+        check(self.max_len >= 4, "max_len", f"must be at least 4; got {self.max_len}")
+        check_choice(self.overlong, "overlong", ("truncate", "drop"))
+        check(self.pad_multiple >= 1, "pad_multiple", f"must be a positive integer; got {self.pad_multiple}")
+        check(self.max_tokens == 0 or self.max_tokens >= self.max_len, "max_tokens",
+              f"must be at least --max-len ({self.max_len}) so the longest sentence fits; got {self.max_tokens}")
+        check(self.workers >= 0, "workers", f"must be 0 or more; got {self.workers}")
+        check(self.prefetch_factor >= 1, "prefetch_factor", f"must be at least 1; got {self.prefetch_factor}")
+        check(self.builtin_size >= 100, "builtin_size", f"must be at least 100; got {self.builtin_size}")

@@ -1,0 +1,28 @@
+"""Errors the user can act on.
+
+Every error a user can cause by a flag, a config key or an input file is raised as one of these
+two classes; the CLI turns them into one line on stderr and a non-zero exit code, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A flag or config key has a value that is not allowed (exit code 2).
+
+    The message names the flag or key and says what is allowed, e.g.
+    ``--batch-size: must be a positive integer, got 0``.
+    """
+
+    exit_code = 2
+
+
+class InputError(Exception):
+    """An input file is missing or malformed (exit code 1).
+
+    The message names the file and, where there is one, the line, column, record index or byte
+    offset, e.g. ``data/train.json:12:5: expected ',' or ']'``.
+    """
+
+    exit_code = 1

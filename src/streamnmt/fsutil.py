@@ -1,0 +1,56 @@
+"""Atomic file writes: a reader sees the old file or the new one, never half of one.
+
+Everything streamnmt writes that a later run reads (checkpoints, caches, tokenizers, config) goes
+through :func:`atomic_write` or :func:`atomic_path`: write to a temporary file in the same
+directory, fsync, then ``os.replace`` over the target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
+    """Yield a temporary path beside ``target``; on success it replaces ``target``.
+
+    On an exception the temporary file is removed and ``target`` is left as it was.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix + ".tmp", dir=target.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+        raise
+
+
+def atomic_write(target: str | os.PathLike, data: bytes | str, encoding: str = "utf-8") -> None:
+    """Write ``data`` to ``target`` atomically."""
+    with atomic_path(target) as tmp:
+        if isinstance(data, str):
+            tmp.write_text(data, encoding=encoding)
+        else:
+            tmp.write_bytes(data)
+
+
+def _fsync_dir(path: Path) -> None:
+    # The rename is durable only once the directory entry is on disk.
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,210 @@
+"""The Transformer encoder-decoder of the original system, in one readable file.
+
+Vaswani et al. (2017) as the original trainer built it: N encoder and N decoder layers, multi-head
+attention through ``F.scaled_dot_product_attention`` (fused kernels on the GPU), sinusoidal
+positions, separate source and target embeddings scaled by sqrt(d_model), and a generator to the
+target vocabulary. Layers are pre-norm with a final LayerNorm (the Annotated Transformer's layout),
+which trains stably without a long warm-up.
+
+Besides ``forward`` for training, the decoder supports incremental decoding: the encoder output's
+keys/values are projected once per layer and the self-attention keys/values of earlier positions
+are cached (:class:`DecoderCache`), so each new target token costs one position.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from streamnmt import masks
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    src_vocab: int
+    tgt_vocab: int
+    d_model: int = 512
+    n_layers: int = 6
+    n_heads: int = 8
+    d_ff: int = 2048
+    dropout: float = 0.1
+    max_positions: int = 1024
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, dropout: float):
+        super().__init__()
+        self.h, self.dk = n_heads, d_model // n_heads
+        self.q = nn.Linear(d_model, d_model)
+        self.kv = nn.Linear(d_model, 2 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.h, self.dk).transpose(1, 2)  # (B, h, T, dk)
+
+    def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.kv(x).chunk(2, dim=-1)
+        return self.split(k), self.split(v)  # 2 x (B, h, S, dk)
+
+    def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+        q = self.split(self.q(x))  # (B, h, T, dk)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+            dropout_p=self.dropout if self.training else 0.0)
+        b, _, t, _ = y.shape
+        return self.out(y.transpose(1, 2).reshape(b, t, self.h * self.dk))  # (B, T, D)
+
+    def forward(self, x: torch.Tensor, mem: torch.Tensor, mask: torch.Tensor | None,
+                causal: bool = False) -> torch.Tensor:
+        k, v = self.project_kv(mem)
+        return self.attend(x, k, v, mask, causal)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, dropout: float):
+        super().__init__()
+        self.w1, self.w2, self.drop = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model), nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.drop(F.relu(self.w1(x))))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(s.d_model), nn.LayerNorm(s.d_model)
+        self.attn = MultiHeadAttention(s.d_model, s.n_heads, s.dropout)
+        self.ff = FeedForward(s.d_model, s.d_ff, s.dropout)
+        self.drop = nn.Dropout(s.dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.drop(self.attn(h, h, mask))
+        return x + self.drop(self.ff(self.ln2(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.ln1, self.ln2, self.ln3 = (nn.LayerNorm(s.d_model) for _ in range(3))
+        self.self_attn = MultiHeadAttention(s.d_model, s.n_heads, s.dropout)
+        self.cross_attn = MultiHeadAttention(s.d_model, s.n_heads, s.dropout)
+        self.ff = FeedForward(s.d_model, s.d_ff, s.dropout)
+        self.drop = nn.Dropout(s.dropout)
+
+    def forward(self, x: torch.Tensor, mem: torch.Tensor, src_mask: torch.Tensor,
+                tgt_mask: torch.Tensor | None) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.drop(self.self_attn(h, h, tgt_mask, causal=True))
+        x = x + self.drop(self.cross_attn(self.ln2(x), mem, src_mask))
+        return x + self.drop(self.ff(self.ln3(x)))
+
+    def step(self, x: torch.Tensor, layer_cache: dict, src_mask: torch.Tensor) -> torch.Tensor:
+        """One new position x (B, 1, D); appends its keys/values to ``layer_cache``."""
+        h = self.ln1(x)
+        k, v = self.self_attn.project_kv(h)  # (B, h, 1, dk)
+        if "k" in layer_cache:
+            k = torch.cat([layer_cache["k"], k], dim=2)
+            v = torch.cat([layer_cache["v"], v], dim=2)
+        layer_cache["k"], layer_cache["v"] = k, v
+        x = x + self.drop(self.self_attn.attend(h, k, v, None))  # sees all cached positions
+        x = x + self.drop(self.cross_attn.attend(self.ln2(x), layer_cache["mk"], layer_cache["mv"], src_mask))
+        return x + self.drop(self.ff(self.ln3(x)))
+
+
+class PositionalEncoding(nn.Module):
+    def __init__(self, d_model: int, max_positions: int):
+        super().__init__()
+        pos = torch.arange(max_positions).unsqueeze(1)
+        div = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))
+        pe = torch.zeros(max_positions, d_model)
+        pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * div), torch.cos(pos * div)
+        self.register_buffer("pe", pe, persistent=False)
+
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        return x + self.pe[start:start + x.size(1)]
+
+
+class DecoderCache:
+    """Per-layer cached keys/values of one batch of decoder states (rows can be re-selected)."""
+
+    def __init__(self, layers: list[dict]):
+        self.layers = layers
+        self.pos = 0  # positions decoded so far
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep/reorder batch rows (beam reordering, retiring finished sentences)."""
+        for layer in self.layers:
+            for key in layer:
+                layer[key] = layer[key].index_select(0, index)
+
+
+class Transformer(nn.Module):
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        s = self.shape = shape
+        if s.d_model % s.n_heads:
+            raise ValueError(f"n_heads ({s.n_heads}) must divide d_model ({s.d_model})")
+        self.src_embed = nn.Embedding(s.src_vocab, s.d_model, padding_idx=masks.PAD)
+        self.tgt_embed = nn.Embedding(s.tgt_vocab, s.d_model, padding_idx=masks.PAD)
+        self.pos = PositionalEncoding(s.d_model, s.max_positions)
+        self.drop = nn.Dropout(s.dropout)
+        self.encoder = nn.ModuleList(EncoderLayer(s) for _ in range(s.n_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(s) for _ in range(s.n_layers))
+        self.enc_norm, self.dec_norm = nn.LayerNorm(s.d_model), nn.LayerNorm(s.d_model)
+        self.generator = nn.Linear(s.d_model, s.tgt_vocab)
+        self.scale = math.sqrt(s.d_model)
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.pos(self.src_embed(src) * self.scale))  # (B, S, D)
+        for layer in self.encoder:
+            x = layer(x, src_mask)
+        return self.enc_norm(x)
+
+    def decode(self, mem: torch.Tensor, src_mask: torch.Tensor, tgt: torch.Tensor,
+               tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """All target positions at once; ``tgt_mask`` None means causal (fused kernel path)."""
+        x = self.drop(self.pos(self.tgt_embed(tgt) * self.scale))  # (B, T, D)
+        for layer in self.decoder:
+            x = layer(x, mem, src_mask, tgt_mask)
+        return self.dec_norm(x)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_mask: torch.Tensor,
+                tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, S) source ids, (B, T) decoder input ids -> (B, T, V) logits."""
+        return self.generator(self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask))
+
+    # -- incremental decoding -------------------------------------------------------------
+    def init_cache(self, mem: torch.Tensor) -> DecoderCache:
+        """Project the encoder output to cross-attention keys/values once per layer."""
+        layers = []
+        for layer in self.decoder:
+            mk, mv = layer.cross_attn.project_kv(mem)
+            layers.append({"mk": mk, "mv": mv})
+        return DecoderCache(layers)
+
+    def decode_step(self, y: torch.Tensor, src_mask: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
+        """(B,) last target ids -> (B, V) log-probabilities of the next token; updates ``cache``."""
+        x = self.drop(self.pos(self.tgt_embed(y[:, None]) * self.scale, start=cache.pos))  # (B, 1, D)
+        for layer, layer_cache in zip(self.decoder, cache.layers):
+            x = layer.step(x, layer_cache, src_mask)
+        cache.pos += 1
+        return F.log_softmax(self.generator(self.dec_norm(x))[:, 0].float(), dim=-1)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def make_model(src_vocab: int, tgt_vocab: int, d_model: int = 512, n_layers: int = 6, n_heads: int = 8,
+               d_ff: int = 2048, dropout: float = 0.1, max_positions: int = 1024) -> Transformer:
+    return Transformer(ModelShape(src_vocab, tgt_vocab, d_model, n_layers, n_heads, d_ff, dropout, max_positions))

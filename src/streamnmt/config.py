@@ -1,0 +1,185 @@
+"""The training job's configuration: one dataclass per component, YAML in and out, CLI flags.
+
+Sections (also the YAML layout of ``config.yaml``): ``model``, ``data``, ``optim``, ``engine``,
+``run``. Flags are flat (``--batch-size``, ``--sync-strategy``...) and map onto the section that
+declares the field; ``--config FILE.yaml`` is read first and flags override it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from streamnmt.configbase import check, check_choice, from_dict, opt, to_dict
+from streamnmt.data.config import DataConfig
+from streamnmt.engine.config import EngineConfig
+from streamnmt.errors import ConfigError, InputError
+
+# Model presets: (d_model, n_layers, n_heads, d_ff). "base" is the original system's model.
+PRESETS = {
+    "base": (512, 6, 8, 2048),
+    "small": (256, 3, 4, 1024),
+    "tiny": (64, 2, 4, 128),
+}
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    model: str = opt("auto", "model preset: base (6+6 x 512), small, tiny; auto = base on a GPU, "
+                             "small on CPU", choices=("auto", *PRESETS))
+    d_model: int | None = opt(None, "model width (overrides the preset)")
+    n_layers: int | None = opt(None, "encoder and decoder layers each (overrides the preset)")
+    n_heads: int | None = opt(None, "attention heads (overrides the preset)")
+    d_ff: int | None = opt(None, "feed-forward width (overrides the preset)")
+    dropout: float = opt(0.1, "dropout probability")
+    label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy")
+
+    def __post_init__(self) -> None:
+        check_choice(self.model, "model", ("auto", *PRESETS))
+        for key in ("d_model", "n_layers", "n_heads", "d_ff"):
+            v = getattr(self, key)
+            check(v is None or v > 0, key, f"must be a positive integer; got {v}")
+        check(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1); got {self.dropout}")
+        check(0.0 <= self.label_smoothing < 1.0, "label_smoothing",
+              f"must be in [0, 1); got {self.label_smoothing}")
+        if self.d_model and self.n_heads:
+            check(self.d_model % self.n_heads == 0, "n_heads",
+                  f"must divide --d-model ({self.d_model}); got {self.n_heads}")
+
+    def resolve(self, preset: str) -> ModelConfig:
+        """Fill unset sizes from ``preset`` (the resolved config is what config.yaml records)."""
+        d, n, h, f = PRESETS[preset]
+        return dataclasses.replace(self, model=preset, d_model=self.d_model or d, n_layers=self.n_layers or n,
+                                   n_heads=self.n_heads or h, d_ff=self.d_ff or f)
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = opt(1.0, "Noam factor: lr = lr * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)")
+    warmup: int | None = opt(None, "Noam warm-up steps (default: 4000 for base, 400 for smaller presets)")
+    clip_grad: float = opt(1.0, "clip the gradient norm to this (0 = off)")
+    amp: str = opt("auto", "mixed precision: bf16, fp16 (with a grad scaler) or off; auto = bf16 on a "
+                           "GPU that has it, else off", choices=("auto", "bf16", "fp16", "off"))
+
+    def __post_init__(self) -> None:
+        check(self.lr > 0, "lr", f"must be positive; got {self.lr}")
+        check(self.warmup is None or self.warmup >= 1, "warmup", f"must be at least 1; got {self.warmup}")
+        check(self.clip_grad >= 0, "clip_grad", f"must be 0 (off) or positive; got {self.clip_grad}")
+        check_choice(self.amp, "amp", ("auto", "bf16", "fp16", "off"))
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    epochs: int | None = opt(None, "training epochs (default: 10 on a GPU, preset-dependent on CPU)")
+    max_steps: int = opt(0, "stop after this many optimizer steps (0 = no limit)")
+    device: str | None = opt(None, "cpu, cuda or cuda:N (default: cuda if present)")
+    seed: int = opt(0, "random seed (initialisation, dropout, batch order)")
+    deterministic: bool = opt(False, "use deterministic algorithms (slower; for exact comparisons)")
+    project: str = opt("runs/train", "parent directory of run directories")
+    name: str = opt("exp", "run directory name; exp, exp2, ... (the next free one unless --exist-ok)")
+    exist_ok: bool = opt(False, "reuse project/name if it exists instead of taking the next free name")
+    weights: str | None = opt(None, "start from these model weights (fine-tuning)")
+    bleu_samples: int = opt(500, "dev sentences decoded for BLEU at each epoch end (0 = off)")
+    beam_size: int = opt(3, "beam size of the epoch-end BLEU decoding")
+
+    def __post_init__(self) -> None:
+        check(self.epochs is None or self.epochs >= 1, "epochs", f"must be at least 1; got {self.epochs}")
+        check(self.max_steps >= 0, "max_steps", f"must be 0 (no limit) or positive; got {self.max_steps}")
+        check(self.bleu_samples >= 0, "bleu_samples", f"must be 0 or more; got {self.bleu_samples}")
+        check(self.beam_size >= 1, "beam_size", f"must be at least 1; got {self.beam_size}")
+        if self.device is not None:
+            import torch
+            dev = self.device
+            ok = dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())
+            check(ok, "device", f"must be cpu, cuda or cuda:N; got {dev!r}")
+            if dev.startswith("cuda"):
+                check(torch.cuda.is_available(), "device", f"{dev} requested but CUDA is not available here; use --device cpu")
+                idx = int(dev[5:]) if ":" in dev else 0
+                check(idx < torch.cuda.device_count(), "device",
+                      f"{dev} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
+                             "engine": EngineConfig, "run": RunConfig}
+
+
+@dataclass
+class TrainJob:
+    model: ModelConfig
+    data: DataConfig
+    optim: OptimConfig
+    engine: EngineConfig
+    run: RunConfig
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: to_dict(getattr(self, name)) for name in SECTIONS}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+
+
+def section_of(key: str) -> str:
+    for name, cls in SECTIONS.items():
+        if key in {f.name for f in dataclasses.fields(cls)}:
+            return name
+    raise ConfigError(f"unknown config key '{key}'")
+
+
+def load_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Read a config file into {section: {key: value}}; flat files (no sections) are accepted too."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config: file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise ConfigError(f"--config: {path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config: {path}: not UTF-8 text (byte {e.start})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config: {path}: must be a mapping of sections or keys, got {type(raw).__name__}")
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in raw.items():
+        if key in SECTIONS and isinstance(value, dict):
+            out.setdefault(key, {}).update(value)
+        elif key in SECTIONS:
+            raise ConfigError(f"--config: {path}: section '{key}' must be a mapping")
+        else:
+            try:
+                out.setdefault(section_of(key), {})[key] = value
+            except ConfigError:
+                raise ConfigError(f"--config: {path}: unknown config key '{key}'") from None
+    for name, values in out.items():
+        known = {f.name for f in dataclasses.fields(SECTIONS[name])}
+        for key in values:
+            if key not in known:
+                raise ConfigError(f"--config: {path}: unknown config key '{name}.{key}'")
+    return out
+
+
+def build_job(flags: dict[str, Any], config_file: str | None = None) -> TrainJob:
+    """Config file first, then flags (a flat dict of field name -> value) on top."""
+    values = load_yaml(config_file) if config_file else {}
+    for key, value in flags.items():
+        values.setdefault(section_of(key), {})[key] = value
+    return TrainJob(**{name: from_dict(cls, values.get(name, {})) for name, cls in SECTIONS.items()})
+
+
+def job_from_dict(d: dict[str, dict[str, Any]]) -> TrainJob:
+    """Rebuild a job from its ``to_dict`` form (a checkpoint's config, a config.yaml)."""
+    return TrainJob(**{name: from_dict(cls, d.get(name, {})) for name, cls in SECTIONS.items()})
+
+
+def read_job(path: str | Path) -> TrainJob:
+    try:
+        return job_from_dict(load_yaml(path))
+    except ConfigError as e:
+        raise InputError(str(e)) from None

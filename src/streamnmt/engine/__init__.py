@@ -1,0 +1,10 @@
+"""The stream/sync engine. It knows nothing of NMT: it drives a step function over batches."""
+
+from streamnmt.engine.config import STRATEGY_NAMES, EngineConfig
+from streamnmt.engine.losses import DeferredLosses
+from streamnmt.engine.streams import MAX_STREAMS, StreamManager
+from streamnmt.engine.strategies import STRATEGIES, StepFunction, StepInfo, Strategy, make_strategy
+from streamnmt.engine.syncstats import STATS, SyncStats, host_sync
+
+__all__ = ["STRATEGY_NAMES", "EngineConfig", "DeferredLosses", "MAX_STREAMS", "StreamManager", "STRATEGIES",
+           "StepFunction", "StepInfo", "Strategy", "make_strategy", "STATS", "SyncStats", "host_sync"]

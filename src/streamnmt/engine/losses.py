@@ -1,0 +1,90 @@
+"""Deferred loss extraction: per-step losses stay on the device until a batch of them is read.
+
+Reading a loss with ``.item()`` blocks the host until the step that produced it has finished,
+which drains the launch queue every step. Here each step's loss is copied (device-side) into a
+slot of a device buffer; every ``interval`` steps the filled slots are copied in one
+``non_blocking`` transfer to a pinned host buffer and an event is recorded after the copy. The
+host reads those values only once the event has completed: :meth:`poll` never blocks, and
+:meth:`flush` (epoch end, before a checkpoint) blocks once, counted, for what is still in flight.
+
+Every pushed step comes out exactly once, in push order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from streamnmt.engine.syncstats import host_sync
+
+
+@dataclass
+class _Pending:
+    steps: list[int]
+    host: torch.Tensor  # pinned (n,) float32, filled by a non_blocking copy
+    event: object       # completes when the copy into ``host`` has
+
+
+class DeferredLosses:
+    def __init__(self, device: torch.device | str, interval: int = 10):
+        if interval < 1:
+            raise ValueError(f"loss interval must be at least 1; got {interval}")
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.interval = interval
+        self.buf = torch.zeros(interval, dtype=torch.float32, device=self.device)
+        self.steps: list[int] = []              # steps whose losses sit in ``buf``
+        self.pending: deque[_Pending] = deque()  # copies in flight, oldest first
+        self.free_host: list[torch.Tensor] = []  # pinned buffers whose copy has been read
+
+    def push(self, step: int, loss: torch.Tensor) -> None:
+        """Queue ``loss`` (a device scalar) of ``step``. Call on the stream that produced it."""
+        self.buf[len(self.steps)].copy_(loss.detach())
+        self.steps.append(step)
+        if len(self.steps) == self.interval:
+            self._extract()
+
+    def _extract(self) -> None:
+        n = len(self.steps)
+        if n == 0:
+            return
+        if not self.cuda:
+            self.pending.append(_Pending(self.steps, self.buf[:n].clone(), None))
+        else:
+            # A pinned buffer is reused only after the copy into it completed and was read
+            # (it returns to ``free_host`` in ``_take``), so no copy ever overwrites unread values.
+            host = self.free_host.pop() if self.free_host else torch.empty(
+                self.interval, dtype=torch.float32, pin_memory=True)
+            host[:n].copy_(self.buf[:n], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()  # on the current stream, right after the copy
+            self.pending.append(_Pending(self.steps, host, event))
+            # ``buf`` is overwritten by later pushes on the same stream, i.e. after this copy.
+        self.steps = []
+
+    def _take(self, p: _Pending) -> list[tuple[int, float]]:
+        values = p.host[:len(p.steps)].tolist()  # host memory: no device sync
+        if self.cuda:
+            self.free_host.append(p.host)
+        return list(zip(p.steps, values))
+
+    def poll(self) -> list[tuple[int, float]]:
+        """(step, loss) pairs whose copies have completed; never blocks."""
+        out: list[tuple[int, float]] = []
+        while self.pending and (self.pending[0].event is None or self.pending[0].event.query()):
+            out += self._take(self.pending.popleft())
+        return out
+
+    def flush(self, site: str = "losses.flush") -> list[tuple[int, float]]:
+        """Extract what is left and wait for every copy in flight; returns all remaining pairs."""
+        self._extract()
+        out: list[tuple[int, float]] = []
+        while self.pending:
+            p = self.pending.popleft()
+            if p.event is not None:
+                # Needed: the caller (epoch end, checkpoint, exit) must have every loss now.
+                host_sync(site, p.event)
+            out += self._take(p)
+        return out

@@ -1,0 +1,268 @@
+"""The seed design's synchronisation strategies, one small class each behind one interface.
+
+A strategy drives a :class:`StepFunction` (forward, backward, optimizer step: supplied by the
+application, which may be any PyTorch model) over an iterable of host batches on a device. It
+decides on which streams the transfer and the compute run, how streams are ordered (events, device
+side) and when the host blocks (counted through ``host_sync``). ``run`` is a generator that yields
+once per batch, so the caller keeps the loop: progress, loss polling, ``max_steps``, signals.
+
+All strategies issue the same kernels in the same order on the data, so their results are equal;
+only where and when the host waits differs. Stream rules followed everywhere:
+* a tensor made on one stream and used on another: the consumer waits on an event recorded after
+  the producer's work, and ``record_stream`` tells the allocator about the use;
+* host batches come pinned from the loader's pinning thread; PyTorch's pinned-memory allocator
+  records the stream of each ``non_blocking`` copy out of a block and does not hand that block out
+  again before the copy has completed, so a pinned buffer is never rewritten under a copy;
+* autograd runs each backward kernel on the stream of its forward op, so the ``deep`` strategy's
+  "backward on stream 2" moves only the gradient seed and the optimizer step there (shown by the
+  profiler in docs/PERFORMANCE.md); it is implemented as the seed describes all the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from streamnmt.engine.config import EngineConfig
+from streamnmt.engine.losses import DeferredLosses
+from streamnmt.engine.streams import StreamManager
+from streamnmt.engine.syncstats import host_sync
+
+
+class StepFunction(Protocol):
+    """What the application supplies: one training step split in its three phases."""
+
+    def forward(self, batch: Any) -> torch.Tensor: ...   # device scalar loss, graph attached
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def optimizer_step(self) -> None: ...
+
+
+@dataclass
+class StepInfo:
+    index: int   # batch index within this run
+    step: int    # global optimizer step (1-based) whose loss was pushed
+    batch: Any   # the host batch (for token counts); never touched on the device
+
+
+def move(obj: Any, device: torch.device) -> Any:
+    """Copy a batch to ``device`` without blocking (tensors, tuples/lists/dicts, or ``.to``)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(move(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: move(v, device) for k, v in obj.items()}
+    return obj.to(device, non_blocking=True)
+
+
+def tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside a batch, for ``record_stream``."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from tensors(x)
+    elif dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from tensors(getattr(obj, f.name))
+
+
+def lookahead(items: Iterable) -> Iterator[tuple[Any, bool]]:
+    """Yield (item, is_last)."""
+    it = iter(items)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
+
+
+class Strategy:
+    name: ClassVar[str]
+    n_streams: ClassVar[int]
+    wants_workers: ClassVar[bool] = False  # full: loading in worker processes is part of the plan
+
+    def __init__(self, device: torch.device | str, cfg: EngineConfig):
+        self.device = torch.device(device)
+        self.cfg = cfg
+        self.sm = StreamManager(self.device, self.n_streams)  # created once per trainer
+
+    def run(self, batches: Iterable, step: StepFunction, losses: DeferredLosses,
+            start_step: int = 0) -> Iterator[StepInfo]:
+        raise NotImplementedError
+
+    def drain(self, site: str) -> None:
+        """Block until all work this strategy queued is done (epoch end, before a save)."""
+        self.sm.drain(site)
+
+    def _compute(self, b: Any, step: StepFunction, losses: DeferredLosses, gstep: int) -> torch.Tensor:
+        loss = step.forward(b)
+        step.backward(loss)
+        step.optimizer_step()
+        losses.push(gstep, loss)
+        return loss
+
+
+class Baseline(Strategy):
+    """The original loop: 2 streams; the host synchronises at every batch."""
+
+    name, n_streams = "baseline", 2
+    T, C = 0, 1  # transfer, compute
+
+    def run(self, batches, step, losses, start_step=0):
+        sm, ev_t = self.sm, self.sm.event()
+        for i, batch in enumerate(batches):
+            with sm.use(self.T):
+                b = move(batch, self.device)
+                sm.record(ev_t, self.T)
+            if i == 0:
+                # Seed design: the first batch waits for its transfer on the host.
+                sm.synchronize(self.T, "baseline.transfer")
+            else:
+                # Seed design: every later batch waits on the host for the previous compute.
+                sm.synchronize(self.C, "baseline.compute")
+            # The seed relied on the host syncs above for ordering; the transfer of this batch is
+            # not covered by them after batch 0, so order it on the device as well.
+            sm.wait(ev_t, self.C)
+            sm.guard(tensors(b), self.C)
+            with sm.use(self.C):
+                self._compute(b, step, losses, start_step + i + 1)
+            yield StepInfo(i, start_step + i + 1, batch)
+
+
+class EventSync(Strategy):
+    """Plan 2: an event after each compute, queried without blocking; no per-batch synchronize."""
+
+    name, n_streams = "event", 2
+    T, C = 0, 1
+
+    def run(self, batches, step, losses, start_step=0):
+        sm = self.sm
+        ev_t, ev_c = sm.event(), sm.event()
+        self.not_ready = 0  # how often the host was ahead of the GPU when it looked
+        for i, batch in enumerate(batches):
+            with sm.use(self.T):
+                b = move(batch, self.device)
+                sm.record(ev_t, self.T)
+            sm.wait(ev_t, self.C)
+            sm.guard(tensors(b), self.C)
+            with sm.use(self.C):
+                self._compute(b, step, losses, start_step + i + 1)
+                sm.record(ev_c, self.C)
+            self.not_ready += not sm.query(ev_c)  # non-blocking look, as the seed does
+            yield StepInfo(i, start_step + i + 1, batch)
+
+
+class IntervalSync(Strategy):
+    """Plan 3: events as plan 2; the host blocks only every ``sync_interval`` batches and at the last."""
+
+    name, n_streams = "interval", 2
+    T, C = 0, 1
+
+    def run(self, batches, step, losses, start_step=0):
+        sm, k = self.sm, self.cfg.sync_interval
+        ev_t = sm.event()
+        ring = [sm.event() for _ in range(k + 1)]  # compute events, reused round-robin
+        queue: deque = deque()                     # recorded, not yet waited on
+        for i, (batch, last) in enumerate(lookahead(batches)):
+            with sm.use(self.T):
+                b = move(batch, self.device)
+                sm.record(ev_t, self.T)
+            if i == 0:
+                # Seed design (kept from the baseline): the first batch waits for its transfer.
+                sm.synchronize(self.T, "interval.transfer")
+            elif (i + 1) % k == 0 or last:
+                # Seed design: bound how far the host runs ahead; one wait covers the whole queue
+                # (events on one stream complete in order), so only the newest is waited on.
+                host_sync("interval.compute", queue[-1])
+                queue.clear()
+            sm.wait(ev_t, self.C)
+            sm.guard(tensors(b), self.C)
+            with sm.use(self.C):
+                self._compute(b, step, losses, start_step + i + 1)
+                ev = ring[i % len(ring)]
+                sm.record(ev, self.C)
+                queue.append(ev)
+            yield StepInfo(i, start_step + i + 1, batch)
+
+
+class DeepPipeline(Strategy):
+    """Plan 1 / stage 2: 4 streams: transfer N (0), forward N (1), backward N (2), transfer N+1 (3)."""
+
+    name, n_streams = "deep", 4
+    T0, F, B, T1 = 0, 1, 2, 3
+    prefetch_early: ClassVar[bool] = False  # full: issue the next transfer before this compute
+
+    def run(self, batches, step, losses, start_step=0):
+        sm, k = self.sm, self.cfg.sync_interval
+        ev_t, ev_f, ev_b = sm.event(), sm.event(), sm.event()
+        it = lookahead(batches)
+        nxt = next(it, None)
+        if nxt is None:
+            return
+        with sm.use(self.T0):  # stream 0: the first transfer
+            b_next = move(nxt[0], self.device)
+            sm.record(ev_t, self.T0)
+        i = 0
+        while nxt is not None:
+            batch, last = nxt
+            b = b_next
+            sm.wait(ev_t, self.F)  # forward N waits transfer N
+            sm.guard(tensors(b), self.F)
+            sm.guard(tensors(b), self.B)
+            nxt = None if last else next(it)
+            if self.prefetch_early and nxt is not None:
+                b_next = self._transfer(nxt[0], ev_t)  # overlaps this batch's compute
+            with sm.use(self.F):
+                loss = step.forward(b)
+                sm.record(ev_f, self.F)
+            sm.wait(ev_f, self.B)  # backward N waits forward N
+            with sm.use(self.B):
+                step.backward(loss)  # kernels run on F (autograd keeps the forward stream)
+                step.optimizer_step()
+                losses.push(start_step + i + 1, loss)
+                sm.record(ev_b, self.B)
+            sm.wait(ev_b, self.F)  # forward N+1 must see the updated weights
+            if not self.prefetch_early and nxt is not None:
+                sm.wait(ev_b, self.T1)  # seed design: transfer N+1 after backward N released memory
+                b_next = self._transfer(nxt[0], ev_t)
+            if (i + 1) % k == 0 or last:
+                # Bound how far the host runs ahead of the GPU (seed: every SYNC_INTERVAL batches).
+                host_sync(f"{self.name}.backward", ev_b)
+            yield StepInfo(i, start_step + i + 1, batch)
+            i += 1
+
+    def _transfer(self, host_batch: Any, ev_t) -> Any:
+        with self.sm.use(self.T1):
+            b = move(host_batch, self.device)
+            self.sm.record(ev_t, self.T1)
+        return b
+
+
+class FullPipeline(DeepPipeline):
+    """Plan 4: deep + worker-process loading + the next batch copied while this one computes."""
+
+    name = "full"
+    wants_workers = True
+    prefetch_early = True
+
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (Baseline, EventSync, IntervalSync, DeepPipeline, FullPipeline)}
+
+
+def make_strategy(name: str, device: torch.device | str, cfg: EngineConfig) -> Strategy:
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
+    return STRATEGIES[name](device, cfg)

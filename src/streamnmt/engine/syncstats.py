@@ -1,0 +1,88 @@
+"""The one counted place where the host waits for the GPU.
+
+Every host-blocking call in streamnmt (stream/event ``synchronize``, reading a device value on the
+host) goes through :func:`host_sync`, which times it and counts it per call site. The seed design's
+whole argument is about how often and how long the host waits; this module makes that a measured
+number instead of an estimate: count, total, mean and max milliseconds per site, per epoch.
+
+Call sites are short dotted names (``"baseline.compute"``, ``"losses.flush"``) and every call
+carries a comment at the call site saying why the wait is needed there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass
+class SiteStats:
+    count: int = 0
+    total_ms: float = 0.0
+    max_ms: float = 0.0
+
+    def add(self, ms: float) -> None:
+        self.count += 1
+        self.total_ms += ms
+        self.max_ms = max(self.max_ms, ms)
+
+    def as_dict(self) -> dict[str, float]:
+        mean = self.total_ms / self.count if self.count else 0.0
+        return {"count": self.count, "total_ms": round(self.total_ms, 4),
+                "mean_ms": round(mean, 4), "max_ms": round(self.max_ms, 4)}
+
+
+class SyncStats:
+    """Per-site counters of host-blocking waits since the last :meth:`reset`."""
+
+    def __init__(self) -> None:
+        self.sites: dict[str, SiteStats] = {}
+
+    def record(self, site: str, ms: float) -> None:
+        self.sites.setdefault(site, SiteStats()).add(ms)
+
+    def reset(self) -> dict[str, dict[str, float]]:
+        """Return the counters as a dict and start afresh (called at each epoch end)."""
+        out = self.snapshot()
+        self.sites = {}
+        return out
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {site: s.as_dict() for site, s in sorted(self.sites.items())}
+
+    @property
+    def count(self) -> int:
+        return sum(s.count for s in self.sites.values())
+
+    @property
+    def total_ms(self) -> float:
+        return sum(s.total_ms for s in self.sites.values())
+
+
+STATS = SyncStats()  # process-wide: one place counts every host wait
+
+
+def host_sync(site: str, what: Any | Callable[[], T]) -> T | None:
+    """Block the host on ``what`` and count the wait under ``site``.
+
+    ``what`` is a CUDA stream or event (its ``synchronize()`` is called) or a zero-argument
+    callable that blocks and returns a value (e.g. ``lambda: t.item()``), whose result is returned.
+    """
+    t0 = time.perf_counter()
+    result = what() if callable(what) and not hasattr(what, "synchronize") else what.synchronize()
+    STATS.record(site, (time.perf_counter() - t0) * 1e3)
+    return result
+
+
+def format_table(stats: dict[str, dict[str, float]]) -> str:
+    """A short text table of a snapshot, for the epoch-end console report."""
+    if not stats:
+        return "host syncs: none"
+    lines = [f"{'host sync site':<24}{'count':>8}{'total ms':>11}{'mean ms':>10}{'max ms':>10}"]
+    for site, s in stats.items():
+        lines.append(f"{site:<24}{s['count']:>8}{s['total_ms']:>11.2f}{s['mean_ms']:>10.3f}{s['max_ms']:>10.3f}")
+    return "\n".join(lines)

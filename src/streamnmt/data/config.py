@@ -28,6 +28,8 @@ class DataConfig:
     workers: int = opt(0, "DataLoader worker processes (0 = load in the main process)")
     prefetch_factor: int = opt(4, "batches each worker loads ahead")
     builtin_size: int = opt(40000, "sentence pairs in the built-in corpus's training split")
+    tokenizer_sample: int = opt(300000, "training pairs sampled (seeded) to train a SentencePiece model "
+                                        "when none exists; more is slower and rarely better")
 
     def __post_init__(self) -> None:
         check(self.src_vocab >= 16, "src_vocab", f"must be at least 16; got {self.src_vocab}")
@@ -42,3 +44,5 @@ class DataConfig:
         check(self.workers >= 0, "workers", f"must be 0 or more; got {self.workers}")
         check(self.prefetch_factor >= 1, "prefetch_factor", f"must be at least 1; got {self.prefetch_factor}")
         check(self.builtin_size >= 100, "builtin_size", f"must be at least 100; got {self.builtin_size}")
+        check(self.tokenizer_sample >= 100, "tokenizer_sample",
+              f"must be at least 100; got {self.tokenizer_sample}")

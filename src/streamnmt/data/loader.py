@@ -1,0 +1,125 @@
+"""BatchLoader: a DataLoader over planned bucket batches, with resumable order and pinned output.
+
+The GPU strategies need the host to have the next batch ready before the current step ends, so
+batches are built ahead in worker processes. Order must not depend on how many workers there are:
+the main process's :class:`~streamnmt.data.sampler.BucketSampler` hands each worker a whole
+planned batch ``(L, rows)`` and the DataLoader returns results in sampler order. The loader counts
+the batches it has handed out, which is the position a checkpoint saves.
+
+Usage::
+
+    loader = make_loader(bundle.train, cfg, train=True, seed=0, pin_memory=True)
+    for epoch in range(start_epoch, epochs):
+        loader.set_epoch(epoch)          # a no-op for the epoch a loaded state is in the middle of
+        for batch in loader:             # Batch, shape in loader.shapes()
+            ...
+            ckpt["data"] = loader.state_dict()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from streamnmt.data.batch import Batch, collate
+from streamnmt.data.config import DataConfig
+from streamnmt.data.corpus import TokenizedCorpus
+from streamnmt.data.sampler import BucketSampler, PlannedBatch, bucket_lengths
+
+
+class _PlannedBatches(Dataset):
+    """Maps a planned batch ``(L, rows)`` to its :class:`Batch` (runs in the worker processes)."""
+
+    def __init__(self, corpus: TokenizedCorpus) -> None:
+        self.corpus = corpus
+
+    def __getitem__(self, item: PlannedBatch) -> Batch:
+        length, rows = item
+        return collate(self.corpus, rows, length)
+
+
+def _as_is(batch: Batch) -> Batch:
+    return batch
+
+
+class BatchLoader:
+    """Iterates :class:`Batch` objects of one corpus; see the module docstring."""
+
+    def __init__(self, corpus: TokenizedCorpus, cfg: DataConfig, *, train: bool, seed: int,
+                 pin_memory: bool) -> None:
+        self.corpus = corpus
+        self.train = train
+        buckets = bucket_lengths(corpus.src_lengths, corpus.tgt_lengths, cfg.pad_multiple)
+        self.sampler = BucketSampler(buckets, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens,
+                                     shuffle=train, seed=seed)
+        # Pinning needs a CUDA driver; on a machine without one it is not attempted.
+        self.pin_memory = bool(pin_memory and torch.cuda.is_available())
+        extra: dict[str, Any] = {}
+        if cfg.workers > 0:
+            extra = {"prefetch_factor": cfg.prefetch_factor, "persistent_workers": True}
+        self.workers = cfg.workers
+        self._loader = DataLoader(_PlannedBatches(corpus), sampler=self.sampler, batch_size=None,
+                                  collate_fn=_as_is, num_workers=cfg.workers,
+                                  pin_memory=self.pin_memory, **extra)
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[Batch]:
+        """The rest of the current epoch (all of it for an evaluation loader); then the epoch ends."""
+        s = self.sampler
+        if not self.train:
+            s.position = 0
+        for batch in self._loader:
+            s.position += 1
+            yield batch
+        s.epoch, s.position = s.epoch + 1, 0
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    @property
+    def position(self) -> int:
+        """Batches of the current epoch already handed out."""
+        return self.sampler.position
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """The declared batch shapes (B, src length, tgt length); every batch has one of them."""
+        return self.sampler.shapes()
+
+    def num_tokens(self) -> dict[str, float]:
+        """Real vs padded token counts of one epoch (filler rows included in the padded count)."""
+        src, tgt = self.corpus.num_tokens()
+        n = len(self.corpus)
+        padded = sum(b * L * len_ for (b, L, _), len_ in zip(self.shapes(), self._batches_per_bucket()))
+        return {"pairs": n, "src_tokens": src + n, "tgt_tokens": tgt + n, "padded_per_side": padded,
+                "tgt_fill": (tgt + n) / padded if padded else 0.0}
+
+    def _batches_per_bucket(self) -> list[int]:
+        sizes = self.sampler.bucket_sizes()
+        return [-(-sizes[L] // b) for b, L, _ in self.shapes()]
+
+    def __repr__(self) -> str:
+        return (f"BatchLoader({self.corpus.name!r}, batches={len(self)}, shapes={len(self.shapes())}, "
+                f"train={self.train}, workers={self.workers}, pin_memory={self.pin_memory})")
+
+
+def make_loader(corpus: TokenizedCorpus, cfg: DataConfig, *, train: bool, seed: int,
+                pin_memory: bool) -> BatchLoader:
+    """A shuffled, resumable loader (``train=True``) or a fixed-order evaluation loader."""
+    return BatchLoader(corpus, cfg, train=train, seed=seed, pin_memory=pin_memory)
+

@@ -1,0 +1,192 @@
+"""prepare_data: from a corpus directory (or the built-in corpus) to tokenized, cached splits.
+
+This is the one entry point the trainer calls before training. It finds each split, gets the two
+tokenizers (given, found beside the data, or trained from a sample of the training split) and
+returns each split tokenized, from ``DIR/cache/`` when an entry matches. Every input is checked
+before anything is written: a malformed file stops the run with one InputError line and leaves no
+tokenizer or cache file behind.
+
+Dev and test are always truncated, never dropped, so that their pairs match ``read_pairs`` one to
+one (BLEU references); ``overlong=drop`` applies to the training split only.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from streamnmt.data.cache import cache_key, entry_dir, load_entry, save_entry
+from streamnmt.data.config import DataConfig
+from streamnmt.data.corpus import BuildStats, TokenizedCorpus, tokenize_pairs
+from streamnmt.data.readers import ReadStats, SplitSource, find_split, iter_pairs, require_split
+from streamnmt.data.tokenizer import Tokenizer, cpu_threads, train_tokenizer
+from streamnmt.errors import InputError
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class DataBundle:
+    """Everything the trainer needs from the data. ``test`` is None when the corpus has no test split."""
+
+    train: TokenizedCorpus
+    dev: TokenizedCorpus
+    test: TokenizedCorpus | None
+    src_tok: Tokenizer
+    tgt_tok: Tokenizer
+    data_dir: Path
+    stats: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def builtin_dir(cfg: DataConfig) -> Path:
+    home = Path(os.environ.get("STREAMNMT_HOME", "~/.cache/streamnmt")).expanduser()
+    return home / f"builtin-{cfg.builtin_size}"
+
+
+def resolve_data_dir(cfg: DataConfig) -> Path:
+    """``cfg.data``, or the built-in corpus's directory (written there first if absent)."""
+    if cfg.data is None:
+        from streamnmt.data import synthetic  # written by its own module; imported only when used
+
+        directory = builtin_dir(cfg)
+        synthetic.write_builtin(directory, cfg.builtin_size, seed=0)
+        return directory
+    directory = Path(cfg.data).expanduser()
+    if not directory.is_dir():
+        raise InputError(f"{directory}: data directory not found")
+    return directory
+
+
+def find_sources(cfg: DataConfig, directory: Path) -> dict[str, SplitSource | None]:
+    """train and dev are required; test is optional (None)."""
+    return {
+        "train": require_split(directory, "train", cfg.src_lang, cfg.tgt_lang),
+        "dev": require_split(directory, "dev", cfg.src_lang, cfg.tgt_lang),
+        "test": find_split(directory, "test", cfg.src_lang, cfg.tgt_lang),
+    }
+
+
+def read_pairs(cfg: DataConfig, split: str) -> list[tuple[str, str]]:
+    """The usable ``(source, target)`` text pairs of a split, in order (e.g. BLEU references).
+
+    For dev and test, pair ``k`` here is pair ``k`` of ``prepare_data``'s corpus of that split.
+    """
+    directory = resolve_data_dir(cfg)
+    return list(iter_pairs(require_split(directory, split, cfg.src_lang, cfg.tgt_lang),
+                           cfg.src_lang, cfg.tgt_lang))
+
+
+def prepare_data(cfg: DataConfig, log: Log = print) -> DataBundle:
+    """Tokenizers and tokenized splits for ``cfg``; see the module docstring."""
+    t0 = time.perf_counter()
+    directory = resolve_data_dir(cfg)
+    if cfg.data is None:
+        log(f"data: built-in corpus ({cfg.builtin_size} training pairs) in {directory}")
+    sources = find_sources(cfg, directory)
+    src_tok, tgt_tok = _tokenizers(cfg, directory, sources, log)
+    corpora: dict[str, TokenizedCorpus] = {}
+    stats: dict[str, dict[str, int]] = {}
+    for split in ("dev", "test", "train"):  # the small splits first: their errors surface at once
+        source = sources[split]
+        if source is None:
+            log(f"data: {split}: no {split} split in {directory}; skipped")
+            continue
+        corpora[split], stats[split] = _tokenized(cfg, directory / "cache", source, src_tok, tgt_tok, log)
+    log(f"data: ready in {time.perf_counter() - t0:.1f}s (vocab {src_tok.vocab_size} source, "
+        f"{tgt_tok.vocab_size} target)")
+    return DataBundle(train=corpora["train"], dev=corpora["dev"], test=corpora.get("test"),
+                      src_tok=src_tok, tgt_tok=tgt_tok, data_dir=directory, stats=stats)
+
+
+def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],
+                log: Log) -> tuple[Tokenizer, Tokenizer]:
+    """Given models as they are; else ``DIR/tokenizer/{eng,chn}.model``, trained when absent."""
+    sides = [  # (given?, path, vocab size, language, name)
+        (cfg.tokenizer_eng is not None, Path(cfg.tokenizer_eng or directory / "tokenizer" / "eng.model"),
+         cfg.src_vocab, cfg.src_lang, "source tokenizer"),
+        (cfg.tokenizer_chn is not None, Path(cfg.tokenizer_chn or directory / "tokenizer" / "chn.model"),
+         cfg.tgt_vocab, cfg.tgt_lang, "target tokenizer"),
+    ]
+    missing = [k for k, (given, path, *_) in enumerate(sides) if not given and not path.is_file()]
+    if missing:
+        t0 = time.perf_counter()
+        samples = _sample_train(cfg, sources["train"])
+        for split in ("dev", "test"):  # check the other splits before writing anything
+            if sources[split] is not None:
+                for _ in iter_pairs(sources[split], cfg.src_lang, cfg.tgt_lang):
+                    pass
+        threads = max(1, cpu_threads() // len(missing))
+        with ThreadPoolExecutor(len(missing)) as pool:  # SentencePiece trains outside the GIL
+            jobs = [pool.submit(train_tokenizer, samples[k], sides[k][1], sides[k][2], sides[k][3],
+                                threads=threads, log=log, name=sides[k][4]) for k in missing]
+            for job in jobs:
+                job.result()
+        log(f"data: trained {' and '.join(sides[k][4] for k in missing)} on {len(samples[0])} sampled "
+            f"pairs in {time.perf_counter() - t0:.1f}s -> {directory / 'tokenizer'}")
+    src_tok, tgt_tok = Tokenizer(sides[0][1]), Tokenizer(sides[1][1])
+    for k, tok in enumerate((src_tok, tgt_tok)):
+        if k not in missing:
+            log(f"data: {sides[k][4]}: {tok.path} (vocab {tok.vocab_size})")
+    return src_tok, tgt_tok
+
+
+def _sample_train(cfg: DataConfig, source: SplitSource) -> tuple[list[str], list[str]]:
+    """A seeded uniform sample (reservoir) of training pairs, read in one streaming pass."""
+    rng = random.Random(0)
+    k = cfg.tokenizer_sample
+    sample: list[tuple[str, str]] = []
+    for n, pair in enumerate(iter_pairs(source, cfg.src_lang, cfg.tgt_lang)):
+        if n < k:
+            sample.append(pair)
+        else:
+            j = rng.randrange(n + 1)
+            if j < k:
+                sample[j] = pair
+    return [p[0] for p in sample], [p[1] for p in sample]
+
+
+def _tokenized(cfg: DataConfig, cache_dir: Path, source: SplitSource, src_tok: Tokenizer,
+               tgt_tok: Tokenizer, log: Log) -> tuple[TokenizedCorpus, dict[str, int]]:
+    """One split from its cache entry, or tokenized now and cached."""
+    split = source.split
+    overlong = cfg.overlong if split == "train" else "truncate"
+    t0 = time.perf_counter()
+    key = cache_key(source, src_tok, tgt_tok, max_len=cfg.max_len, overlong=overlong,
+                    src_lang=cfg.src_lang, tgt_lang=cfg.tgt_lang)
+    hit = load_entry(cache_dir, key)
+    if hit is not None:
+        corpus, stats = hit
+        log(f"data: {split}: {_summary(stats, cfg.max_len)} from cache {entry_dir(cache_dir, key)} "
+            f"in {time.perf_counter() - t0:.1f}s")
+        return corpus, stats
+    read = ReadStats()
+    built = BuildStats()
+    arrays = tokenize_pairs(iter_pairs(source, cfg.src_lang, cfg.tgt_lang, read), src_tok, tgt_tok,
+                            max_len=cfg.max_len, overlong=overlong, stats=built)
+    built.read, built.empty_skipped = read.read, read.empty_skipped
+    stats = built.as_dict()
+    try:
+        corpus = save_entry(cache_dir, key, arrays, stats)
+        where = f"cached in {entry_dir(cache_dir, key)}"
+    except OSError as e:
+        corpus = TokenizedCorpus(arrays, split)
+        where = f"not cached ({cache_dir}: {e.strerror or e})"
+    log(f"data: {split}: {_summary(stats, cfg.max_len)} from {source.describe()} tokenized in "
+        f"{time.perf_counter() - t0:.1f}s, {where}")
+    return corpus, stats
+
+
+def _summary(stats: dict[str, int], max_len: int) -> str:
+    notes = [f"{stats['read']} read"]
+    if stats["empty_skipped"]:
+        notes.append(f"{stats['empty_skipped']} with an empty side skipped")
+    if stats["truncated"]:
+        notes.append(f"{stats['truncated']} truncated to {max_len} tokens")
+    if stats["dropped"]:
+        notes.append(f"{stats['dropped']} over {max_len} tokens dropped")
+    return f"{stats['pairs']} pairs ({', '.join(notes)})"

@@ -1,0 +1,153 @@
+"""SentencePiece tokenizers: load a model, or train one from the training split.
+
+The trainer, the decoder and BLEU all need the same two things from a tokenizer: text to ids and
+ids back to text, with the special ids fixed by :mod:`streamnmt.masks` (pad 0, unk 1, bos 2,
+eos 3). :class:`Tokenizer` wraps one SentencePiece model file and refuses a model whose special
+ids differ; :func:`train_tokenizer` builds one quietly from a sample of sentences, capping the
+vocabulary for small corpora, and writes it atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import sentencepiece as spm
+
+from streamnmt.errors import InputError
+from streamnmt.fsutil import atomic_write
+from streamnmt.masks import BOS, EOS, PAD, UNK
+
+# Languages written without spaces between words: SentencePiece keeps rare characters out of the
+# vocabulary (they become UNK) and the text is not NFKC-folded, so that decoded output keeps the
+# full-width punctuation of the references BLEU compares it with.
+CJK = {"ch", "zh", "zh-cn", "zh-tw", "cn", "ja", "jp", "ko", "kr"}
+
+
+def cpu_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Tokenizer:
+    """One SentencePiece model: ``encode`` gives ids without bos/eos; ``decode`` undoes it."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            raise InputError(f"{self.path}: tokenizer model not found") from None
+        except OSError as e:
+            raise InputError(f"{self.path}: cannot read tokenizer model: {e.strerror}") from None
+        self._load(data)
+
+    def _load(self, data: bytes) -> None:
+        self.sha256 = hashlib.sha256(data).hexdigest()
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.LoadFromSerializedProto(data)
+        except (RuntimeError, OSError) as e:
+            raise InputError(f"{self.path}: not a SentencePiece model ({e})") from None
+        ids = (self._sp.pad_id(), self._sp.unk_id(), self._sp.bos_id(), self._sp.eos_id())
+        if ids != (PAD, UNK, BOS, EOS):
+            raise InputError(f"{self.path}: special ids are pad={ids[0]} unk={ids[1]} bos={ids[2]} "
+                             f"eos={ids[3]}; streamnmt needs pad=0 unk=1 bos=2 eos=3 (retrain with "
+                             f"--pad_id=0 --unk_id=1 --bos_id=2 --eos_id=3)")
+        self.vocab_size: int = self._sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: Sequence[str], threads: int = 0) -> list[list[int]]:
+        """Encode many sentences in SentencePiece's C++ threads (``threads`` 0 = all cores)."""
+        return self._sp.encode(list(texts), num_threads=threads or cpu_threads())
+
+    def decode(self, ids: Iterable[int] | Any) -> str:
+        """Text of ``ids`` (a list, array or tensor): stops at EOS, skips PAD and BOS."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()  # note: a host sync if ``ids`` is a CUDA tensor
+        out = []
+        for i in ids:
+            if i == EOS:
+                break
+            if i not in (PAD, BOS):
+                out.append(int(i))
+        return self._sp.decode(out)
+
+    def piece(self, i: int) -> str:
+        return self._sp.id_to_piece(i)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+    # Picklable (e.g. into DataLoader workers): the model travels as its path.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": str(self.path)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"])
+
+
+def train_tokenizer(sentences: Sequence[str], target: Path, vocab_size: int, lang: str, *,
+                    threads: int = 0, log: Callable[[str], None] = print, name: str = "") -> Tokenizer:
+    """Train a unigram SentencePiece model on ``sentences`` and write it atomically to ``target``.
+
+    ``vocab_size`` is capped at :func:`vocab_cap` and passed as a soft limit
+    (``hard_vocab_limit=False``): a small corpus gets a smaller vocabulary, reported in one log line.
+    """
+    cjk = lang.lower() in CJK
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences), model_writer=model,
+            model_type="unigram", vocab_size=vocab_cap(sentences, vocab_size), hard_vocab_limit=False,
+            character_coverage=0.9995 if cjk else 1.0,
+            normalization_rule_name="identity" if cjk else "nmt_nfkc",
+            pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
+            input_sentence_size=len(sentences), shuffle_input_sentence=True,
+            num_threads=threads or cpu_threads(), minloglevel=2)
+    except RuntimeError as e:
+        raise InputError(f"{target}: SentencePiece training failed: {e}") from None
+    data = model.getvalue()
+    try:
+        atomic_write(target, data)
+    except OSError as e:
+        raise InputError(f"{target}: cannot write the tokenizer ({e.strerror}); pass existing models "
+                         f"with --tokenizer-eng/--tokenizer-chn or use a writable data directory") from None
+    tok = Tokenizer(target)
+    if tok.vocab_size < vocab_size:
+        log(f"data: {name or target.name}: vocabulary capped at {tok.vocab_size} pieces (asked for "
+            f"{vocab_size}): the corpus has fewer distinct words and characters")
+    return tok
+
+
+def vocab_cap(sentences: Sequence[str], vocab_size: int) -> int:
+    """``vocab_size``, or fewer: distinct space-separated words + distinct characters + 4 specials.
+
+    A vocabulary that can already hold every word whole gains nothing from more pieces, and
+    SentencePiece's unigram trainer would fill the rest with substrings no segmentation uses.
+    For text without spaces the "words" are whole phrases, so this rarely caps it.
+    """
+    words: set[str] = set()
+    chars: set[str] = set()
+    for k, s in enumerate(sentences):
+        words.update(s.split())
+        chars.update(s)
+        if k % 1024 == 1023 and len(words) + len(chars) + 4 >= vocab_size:
+            return vocab_size
+    return min(vocab_size, len(words) + len(chars) + 4)

@@ -1,5 +1,6 @@
 """The stream/sync engine. It knows nothing of NMT: it drives a step function over batches."""
 
+from streamnmt.engine import graphs as _graphs  # noqa: F401  (registers the graph strategy)
 from streamnmt.engine.config import STRATEGY_NAMES, EngineConfig
 from streamnmt.engine.losses import DeferredLosses
 from streamnmt.engine.streams import MAX_STREAMS, StreamManager

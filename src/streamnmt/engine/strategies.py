@@ -24,6 +24,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -93,10 +94,15 @@ class Strategy:
     n_streams: ClassVar[int]
     wants_workers: ClassVar[bool] = False  # full: loading in worker processes is part of the plan
 
-    def __init__(self, device: torch.device | str, cfg: EngineConfig):
+    def __init__(self, device: torch.device | str, cfg: EngineConfig, log: Callable[[str], None] = print):
         self.device = torch.device(device)
         self.cfg = cfg
+        self.log = log
         self.sm = StreamManager(self.device, self.n_streams)  # created once per trainer
+        self.report: dict[str, Any] = {}
+
+    def prepare(self, step: StepFunction, examples: Iterable[Any]) -> None:
+        """Set-up before training, given one example host batch per batch shape (graph capture)."""
 
     def run(self, batches: Iterable, step: StepFunction, losses: DeferredLosses,
             start_step: int = 0) -> Iterator[StepInfo]:
@@ -262,7 +268,10 @@ STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (Baseline, EventSync, IntervalSync, DeepPipeline, FullPipeline)}
 
 
-def make_strategy(name: str, device: torch.device | str, cfg: EngineConfig) -> Strategy:
+def make_strategy(name: str, device: torch.device | str, cfg: EngineConfig,
+                  log: Callable[[str], None] = print) -> Strategy:
+    if name == "graph":
+        from streamnmt.engine.graphs import GraphStrategy  # registers itself
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
-    return STRATEGIES[name](device, cfg)
+    return STRATEGIES[name](device, cfg, log=log)

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
+
 T = TypeVar("T")
 
 
@@ -72,9 +74,18 @@ def host_sync(site: str, what: Any | Callable[[], T]) -> T | None:
     ``what`` is a CUDA stream or event (its ``synchronize()`` is called) or a zero-argument
     callable that blocks and returns a value (e.g. ``lambda: t.item()``), whose result is returned.
     """
+    # Counted waits are allowed even under torch.cuda.set_sync_debug_mode("error"), which then
+    # catches only the syncs that bypass this function.
+    debug = torch.cuda.is_initialized() and torch.cuda.get_sync_debug_mode()
+    if debug:
+        torch.cuda.set_sync_debug_mode(0)
     t0 = time.perf_counter()
-    result = what() if callable(what) and not hasattr(what, "synchronize") else what.synchronize()
-    STATS.record(site, (time.perf_counter() - t0) * 1e3)
+    try:
+        result = what() if callable(what) and not hasattr(what, "synchronize") else what.synchronize()
+    finally:
+        STATS.record(site, (time.perf_counter() - t0) * 1e3)
+        if debug:
+            torch.cuda.set_sync_debug_mode(debug)
     return result
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from streamnmt.cli import main
+
+sys.exit(main())

@@ -1,0 +1,91 @@
+"""Checkpoints: everything needed to rebuild the model, continue training exactly, or translate.
+
+A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so it loads with
+``torch.load(weights_only=True)``: a file that is not one of ours is refused and nothing in it is
+executed. It is written atomically (temporary file, fsync, rename): a kill at any moment leaves
+the previous good checkpoint in place.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from streamnmt.errors import InputError
+from streamnmt.fsutil import atomic_path
+
+FORMAT, VERSION = "streamnmt-checkpoint", 1
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_to_tuple(state["python"]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _to_tuple(x: Any) -> Any:
+    return tuple(_to_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
+    """Write ``state`` (plus format marker) to ``path`` atomically."""
+    payload = {"format": FORMAT, "version": VERSION, **state}
+    with atomic_path(path) as tmp:
+        torch.save(payload, tmp)
+
+
+def load_checkpoint(path: str | Path, flag: str = "--weights") -> dict[str, Any]:
+    """Load a streamnmt checkpoint safely (``weights_only``); clear InputError for anything else."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{flag}: checkpoint not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError,
+            AttributeError, ImportError, IndexError, KeyError, OSError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"{flag}: {path} is not a valid streamnmt checkpoint (truncated, corrupt or "
+                         f"not a safe weights file: {reason[:200]})") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise InputError(f"{flag}: {path} is not a streamnmt checkpoint (no '{FORMAT}' marker)")
+    if ckpt.get("version", 0) > VERSION:
+        raise InputError(f"{flag}: {path} was written by a newer streamnmt (format version "
+                         f"{ckpt['version']} > {VERSION})")
+    return ckpt
+
+
+def load_model_weights(model: torch.nn.Module, ckpt: dict[str, Any], path: str | Path,
+                       flag: str = "--weights") -> None:
+    """Copy a checkpoint's weights into ``model``; a shape mismatch names the first bad tensor."""
+    state = ckpt["model"]
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        raise InputError(f"{flag}: {path} holds another model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    for k, v in state.items():
+        if own[k].shape != v.shape:
+            raise InputError(f"{flag}: {path} holds another model shape: {k} is {tuple(v.shape)}, "
+                             f"this model has {tuple(own[k].shape)}")
+    model.load_state_dict(state)

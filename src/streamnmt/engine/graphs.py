@@ -1,0 +1,192 @@
+"""Graph mode: the whole training step captured in one CUDA graph per batch shape.
+
+Eager steps are bound by the rate at which Python launches kernels (hundreds per step); no
+placement of streams or syncs changes that. Capturing forward, loss, backward, gradient clipping,
+the learning-rate update and the optimizer step into a CUDA graph turns each step into one
+``replay()``: the host launches one graph, the GPU runs the kernels back to back.
+
+How it fits the engine:
+* one graph per padded batch shape (the data layer keeps the set of shapes small); all graphs
+  share one memory pool;
+* before training, for each shape: warm-up steps on a side stream (lazy initialisations, cuBLAS
+  handles, optimizer state), then capture. Warm-up steps change the weights, so every tensor the
+  step mutates is saved before and restored after (same storage, so the graphs stay valid), and
+  tensors that warm-up created (the optimizer's moments) are zeroed, as fresh ones are;
+* static input buffers per shape. The next host batch is copied to the GPU on a side stream while
+  the current graph replays, then copied device-to-device into the static buffers on the compute
+  stream (ordered after the previous replay, which read them);
+* randomness (dropout) inside graphs comes from PyTorch's graph-safe Philox offsets, so a replay
+  draws the same numbers an eager step would at the same generator state;
+* the step function must be capturable: no host syncs, learning rate as a device tensor,
+  ``Adam(capturable=True)``. It provides ``state_tensors()`` listing what a step mutates.
+
+Where capture is impossible (no CUDA, an error during capture) the strategy says so in one line
+and runs the ``full`` strategy instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from streamnmt.engine.config import EngineConfig
+from streamnmt.engine.losses import DeferredLosses
+from streamnmt.engine.strategies import (STRATEGIES, FullPipeline, StepFunction, StepInfo, Strategy, lookahead,
+                                         move, tensors)
+from streamnmt.engine.syncstats import host_sync
+
+
+def shape_key(batch: Any) -> tuple:
+    return tuple(tuple(t.shape) for t in tensors(batch))
+
+
+class _Captured:
+    def __init__(self, graph: torch.cuda.CUDAGraph, static_batch: Any, static_loss: torch.Tensor):
+        self.graph, self.static_batch, self.static_loss = graph, static_batch, static_loss
+
+
+class GraphStrategy(Strategy):
+    name, n_streams = "graph", 2
+    T, C = 0, 1
+    wants_workers = True
+
+    def __init__(self, device: torch.device | str, cfg: EngineConfig, log: Callable[[str], None] = print,
+                 warmup_steps: int = 3):
+        self.log = log
+        self.cfg = cfg
+        self.warmup_steps = warmup_steps
+        self.fallback: Strategy | None = None
+        self.graphs: dict[tuple, _Captured] = {}
+        self.report: dict[str, Any] = {}
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            self._fall_back(dev, cfg, "CUDA graphs need a CUDA device; this run is on " + str(dev))
+            return
+        super().__init__(dev, cfg, log)
+
+    def _fall_back(self, device: torch.device, cfg: EngineConfig, why: str) -> None:
+        self.log(f"engine: graph mode unavailable ({why}); using the 'full' strategy instead")
+        self.fallback = FullPipeline(device, cfg, log)
+        self.sm = self.fallback.sm
+        self.device = torch.device(device)
+        self.report = {"fallback": why}
+
+    # -- capture -------------------------------------------------------------------------------
+    def prepare(self, step: StepFunction, examples: Iterable[Any]) -> None:
+        """Capture one graph per example batch's shape (call once, before training)."""
+        if self.fallback is not None:
+            return
+        examples = list(examples)
+        t0 = time.perf_counter()
+        mem0 = torch.cuda.memory_reserved(self.device)
+        try:
+            self._capture_all(step, examples)
+        except (RuntimeError, NotImplementedError) as e:
+            self.graphs.clear()
+            torch.cuda.synchronize(self.device)  # not counted: set-up, before the timed epochs
+            msg = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            self._fall_back(self.device, self.cfg, f"capture failed: {msg}")
+            return
+        self.report = {"shapes": len(self.graphs), "capture_s": round(time.perf_counter() - t0, 2),
+                       "pool_mb": round((torch.cuda.memory_reserved(self.device) - mem0) / 2**20, 1)}
+        self.log(f"engine: graph mode captured {self.report['shapes']} shape(s) in {self.report['capture_s']} s, "
+                 f"memory pool +{self.report['pool_mb']} MiB")
+
+    def _capture_all(self, step: StepFunction, examples: list[Any]) -> None:
+        saved = [t.detach().clone() for t in step.state_tensors()]
+        saved_ids = {id(t) for t in step.state_tensors()}
+        rng = torch.cuda.get_rng_state(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        for example in examples:
+            key = shape_key(example)
+            if key in self.graphs:
+                continue
+            static = move(example, self.device)
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup_steps):
+                    loss = step.forward(static)
+                    step.backward(loss)
+                    step.optimizer_step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                static_loss = step.forward(static)
+                step.backward(static_loss)
+                step.optimizer_step()
+            self.graphs[key] = _Captured(graph, static, static_loss.detach())
+        # Undo the warm-up steps: restore in place (the graphs hold these addresses).
+        with torch.no_grad():
+            for t, s in zip(step.state_tensors(), saved):
+                t.copy_(s)
+            for t in step.state_tensors():
+                if id(t) not in saved_ids:
+                    t.zero_()  # created by warm-up (optimizer moments): fresh ones are zeros
+        torch.cuda.set_rng_state(rng, self.device)
+        torch.cuda.synchronize(self.device)  # not counted: set-up, before the timed epochs
+
+    # -- training --------------------------------------------------------------------------------
+    def run(self, batches, step, losses: DeferredLosses, start_step: int = 0):
+        if self.fallback is not None:
+            yield from self.fallback.run(batches, step, losses, start_step)
+            return
+        sm, k = self.sm, self.cfg.sync_interval
+        ev_t, ev_c = sm.event(), sm.event()
+        it = lookahead(batches)
+        nxt = next(it, None)
+        if nxt is None:
+            return
+        b_next = self._transfer(nxt[0], ev_t)
+        i = 0
+        while nxt is not None:
+            batch, last = nxt
+            b = b_next
+            sm.wait(ev_t, self.C)
+            sm.guard(tensors(b), self.C)
+            nxt = None if last else next(it)
+            if nxt is not None:
+                b_next = self._transfer(nxt[0], ev_t)  # copies while this step replays
+            with sm.use(self.C):
+                cap = self.graphs.get(shape_key(b))
+                if cap is None:
+                    self._warn_uncaptured(b)
+                    loss = step.forward(b)
+                    step.backward(loss)
+                    step.optimizer_step()
+                else:
+                    for dst, src in zip(tensors(cap.static_batch), tensors(b)):
+                        dst.copy_(src)  # after the previous replay on this stream read them
+                    cap.graph.replay()
+                    loss = cap.static_loss
+                losses.push(start_step + i + 1, loss)
+                sm.record(ev_c, self.C)
+            if (i + 1) % k == 0 or last:
+                # Bound how far the host runs ahead of the GPU, as the interval strategy does.
+                host_sync("graph.compute", ev_c)
+            yield StepInfo(i, start_step + i + 1, batch)
+            i += 1
+
+    def _transfer(self, host_batch: Any, ev_t) -> Any:
+        with self.sm.use(self.T):
+            b = move(host_batch, self.device)
+            self.sm.record(ev_t, self.T)
+        return b
+
+    def _warn_uncaptured(self, b: Any) -> None:
+        key = shape_key(b)
+        if key not in self.report.setdefault("uncaptured", []):
+            self.report["uncaptured"].append(key)
+            self.log(f"engine: no graph for batch shape {key}; running it eagerly")
+
+    def drain(self, site: str) -> None:
+        if self.fallback is not None:
+            self.fallback.drain(site)
+        else:
+            super().drain(site)
+
+
+STRATEGIES[GraphStrategy.name] = GraphStrategy

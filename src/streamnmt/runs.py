@@ -1,0 +1,75 @@
+"""Run directories and the CSV logs inside them, as the original trainer laid them out.
+
+``--project runs/train --name exp`` gives ``runs/train/exp``, then ``exp2``, ``exp3``... (YOLOv5's
+``increment_path``); ``--exist-ok`` reuses the directory. Inside: ``config.yaml``,
+``weights/{best,last}.pt``, ``results.csv`` (one row per epoch), ``steps.csv`` (one row per
+optimizer step, losses written with ``repr`` so two runs compare exactly), ``sync_stats.json``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from streamnmt.fsutil import atomic_write
+
+
+def increment_path(project: str | Path, name: str, exist_ok: bool = False) -> Path:
+    """``project/name`` if free (or exist_ok), else the next free ``project/name{2,3,...}``."""
+    path = Path(project) / name
+    if exist_ok or not path.exists():
+        return path
+    taken = {p.name for p in Path(project).iterdir()}
+    pattern = re.compile(rf"^{re.escape(name)}(\d+)$")
+    n = max([int(m.group(1)) for t in taken if (m := pattern.match(t))] + [1]) + 1
+    while f"{name}{n}" in taken:
+        n += 1
+    return Path(project) / f"{name}{n}"
+
+
+class CsvLog:
+    """Append rows to a CSV file, writing the header once; flushed per row so a kill loses nothing."""
+
+    def __init__(self, path: Path, columns: list[str], truncate_after: int | None = None):
+        self.path, self.columns = path, columns
+        exists = path.exists() and path.stat().st_size > 0
+        if exists and truncate_after is not None:
+            self._truncate(truncate_after)
+        self.f = open(path, "a", newline="", encoding="utf-8")
+        self.w = csv.writer(self.f)
+        if not exists:
+            self.w.writerow(columns)
+            self.f.flush()
+
+    def _truncate(self, last_key: int) -> None:
+        """Keep the header and rows whose first column is <= ``last_key`` (a resumed run rewrites
+        what came after its checkpoint)."""
+        with open(self.path, newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+        keep = rows[:1] + [r for r in rows[1:] if r and int(r[0]) <= last_key]
+        atomic_write(self.path, "".join(",".join(r) + "\r\n" for r in keep))
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.w.writerow([_fmt(row.get(c, "")) for c in self.columns])
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return repr(v)
+    return "" if v is None else str(v)
+
+
+def read_csv(path: str | Path) -> list[dict[str, str]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def write_json(path: Path, data: Any) -> None:
+    atomic_write(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")

@@ -234,6 +234,7 @@ class Trainer:
             self.log(f"{epoch + 1:>3}/{r.epochs:<3}{row['gpu_mem_gb']:>8.2f}G{row['steps']:>9}"
                      f"{row['tokens_per_s']:>10.0f}{row['train_loss']:>12.4f}{row['val_loss']:>10.4f}"
                      f"{row['bleu'] if row['bleu'] != '' else '-':>7}{row['epoch_s']:>7.1f}s")
+            self.log(self.sync_table)
             if r.max_steps and self.global_step >= r.max_steps:
                 break
         self.steps_log.close()
@@ -291,7 +292,7 @@ class Trainer:
         self.sync_stats.append({"epoch": epoch + 1, "strategy": self.strategy.name, "train": train_stats,
                                 "eval": STATS.reset()})
         write_json(self.save_dir / "sync_stats.json", self.sync_stats)
-        self.log(format_table(train_stats))
+        self.sync_table = format_table(train_stats)
         # 5. checkpoints
         self.save(self.save_dir / "weights" / "last.pt")
         if val_loss < self.best_val:

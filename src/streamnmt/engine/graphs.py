@@ -36,7 +36,6 @@ from streamnmt.engine.config import EngineConfig
 from streamnmt.engine.losses import DeferredLosses
 from streamnmt.engine.strategies import (STRATEGIES, FullPipeline, StepFunction, StepInfo, Strategy, lookahead,
                                          move, tensors)
-from streamnmt.engine.syncstats import host_sync
 
 
 def shape_key(batch: Any) -> tuple:
@@ -69,7 +68,7 @@ class GraphStrategy(Strategy):
 
     def _fall_back(self, device: torch.device, cfg: EngineConfig, why: str) -> None:
         self.log(f"engine: graph mode unavailable ({why}); using the 'full' strategy instead")
-        self.fallback = FullPipeline(device, cfg, log)
+        self.fallback = FullPipeline(device, cfg, self.log)
         self.sm = self.fallback.sm
         self.device = torch.device(device)
         self.report = {"fallback": why}
@@ -166,7 +165,7 @@ class GraphStrategy(Strategy):
                 sm.record(ev_c, self.C)
             if (i + 1) % k == 0 or last:
                 # Bound how far the host runs ahead of the GPU, as the interval strategy does.
-                host_sync("graph.compute", ev_c)
+                sm.block(ev_c, "graph.compute")
             yield StepInfo(i, start_step + i + 1, batch)
             i += 1
 

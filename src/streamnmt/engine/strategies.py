@@ -32,7 +32,6 @@ import torch
 from streamnmt.engine.config import EngineConfig
 from streamnmt.engine.losses import DeferredLosses
 from streamnmt.engine.streams import StreamManager
-from streamnmt.engine.syncstats import host_sync
 
 
 class StepFunction(Protocol):
@@ -191,7 +190,7 @@ class IntervalSync(Strategy):
             elif (i + 1) % k == 0 or last:
                 # Seed design: bound how far the host runs ahead; one wait covers the whole queue
                 # (events on one stream complete in order), so only the newest is waited on.
-                host_sync("interval.compute", queue[-1])
+                sm.block(queue[-1], "interval.compute")
                 queue.clear()
             sm.wait(ev_t, self.C)
             sm.guard(tensors(b), self.C)
@@ -245,7 +244,7 @@ class DeepPipeline(Strategy):
                 b_next = self._transfer(nxt[0], ev_t)
             if (i + 1) % k == 0 or last:
                 # Bound how far the host runs ahead of the GPU (seed: every SYNC_INTERVAL batches).
-                host_sync(f"{self.name}.backward", ev_b)
+                sm.block(ev_b, f"{self.name}.backward")
             yield StepInfo(i, start_step + i + 1, batch)
             i += 1
 

@@ -75,6 +75,11 @@ class StreamManager:
         if self.cuda:
             host_sync(site, self.streams[i])
 
+    def block(self, event, site: str) -> None:
+        """Host blocks until ``event`` has completed (counted under ``site``); free on CPU."""
+        if self.cuda:
+            host_sync(site, event)
+
     def guard(self, tensors: Iterator[torch.Tensor], i: int) -> None:
         """Tell the allocator these tensors are used on stream ``i`` (``record_stream``), so their
         memory is not handed out again until the work queued there has finished."""

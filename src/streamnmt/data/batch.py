@@ -47,12 +47,12 @@ class Batch:
 
     @property
     def src_mask(self) -> torch.Tensor:
-        """(B, 1, 1, L) bool, on the tensors' device."""
+        """:func:`streamnmt.masks.src_mask` of ``src``, on the tensors' device."""
         return src_mask(self.src)
 
     @property
     def tgt_mask(self) -> torch.Tensor:
-        """(B, 1, L, L) bool: causal and hiding padding, on the tensors' device."""
+        """:func:`streamnmt.masks.tgt_mask` of ``tgt_in``, on the tensors' device."""
         return tgt_mask(self.tgt_in)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:

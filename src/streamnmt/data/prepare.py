@@ -112,7 +112,10 @@ def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource
         (cfg.tokenizer_chn is not None, Path(cfg.tokenizer_chn or directory / "tokenizer" / "chn.model"),
          cfg.tgt_vocab, cfg.tgt_lang, "target tokenizer"),
     ]
-    missing = [k for k, (given, path, *_) in enumerate(sides) if not given and not path.is_file()]
+    loaded = {k: Tokenizer(path) for k, (given, path, *_) in enumerate(sides) if given or path.is_file()}
+    missing = [k for k in range(2) if k not in loaded]
+    for k, tok in loaded.items():
+        log(f"data: {sides[k][4]}: {tok.path} (vocab {tok.vocab_size})")
     if missing:
         t0 = time.perf_counter()
         samples = _sample_train(cfg, sources["train"])
@@ -122,17 +125,12 @@ def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource
                     pass
         threads = max(1, cpu_threads() // len(missing))
         with ThreadPoolExecutor(len(missing)) as pool:  # SentencePiece trains outside the GIL
-            jobs = [pool.submit(train_tokenizer, samples[k], sides[k][1], sides[k][2], sides[k][3],
-                                threads=threads, log=log, name=sides[k][4]) for k in missing]
-            for job in jobs:
-                job.result()
+            jobs = {k: pool.submit(train_tokenizer, samples[k], sides[k][1], sides[k][2], sides[k][3],
+                                   threads=threads, log=log, name=sides[k][4]) for k in missing}
+            loaded.update({k: job.result() for k, job in jobs.items()})
         log(f"data: trained {' and '.join(sides[k][4] for k in missing)} on {len(samples[0])} sampled "
             f"pairs in {time.perf_counter() - t0:.1f}s -> {directory / 'tokenizer'}")
-    src_tok, tgt_tok = Tokenizer(sides[0][1]), Tokenizer(sides[1][1])
-    for k, tok in enumerate((src_tok, tgt_tok)):
-        if k not in missing:
-            log(f"data: {sides[k][4]}: {tok.path} (vocab {tok.vocab_size})")
-    return src_tok, tgt_tok
+    return loaded[0], loaded[1]
 
 
 def _sample_train(cfg: DataConfig, source: SplitSource) -> tuple[list[str], list[str]]:

@@ -73,6 +73,13 @@ def find_split(data_dir: Path, split: str, src_lang: str, tgt_lang: str) -> Spli
     return None
 
 
+def _first_file(base: Path, split: str, exts: tuple[str, ...]) -> Path | None:
+    for ext in exts:
+        if (base / f"{split}.{ext}").is_file():
+            return base / f"{split}.{ext}"
+    return None
+
+
 def require_split(data_dir: Path, split: str, src_lang: str, tgt_lang: str) -> SplitSource:
     """Like :func:`find_split`, but a missing directory or split is an InputError naming it."""
     if not data_dir.is_dir():

@@ -115,11 +115,12 @@ def train_tokenizer(sentences: Sequence[str], target: Path, vocab_size: int, lan
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(sentences), model_writer=model,
-            model_type="unigram", vocab_size=vocab_cap(sentences, vocab_size), hard_vocab_limit=False,
+            model_type="unigram", vocab_size=vocab_cap(sentences, vocab_size, cjk), hard_vocab_limit=False,
             character_coverage=0.9995 if cjk else 1.0,
             normalization_rule_name="identity" if cjk else "nmt_nfkc",
             pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
-            input_sentence_size=len(sentences), shuffle_input_sentence=True,
+            input_sentence_size=len(sentences) if len(sentences) > 100 else 0,  # its minimum is 101
+            shuffle_input_sentence=True,
             num_threads=threads or cpu_threads(), minloglevel=2)
     except RuntimeError as e:
         raise InputError(f"{target}: SentencePiece training failed: {e}") from None
@@ -132,22 +133,29 @@ def train_tokenizer(sentences: Sequence[str], target: Path, vocab_size: int, lan
     tok = Tokenizer(target)
     if tok.vocab_size < vocab_size:
         log(f"data: {name or target.name}: vocabulary capped at {tok.vocab_size} pieces (asked for "
-            f"{vocab_size}): the corpus has fewer distinct words and characters")
+            f"{vocab_size}): the corpus is too small to use more")
     return tok
 
 
-def vocab_cap(sentences: Sequence[str], vocab_size: int) -> int:
-    """``vocab_size``, or fewer: distinct space-separated words + distinct characters + 4 specials.
+def vocab_cap(sentences: Sequence[str], vocab_size: int, cjk: bool = False) -> int:
+    """``vocab_size``, or less for a corpus too small to use it; never below its characters.
 
-    A vocabulary that can already hold every word whole gains nothing from more pieces, and
-    SentencePiece's unigram trainer would fill the rest with substrings no segmentation uses.
-    For text without spaces the "words" are whole phrases, so this rarely caps it.
+    Space-separated text: distinct words + distinct characters (+4 specials). A vocabulary that
+    can hold every word whole gains nothing from more pieces; SentencePiece's unigram trainer,
+    which prunes only down to the size asked for, would fill the rest with unused substrings.
+    Text without spaces (``cjk``): 4 pieces per distinct character, the ratio of the usual 32k
+    vocabulary to the 6-8k characters of real Chinese text.
     """
     words: set[str] = set()
     chars: set[str] = set()
     for k, s in enumerate(sentences):
-        words.update(s.split())
+        if not cjk:
+            words.update(s.split())
         chars.update(s)
-        if k % 1024 == 1023 and len(words) + len(chars) + 4 >= vocab_size:
+        if k % 1024 == 1023 and _cap(words, chars, cjk) >= vocab_size:
             return vocab_size
-    return min(vocab_size, len(words) + len(chars) + 4)
+    return min(vocab_size, _cap(words, chars, cjk))
+
+
+def _cap(words: set[str], chars: set[str], cjk: bool) -> int:
+    return (4 * len(chars) if cjk else len(words) + len(chars)) + 4

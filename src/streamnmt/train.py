@@ -73,7 +73,7 @@ class NMTStep:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor a step mutates (graph mode saves and restores them around its warm-up)."""
-        out = [p.data for p in self.params]
+        out = list(self.params)
         out += [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         out += [self.schedule.step_t, self.schedule.lr_t]
         if self.scaler is not None and self.scaler._scale is not None:

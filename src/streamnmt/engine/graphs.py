@@ -95,8 +95,8 @@ class GraphStrategy(Strategy):
                  f"memory pool +{self.report['pool_mb']} MiB")
 
     def _capture_all(self, step: StepFunction, examples: list[Any]) -> None:
-        saved = [t.detach().clone() for t in step.state_tensors()]
-        saved_ids = {id(t) for t in step.state_tensors()}
+        # Keyed by storage address: the graphs hold these addresses, so restoring is in place.
+        saved = {t.data_ptr(): t.detach().clone() for t in step.state_tensors()}
         rng = torch.cuda.get_rng_state(self.device)
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
@@ -120,19 +120,21 @@ class GraphStrategy(Strategy):
             self.graphs[key] = _Captured(graph, static, static_loss.detach())
         # Undo the warm-up steps: restore in place (the graphs hold these addresses).
         with torch.no_grad():
-            for t, s in zip(step.state_tensors(), saved):
-                t.copy_(s)
             for t in step.state_tensors():
-                if id(t) not in saved_ids:
-                    t.zero_()  # created by warm-up (optimizer moments): fresh ones are zeros
+                if t.data_ptr() in saved:
+                    t.copy_(saved[t.data_ptr()])
+                else:
+                    t.zero_()  # created by warm-up (optimizer moments, step counts): fresh ones are zeros
         torch.cuda.set_rng_state(rng, self.device)
         torch.cuda.synchronize(self.device)  # not counted: set-up, before the timed epochs
 
     # -- training --------------------------------------------------------------------------------
     def run(self, batches, step, losses: DeferredLosses, start_step: int = 0):
         if self.fallback is not None:
-            yield from self.fallback.run(batches, step, losses, start_step)
-            return
+            return self.fallback.run(batches, step, losses, start_step)
+        return super().run(batches, step, losses, start_step)
+
+    def _run(self, batches, step, losses: DeferredLosses, start_step: int):
         sm, k = self.sm, self.cfg.sync_interval
         ev_t, ev_c = sm.event(), sm.event()
         it = lookahead(batches)

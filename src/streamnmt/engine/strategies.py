@@ -105,6 +105,16 @@ class Strategy:
 
     def run(self, batches: Iterable, step: StepFunction, losses: DeferredLosses,
             start_step: int = 0) -> Iterator[StepInfo]:
+        """Drive ``step`` over ``batches``; yields once per batch. The caller's earlier work on the
+        current stream is ordered before the run, and its later work after it (device-side)."""
+        self.sm.fork()
+        try:
+            yield from self._run(batches, step, losses, start_step)
+        finally:
+            self.sm.join()
+
+    def _run(self, batches: Iterable, step: StepFunction, losses: DeferredLosses,
+             start_step: int) -> Iterator[StepInfo]:
         raise NotImplementedError
 
     def drain(self, site: str) -> None:
@@ -125,7 +135,7 @@ class Baseline(Strategy):
     name, n_streams = "baseline", 2
     T, C = 0, 1  # transfer, compute
 
-    def run(self, batches, step, losses, start_step=0):
+    def _run(self, batches, step, losses, start_step):
         sm, ev_t = self.sm, self.sm.event()
         for i, batch in enumerate(batches):
             with sm.use(self.T):
@@ -152,7 +162,7 @@ class EventSync(Strategy):
     name, n_streams = "event", 2
     T, C = 0, 1
 
-    def run(self, batches, step, losses, start_step=0):
+    def _run(self, batches, step, losses, start_step):
         sm = self.sm
         ev_t, ev_c = sm.event(), sm.event()
         self.not_ready = 0  # how often the host was ahead of the GPU when it looked
@@ -175,7 +185,7 @@ class IntervalSync(Strategy):
     name, n_streams = "interval", 2
     T, C = 0, 1
 
-    def run(self, batches, step, losses, start_step=0):
+    def _run(self, batches, step, losses, start_step):
         sm, k = self.sm, self.cfg.sync_interval
         ev_t = sm.event()
         ring = [sm.event() for _ in range(k + 1)]  # compute events, reused round-robin
@@ -209,7 +219,7 @@ class DeepPipeline(Strategy):
     T0, F, B, T1 = 0, 1, 2, 3
     prefetch_early: ClassVar[bool] = False  # full: issue the next transfer before this compute
 
-    def run(self, batches, step, losses, start_step=0):
+    def _run(self, batches, step, losses, start_step):
         sm, k = self.sm, self.cfg.sync_interval
         ev_t, ev_f, ev_b = sm.event(), sm.event(), sm.event()
         it = lookahead(batches)

@@ -75,6 +75,22 @@ class StreamManager:
         if self.cuda:
             host_sync(site, self.streams[i])
 
+    def fork(self) -> None:
+        """Every stream waits for the work queued so far on the current stream (model set-up,
+        optimizer state, buffers made by the caller): device-side, at the start of a run."""
+        if self.cuda:
+            cur = torch.cuda.current_stream(self.device)
+            for s in self.streams:
+                s.wait_stream(cur)
+
+    def join(self) -> None:
+        """The current stream waits for all of ours (device-side): the caller's later work
+        (evaluation, checkpoints) is ordered after the run's."""
+        if self.cuda:
+            cur = torch.cuda.current_stream(self.device)
+            for s in self.streams:
+                cur.wait_stream(s)
+
     def block(self, event, site: str) -> None:
         """Host blocks until ``event`` has completed (counted under ``site``); free on CPU."""
         if self.cuda:

@@ -11,7 +11,7 @@ import torch
 
 from streamnmt import masks
 from streamnmt.data import Batch, BucketSampler, bucket_lengths, make_loader
-from streamnmt.data.batch import collate
+from streamnmt.data.batch import collate, collate_host
 from streamnmt.errors import InputError
 from streamnmt.masks import BOS, EOS, PAD
 
@@ -195,6 +195,10 @@ def test_batch_methods() -> None:
     assert torch.equal(moved.tgt_out, batch.tgt_out) and moved.ntokens == 4
     copy = pickle.loads(pickle.dumps(batch))
     assert torch.equal(copy.src, batch.src) and copy.index.tolist() == [1, 0, -1]
+    host = pickle.loads(pickle.dumps(collate_host(TokenizedCorpus(arrays), np.array([1, 0, -1]), 8)))
+    again = host.to_batch()  # what the main process makes of a worker's result
+    assert all(torch.equal(getattr(again, k), getattr(batch, k)) for k in ("src", "tgt_in", "tgt_out"))
+    assert (again.ntokens, again.src_tokens) == (batch.ntokens, batch.src_tokens)
 
 
 @pytest.mark.gpu

@@ -10,7 +10,7 @@ The trainer needs four names::
 Each module below does one of those steps; this file only re-exports them.
 """
 
-from streamnmt.data.batch import Batch, collate
+from streamnmt.data.batch import Batch, HostBatch, collate, collate_host
 from streamnmt.data.config import DataConfig
 from streamnmt.data.corpus import TokenizedCorpus
 from streamnmt.data.loader import BatchLoader, make_loader
@@ -19,7 +19,7 @@ from streamnmt.data.sampler import BucketSampler, bucket_batch_size, bucket_leng
 from streamnmt.data.tokenizer import Tokenizer, train_tokenizer
 
 __all__ = [
-    "Batch", "BatchLoader", "BucketSampler", "DataBundle", "DataConfig", "TokenizedCorpus", "Tokenizer",
-    "bucket_batch_size", "bucket_lengths", "builtin_dir", "collate", "make_loader", "prepare_data",
-    "read_pairs", "resolve_data_dir", "train_tokenizer",
+    "Batch", "BatchLoader", "BucketSampler", "DataBundle", "DataConfig", "HostBatch", "TokenizedCorpus",
+    "Tokenizer", "bucket_batch_size", "bucket_lengths", "builtin_dir", "collate", "collate_host",
+    "make_loader", "prepare_data", "read_pairs", "resolve_data_dir", "train_tokenizer",
 ]

@@ -24,24 +24,24 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from streamnmt.data.batch import Batch, collate
+from streamnmt.data.batch import Batch, HostBatch, collate_host
 from streamnmt.data.config import DataConfig
 from streamnmt.data.corpus import TokenizedCorpus
 from streamnmt.data.sampler import BucketSampler, PlannedBatch, bucket_lengths
 
 
 class _PlannedBatches(Dataset):
-    """Maps a planned batch ``(L, rows)`` to its :class:`Batch` (runs in the worker processes)."""
+    """Maps a planned batch ``(L, rows)`` to its :class:`HostBatch` (runs in the worker processes)."""
 
     def __init__(self, corpus: TokenizedCorpus) -> None:
         self.corpus = corpus
 
-    def __getitem__(self, item: PlannedBatch) -> Batch:
+    def __getitem__(self, item: PlannedBatch) -> HostBatch:
         length, rows = item
-        return collate(self.corpus, rows, length)
+        return collate_host(self.corpus, rows, length)
 
 
-def _as_is(batch: Batch) -> Batch:
+def _as_is(batch: HostBatch) -> HostBatch:
     return batch
 
 
@@ -76,7 +76,8 @@ class BatchLoader:
             s.position = 0
         for batch in self._loader:
             s.position += 1
-            yield batch
+            # The pin-memory thread has already made a (pinned) Batch; otherwise wrap here (no copy).
+            yield batch if isinstance(batch, Batch) else batch.to_batch()
         s.epoch, s.position = s.epoch + 1, 0
 
     @property

@@ -157,10 +157,13 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--batches", type=int, default=4000, help="timed batches per worker count")
     ap.add_argument("--warmup", type=int, default=200, help="batches before timing starts")
+    ap.add_argument("--tokenizer-sample", type=int, default=DataConfig().tokenizer_sample,
+                    help="pairs sampled to train each SentencePiece model (DataConfig.tokenizer_sample)")
     ap.add_argument("--keep", action="store_true", help="keep existing tokenizers/cache (no first-run time)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
+    t_start = time.perf_counter()
     cuda = torch.cuda.is_available()
     info = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "cpus": cpu_threads(),
             "python": platform.python_version(), "torch": torch.__version__, "cuda": cuda,
@@ -174,7 +177,8 @@ def main() -> None:
     if not args.keep:
         for sub in ("tokenizer", "cache"):
             shutil.rmtree(args.dir / sub, ignore_errors=True)
-    cfg = DataConfig(data=str(args.dir), batch_size=args.batch_size)
+    cfg = DataConfig(data=str(args.dir), batch_size=args.batch_size, tokenizer_sample=args.tokenizer_sample)
+    info["tokenizer_sample"] = args.tokenizer_sample
     lines: list[str] = []
 
     def log(line: str) -> None:
@@ -216,7 +220,7 @@ def main() -> None:
     for r in info["loader"]:
         print(f"{r['workers']:>7} {r['batches_per_s']:>10.0f} {r['tokens_per_s']:>12.0f} "
               f"{r['padded_tokens_per_s']:>13.0f} {r['first_batch_s']:>14.2f} {str(r['pinned']):>7}")
-    print(f"results: {args.out}")
+    print(f"results: {args.out} ({time.perf_counter() - t_start:.0f}s in all)")
 
 
 if __name__ == "__main__":

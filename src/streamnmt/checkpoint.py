@@ -89,3 +89,53 @@ def load_model_weights(model: torch.nn.Module, ckpt: dict[str, Any], path: str |
             raise InputError(f"{flag}: {path} holds another model shape: {k} is {tuple(v.shape)}, "
                              f"this model has {tuple(own[k].shape)}")
     model.load_state_dict(state)
+
+
+# -- safetensors ---------------------------------------------------------------------------------
+# The format is an 8-byte little-endian header length, a JSON header {name: {dtype, shape,
+# data_offsets}}, then the raw tensor bytes; written here without the extra dependency.
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+              torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def save_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    import json
+
+    header: dict[str, Any] = {"__metadata__": metadata or {}}
+    blobs, offset = [], 0
+    for name, t in tensors.items():
+        t = t.detach().contiguous().cpu()
+        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # align the data section
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for b in blobs:
+            f.write(b)
+
+
+def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    import json
+
+    inverse = {v: k for k, v in _ST_DTYPES.items()}
+    raw = Path(path).read_bytes()
+    try:
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        out = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            a, b = info["data_offsets"]
+            buf = bytearray(raw[8 + n + a:8 + n + b])
+            t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+            out[name] = t.view(inverse[info["dtype"]]).reshape(info["shape"])
+        return out
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise InputError(f"{path}: not a valid safetensors file ({e})") from None

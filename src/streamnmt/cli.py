@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from streamnmt.configbase import add_args, from_dict
-from streamnmt.errors import ConfigError, InputError
+from streamnmt.errors import ConfigError, InputError, NonFiniteLoss
 
 
 def _train(args: dict) -> int:
@@ -20,9 +20,19 @@ def _train(args: dict) -> int:
     from streamnmt.train import Trainer
 
     config_file = args.pop("config", None)
-    job = build_job(args, config_file)
-    result = Trainer(job).train()
-    print(f"done: {result['steps']} steps, best val_loss {result['best_val']:.4f}; results in {result['save_dir']}")
+    resume = args.pop("resume", None)
+    if resume is not None:
+        extra = sorted(set(args) - {"device"})
+        if extra or config_file:
+            raise ConfigError(f"--resume continues a run with the settings in its checkpoint; drop "
+                              f"{', '.join('--' + k.replace('_', '-') for k in extra) or '--config'}")
+        trainer = Trainer.from_checkpoint(resume, device=args.get("device"))
+    else:
+        trainer = Trainer(build_job(args, config_file))
+    result = trainer.train()
+    if not result["stopped"]:
+        print(f"done: {result['steps']} steps, best val_loss {result['best_val']:.4f}; "
+              f"results in {result['save_dir']}")
     return 0
 
 
@@ -69,6 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"streamnmt: error: {e}", file=sys.stderr)
         return e.exit_code
     except InputError as e:
+        print(f"streamnmt: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except NonFiniteLoss as e:
         print(f"streamnmt: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

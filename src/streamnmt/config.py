@@ -83,12 +83,18 @@ class RunConfig:
     name: str = opt("exp", "run directory name; exp, exp2, ... (the next free one unless --exist-ok)")
     exist_ok: bool = opt(False, "reuse project/name if it exists instead of taking the next free name")
     weights: str | None = opt(None, "start from these model weights (fine-tuning)")
+    save_every: int = opt(0, "also save weights/last.pt every this many optimizer steps (0 = per epoch only)")
+    resume: str | None = opt(None, "continue the run of this checkpoint (weights/last.pt) in its own run dir")
+    on_nan: str = opt("stop", "a non-finite loss or gradient: stop (exit non-zero, last good checkpoint "
+                              "kept) or skip (the update is discarded on the device)", choices=("stop", "skip"))
     bleu_samples: int = opt(500, "dev sentences decoded for BLEU at each epoch end (0 = off)")
     beam_size: int = opt(3, "beam size of the epoch-end BLEU decoding")
 
     def __post_init__(self) -> None:
         check(self.epochs is None or self.epochs >= 1, "epochs", f"must be at least 1; got {self.epochs}")
         check(self.max_steps >= 0, "max_steps", f"must be 0 (no limit) or positive; got {self.max_steps}")
+        check(self.save_every >= 0, "save_every", f"must be 0 (off) or positive; got {self.save_every}")
+        check_choice(self.on_nan, "on_nan", ("stop", "skip"))
         check(self.bleu_samples >= 0, "bleu_samples", f"must be 0 or more; got {self.bleu_samples}")
         check(self.beam_size >= 1, "beam_size", f"must be at least 1; got {self.beam_size}")
         if self.device is not None:

@@ -26,3 +26,9 @@ class InputError(Exception):
     """
 
     exit_code = 1
+
+
+class NonFiniteLoss(Exception):
+    """Training stopped on a non-finite loss (``--on-nan stop``); exit code 1."""
+
+    exit_code = 1

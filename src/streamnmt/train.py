@@ -9,11 +9,15 @@ epochs, validation, BLEU, checkpoints, logs). The training loop reads top to bot
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import math
 import os
 import random
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from streamnmt import masks
-from streamnmt.checkpoint import load_checkpoint, load_model_weights, rng_state, save_checkpoint
-from streamnmt.config import TrainJob
+from streamnmt.checkpoint import (load_checkpoint, load_model_weights, rng_state, save_checkpoint, save_safetensors,
+                                  set_rng_state)
+from streamnmt.config import TrainJob, job_from_dict
+from streamnmt.errors import InputError, NonFiniteLoss
+from streamnmt.fsutil import atomic_write
 from streamnmt.data import Batch, make_loader, prepare_data, read_pairs
 from streamnmt.engine import STATS, DeferredLosses, host_sync, make_strategy
 from streamnmt.engine.syncstats import format_table
@@ -58,9 +65,20 @@ class NoamSchedule:
         lr = self.factor * self.d_model ** -0.5 * torch.minimum(s.rsqrt(), s * self.warmup ** -1.5)
         self.lr_t.copy_(lr)
 
+    def set_step(self, step: int) -> None:
+        """Continue after ``step`` optimizer steps (resume)."""
+        self.step_t.fill_(step)
+        s = self.step_t.clamp(min=1)
+        self.lr_t.copy_(self.factor * self.d_model ** -0.5 * torch.minimum(s.rsqrt(), s * self.warmup ** -1.5))
+
 
 class NMTStep:
-    """One training step in the three phases the strategies schedule on their streams."""
+    """One training step in the three phases the strategies schedule on their streams.
+
+    A non-finite loss or gradient norm discards the update on the device: the fused Adam reads a
+    ``found_inf`` flag and leaves weights and moments untouched (with fp16, the grad scaler does
+    the same and lowers its scale). The host learns of it later, from the extracted loss.
+    """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: NoamSchedule,
                  *, amp_dtype: torch.dtype | None, scaler: torch.amp.GradScaler | None, clip: float,
@@ -70,13 +88,17 @@ class NMTStep:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if scaler is not None:  # create the scaler's device state now (it is lazy), before any capture
             scaler.scale(torch.zeros((), device=self.params[0].device))
+        self.loss: torch.Tensor | None = None
+        # Test hook: make the loss of this (1-based) call non-finite, to exercise the NaN policy.
+        self.inject_inf_at = int(os.environ.get("STREAMNMT_INJECT_INF_STEP", "0"))
+        self.calls = 0
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor a step mutates (graph mode saves and restores them around its warm-up)."""
         out = list(self.params)
         out += [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         out += [self.schedule.step_t, self.schedule.lr_t]
-        if self.scaler is not None and self.scaler._scale is not None:
+        if self.scaler is not None:
             out += [self.scaler._scale, self.scaler._growth_tracker]
         return out
 
@@ -90,23 +112,30 @@ class NMTStep:
         return loss, (batch.tgt_out != masks.PAD).sum()
 
     def forward(self, batch) -> torch.Tensor:
+        self.calls += 1
         loss, ntok = self.loss_sum(batch)
-        return loss / ntok.clamp(min=1)  # token-level mean; the count stays on the device
+        loss = loss / ntok.clamp(min=1)  # token-level mean; the count stays on the device
+        if self.calls == self.inject_inf_at:
+            loss = loss * float("inf")
+        self.loss = loss
+        return loss
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def optimizer_step(self) -> None:
         if self.scaler:
-            self.scaler.unscale_(self.optimizer)  # device-side; the fused Adam skips inf steps itself
-        if self.clip > 0:
-            # foreach norm, no error_if_nonfinite: no host sync.
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=True)
+            self.scaler.unscale_(self.optimizer)  # device-side; the scaler tells the fused Adam to skip inf steps
+        # foreach norm without error_if_nonfinite: no host sync; an infinite max_norm only measures.
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip if self.clip > 0 else float("inf"),
+                                              foreach=True)
         self.schedule.advance()
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
+            # Discard a non-finite step on the device (the fused Adam skips when found_inf is 1).
+            self.optimizer.found_inf = (~(torch.isfinite(norm) & torch.isfinite(self.loss))).float()
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -140,12 +169,16 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 class Trainer:
-    """Builds everything from a :class:`TrainJob` and trains; the engine's strategy drives the steps."""
+    """Builds everything from a :class:`TrainJob` and trains; the engine's strategy drives the steps.
 
-    def __init__(self, job: TrainJob, log: Callable[[str], None] = print):
+    ``resume`` is a loaded checkpoint to continue from: the run continues in its own directory,
+    mid-epoch, with model, optimizer, schedule, scaler, RNG and data order as they were.
+    """
+
+    def __init__(self, job: TrainJob, log: Callable[[str], None] = print, resume: dict[str, Any] | None = None):
         self.log = log
         self.device = resolve_device(job.run.device)
-        self.job = job = self._resolve(job)
+        self.job = job = self._resolve(job) if resume is None else job
         if job.run.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
@@ -153,15 +186,16 @@ class Trainer:
 
         # 1. data (errors here leave nothing behind: the run dir does not exist yet)
         self.data = prepare_data(job.data, log=log)
-        # 2. model, optimizer, schedule
+        if resume is not None:
+            self._check_tokenizers(resume)
+        # 2. model and step function (optimizer, schedule, scaler)
         m = job.model
         self.shape = ModelShape(self.data.src_tok.vocab_size, self.data.tgt_tok.vocab_size, m.d_model,
                                 m.n_layers, m.n_heads, m.d_ff, m.dropout,
                                 max_positions=max(1024, job.data.max_len + 8))
         self.model = Transformer(self.shape).to(self.device)
-        if job.run.weights:
-            ckpt = load_checkpoint(job.run.weights)
-            load_model_weights(self.model, ckpt, job.run.weights)
+        if job.run.weights and resume is None:
+            load_model_weights(self.model, load_checkpoint(job.run.weights), job.run.weights)
             log(f"weights: started from {job.run.weights}")
         self.step_fn = make_step(self.model, self.device, d_model=m.d_model, lr=job.optim.lr,
                                  warmup=job.optim.warmup, amp=job.optim.amp, clip=job.optim.clip_grad,
@@ -174,30 +208,51 @@ class Trainer:
         if self.strategy.wants_workers and workers == 0:
             workers = min(4, os.cpu_count() or 1)
             log(f"engine: '{self.strategy.name}' loads in worker processes: --workers {workers}")
-        data_cfg = dataclasses.replace(job.data, workers=workers)
         pin = self.device.type == "cuda"
-        self.train_loader = make_loader(self.data.train, data_cfg, train=True, seed=job.run.seed, pin_memory=pin)
+        self.train_loader = make_loader(self.data.train, dataclasses.replace(job.data, workers=workers),
+                                        train=True, seed=job.run.seed, pin_memory=pin)
         self.dev_loader = make_loader(self.data.dev, dataclasses.replace(job.data, workers=0), train=False,
                                       seed=job.run.seed, pin_memory=pin)
         self.losses = DeferredLosses(self.device, job.engine.loss_interval)
+        self.global_step, self.epoch, self.epoch_pos, self.best_val = 0, 0, 0, math.inf
+        if resume is not None:
+            self._restore(resume)
+        # Graph capture restores every state tensor and the RNG after its warm-up, so it is
+        # correct before or after a restore.
         self.strategy.prepare(self.step_fn, [example_batch(shape, self.shape, job.run.seed)
                                              for shape in self.train_loader.shapes()])
         # 4. run directory (only now that everything above is valid)
         r = job.run
-        self.save_dir = increment_path(r.project, r.name, r.exist_ok)
-        (self.save_dir / "weights").mkdir(parents=True, exist_ok=True)
-        from streamnmt.fsutil import atomic_write
-        atomic_write(self.save_dir / "config.yaml", job.to_yaml())
-        self.steps_log = CsvLog(self.save_dir / "steps.csv", STEP_COLUMNS)
-        self.results_log = CsvLog(self.save_dir / "results.csv", RESULT_COLUMNS)
+        if resume is not None:
+            self.save_dir = Path(r.resume).resolve().parent.parent
+        else:
+            self.save_dir = increment_path(r.project, r.name, r.exist_ok)
+            (self.save_dir / "weights").mkdir(parents=True, exist_ok=True)
+            atomic_write(self.save_dir / "config.yaml", job.to_yaml())
+        self.steps_log = CsvLog(self.save_dir / "steps.csv", STEP_COLUMNS,
+                                truncate_after=self.global_step if resume is not None else None)
+        self.results_log = CsvLog(self.save_dir / "results.csv", RESULT_COLUMNS,
+                                  truncate_after=self.epoch if resume is not None else None)
+        stats_path = self.save_dir / "sync_stats.json"
         self.sync_stats: list[dict[str, Any]] = []
-        self.global_step, self.epoch, self.best_val = 0, 0, math.inf
+        if resume is not None and stats_path.is_file():
+            self.sync_stats = [e for e in json.loads(stats_path.read_text()) if e["epoch"] <= self.epoch]
         self.pending_rows: dict[int, dict[str, Any]] = {}  # step -> row waiting for its loss
         self.last_loss: float | None = None
-        log(f"run dir: {self.save_dir}")
+        self.stop_requested = False
+        self.nonfinite_steps: list[int] = []
+        log(f"run dir: {self.save_dir}" + (f" (resumed at step {self.global_step})" if resume else ""))
         log(f"model: {m.model} ({m.n_layers}+{m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
             f"d_ff {m.d_ff}), {self.model.num_params() / 1e6:.1f}M parameters; device {self.device}; "
             f"amp {job.optim.amp}; strategy {self.strategy.name}")
+
+    @classmethod
+    def from_checkpoint(cls, path: str, log: Callable[[str], None] = print,
+                        device: str | None = None) -> Trainer:
+        ckpt = load_checkpoint(path, flag="--resume")
+        job = job_from_dict(ckpt["config"])
+        run = dataclasses.replace(job.run, resume=str(path), device=device or job.run.device)
+        return cls(dataclasses.replace(job, run=run), log=log, resume=ckpt)
 
     def _resolve(self, job: TrainJob) -> TrainJob:
         """Fill the 'auto' settings from the device; the result is what config.yaml records."""
@@ -217,71 +272,102 @@ class Trainer:
             optim = dataclasses.replace(optim, amp=amp)
         if run.epochs is None:
             run = dataclasses.replace(run, epochs=10 if cuda else 2)
-        if not cuda and data.data is None and preset != "base" and data.builtin_size == 40000 and \
-                job.run.epochs is None:
-            data = dataclasses.replace(data, builtin_size=16000)
         run = dataclasses.replace(run, device=str(self.device))
         return dataclasses.replace(job, model=model, optim=optim, run=run, data=data)
+
+    def _check_tokenizers(self, ckpt: dict[str, Any]) -> None:
+        for side, tok in (("src", self.data.src_tok), ("tgt", self.data.tgt_tok)):
+            want = ckpt["tokenizers"][side]["sha256"]
+            if tok.sha256 != want:
+                raise InputError(f"--resume: the {side} tokenizer {tok.path} differs from the one the "
+                                 f"checkpoint was trained with (sha256 {want[:12]}...)")
+
+    def _restore(self, ckpt: dict[str, Any]) -> None:
+        load_model_weights(self.model, ckpt, self.job.run.resume, flag="--resume")
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        for group in self.optimizer.param_groups:  # keep reading the schedule's device tensor
+            group["lr"] = self.schedule.lr_t
+        self.schedule.set_step(ckpt["step"])
+        if self.scaler is not None and ckpt.get("scaler"):
+            self.scaler.load_state_dict(ckpt["scaler"])
+        self.global_step, self.best_val = ckpt["step"], ckpt["best_val"]
+        self.epoch, self.epoch_pos = ckpt["sampler"]["epoch"], ckpt["sampler"]["position"]
+        self.train_loader.load_state_dict(ckpt["sampler"])
+        set_rng_state(ckpt["rng"])
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         r = self.job.run
-        self.log(f"{'Epoch':>7}{'GPU_mem':>9}{'batches':>9}{'tokens/s':>10}{'train_loss':>12}"
-                 f"{'val_loss':>10}{'BLEU':>7}{'time':>8}")
-        for epoch in range(self.epoch, r.epochs):
-            self.epoch = epoch
-            row = self.run_epoch(epoch)
-            self.log(f"{epoch + 1:>3}/{r.epochs:<3}{row['gpu_mem_gb']:>8.2f}G{row['steps']:>9}"
-                     f"{row['tokens_per_s']:>10.0f}{row['train_loss']:>12.4f}{row['val_loss']:>10.4f}"
-                     f"{row['bleu'] if row['bleu'] != '' else '-':>7}{row['epoch_s']:>7.1f}s")
-            self.log(self.sync_table)
-            if r.max_steps and self.global_step >= r.max_steps:
-                break
+        row: dict[str, Any] = {}
+        with _signals(self):
+            self.log(f"{'Epoch':>7}{'GPU_mem':>9}{'batches':>9}{'tokens/s':>10}{'train_loss':>12}"
+                     f"{'val_loss':>10}{'BLEU':>7}{'time':>8}")
+            while self.epoch < r.epochs and not self._done():
+                row = self.run_epoch(self.epoch)
+                if row:
+                    self.log(f"{row['epoch']:>3}/{r.epochs:<3}{row['gpu_mem_gb']:>8.2f}G{row['steps']:>9}"
+                             f"{row['tokens_per_s']:>10.0f}{row['train_loss']:>12.4f}{row['val_loss']:>10.4f}"
+                             f"{row['bleu'] if row['bleu'] != '' else '-':>7}{row['epoch_s']:>7.1f}s")
+                    self.log(self.sync_table)
         self.steps_log.close()
         self.results_log.close()
+        self._export_best()
+        if self.stop_requested:
+            self.log(f"stopped by signal after step {self.global_step}; saved {self.save_dir / 'weights' / 'last.pt'}")
         return {"save_dir": self.save_dir, "best_val": self.best_val, "steps": self.global_step,
-                "last": row}
+                "last": row, "stopped": self.stop_requested}
+
+    def _done(self) -> bool:
+        r = self.job.run
+        return self.stop_requested or bool(r.max_steps and self.global_step >= r.max_steps)
 
     def run_epoch(self, epoch: int) -> dict[str, Any]:
         r = self.job.run
         self.model.train()
-        self.train_loader.set_epoch(epoch)
+        self.train_loader.set_epoch(epoch)  # keeps a resumed mid-epoch position
         STATS.reset()
         t0 = time.perf_counter()
-        tokens, loss_sum, loss_n = 0, 0.0, 0
-        n_batches = len(self.train_loader)
+        tokens, losses = 0, []
+        n_batches = len(self.train_loader) - self.epoch_pos
         if r.max_steps:
             n_batches = min(n_batches, r.max_steps - self.global_step)
         bar = _progress(n_batches, f"epoch {epoch + 1}/{r.epochs}")
-        steps = self.strategy.run(_limit(self.train_loader, n_batches), self.step_fn, self.losses,
-                                  start_step=self.global_step)
-        for info in steps:
+        for info in self.strategy.run(_limit(self.train_loader, n_batches), self.step_fn, self.losses,
+                                      start_step=self.global_step):
             # 1. bookkeeping on the host only: no device value is read here
-            self.global_step = info.step
+            self.global_step, self.epoch_pos = info.step, self.epoch_pos + 1
             tokens += info.batch.ntokens
             self.pending_rows[info.step] = {"step": info.step, "epoch": epoch + 1, "tokens": info.batch.ntokens,
                                             "lr": noam_lr(info.step, self.shape.d_model, self.job.optim.warmup,
                                                           self.job.optim.lr)}
             # 2. losses whose copies to the host have completed (never blocks)
-            for step, loss in self.losses.poll():
-                loss_sum, loss_n = loss_sum + loss, loss_n + 1
-                self._write_step(step, loss)
+            losses += self._write_steps(self.losses.poll())
             bar.update(1)
             if self.last_loss is not None:
                 bar.set_postfix_str(f"loss {self.last_loss:.4f} (as of last extraction)", refresh=False)
-        # 3. epoch end: drain the streams and the remaining losses
+            # 3. mid-epoch checkpoint, kill test hook, signals (host-side flags only)
+            if r.save_every and self.global_step % r.save_every == 0:
+                losses += self._save_mid_epoch("save")
+            if self.global_step == int(os.environ.get("STREAMNMT_TEST_KILL_AT_STEP", "0")):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.stop_requested:
+                break
+        if self.stop_requested:  # finish cleanly: drain, keep every loss, save where we are
+            losses += self._save_mid_epoch("signal")
+            bar.close()
+            return {}
+        # 4. epoch end: drain the streams and the remaining losses
         # Needed: the epoch's time and every loss must be final before they are reported.
         self.strategy.drain("epoch.drain")
-        for step, loss in self.losses.flush("epoch.losses"):
-            loss_sum, loss_n = loss_sum + loss, loss_n + 1
-            self._write_step(step, loss)
+        losses += self._write_steps(self.losses.flush("epoch.losses"))
         bar.close()
         epoch_s = time.perf_counter() - t0
         train_stats = STATS.reset()
-        # 4. validation loss and BLEU (timed separately from training)
+        # 5. validation loss and BLEU (timed separately from training)
         val_loss = self.validate()
         bleu, bleu_s = self.bleu()
-        row = {"epoch": epoch + 1, "train_loss": loss_sum / max(loss_n, 1), "val_loss": val_loss,
+        finite = [v for v in losses if math.isfinite(v)]
+        row = {"epoch": epoch + 1, "train_loss": sum(finite) / max(len(finite), 1), "val_loss": val_loss,
                "bleu": "" if bleu is None else round(bleu, 2), "tokens_per_s": tokens / epoch_s,
                "epoch_s": round(epoch_s, 3), "bleu_s": round(bleu_s, 3),
                "gpu_mem_gb": torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else 0.0,
@@ -293,18 +379,34 @@ class Trainer:
                                 "eval": STATS.reset()})
         write_json(self.save_dir / "sync_stats.json", self.sync_stats)
         self.sync_table = format_table(train_stats)
-        # 5. checkpoints
+        # 6. checkpoints: the next epoch starts from its first batch
+        self.epoch, self.epoch_pos = epoch + 1, 0
         self.save(self.save_dir / "weights" / "last.pt")
         if val_loss < self.best_val:
             self.best_val = val_loss
             self.save(self.save_dir / "weights" / "best.pt")
         return row
 
-    def _write_step(self, step: int, loss: float) -> None:
-        row = self.pending_rows.pop(step)
-        row["loss"] = loss
-        self.steps_log.write(row)
-        self.last_loss = loss
+    def _write_steps(self, pairs: list[tuple[int, float]]) -> list[float]:
+        for step, loss in pairs:
+            row = self.pending_rows.pop(step)
+            row["loss"] = loss
+            self.steps_log.write(row)
+            self.last_loss = loss
+            if not math.isfinite(loss):
+                self.nonfinite_steps.append(step)
+                if self.job.run.on_nan == "stop":
+                    raise NonFiniteLoss(f"non-finite loss ({loss}) at step {step} (--on-nan stop); the last good "
+                                        f"checkpoint is {self.save_dir / 'weights' / 'last.pt'}")
+                self.log(f"warning: non-finite loss at step {step}; the update was skipped (--on-nan skip)")
+        return [loss for _, loss in pairs]
+
+    def _save_mid_epoch(self, why: str) -> list[float]:
+        # Needed: a checkpoint holds finished work only, and every loss up to it is logged first.
+        self.strategy.drain(f"{why}.drain")
+        losses = self._write_steps(self.losses.flush(f"{why}.losses"))
+        self.save(self.save_dir / "weights" / "last.pt")
+        return losses
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -319,8 +421,7 @@ class Trainer:
             ntok += n
         self.model.train()
         # Needed: the epoch's validation loss is reported and compared for best.pt.
-        value = host_sync("eval.val_loss", lambda: (total / ntok.clamp(min=1)).item())
-        return float(value)
+        return float(host_sync("eval.val_loss", lambda: (total / ntok.clamp(min=1)).item()))
 
     def bleu(self) -> tuple[float | None, float]:
         n = self.job.run.bleu_samples
@@ -338,17 +439,47 @@ class Trainer:
             "model_shape": dataclasses.asdict(self.shape),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler else None,
-            "schedule_step": self.global_step,
             "tokenizers": {side: {"path": str(Path(tok.path).resolve()), "sha256": tok.sha256,
                                   "vocab_size": tok.vocab_size}
                            for side, tok in (("src", self.data.src_tok), ("tgt", self.data.tgt_tok))},
             "config": self.job.to_dict(),
-            "epoch": self.epoch, "step": self.global_step, "best_val": self.best_val,
-            "sampler": self.train_loader.state_dict(), "rng": rng_state(),
+            "step": self.global_step, "best_val": self.best_val,
+            "sampler": {**self.train_loader.state_dict(), "epoch": self.epoch, "position": self.epoch_pos},
+            "rng": rng_state(),
         }
 
     def save(self, path: Path) -> None:
         save_checkpoint(path, self.checkpoint_state())
+
+    def _export_best(self) -> None:
+        best = self.save_dir / "weights" / "best.pt"
+        if best.is_file():
+            ckpt = load_checkpoint(best)
+            save_safetensors(best.with_suffix(".safetensors"), ckpt["model"],
+                             {"model_shape": json.dumps(ckpt["model_shape"])})
+
+
+@contextlib.contextmanager
+def _signals(trainer: Trainer):
+    """SIGTERM and a first SIGINT ask the loop to stop after the current step (a host-side flag,
+    checked once per step; no device work); a second SIGINT aborts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def request_stop(signum, frame):
+        if trainer.stop_requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        trainer.stop_requested = True
+        trainer.log(f"\n{signal.Signals(signum).name}: finishing the current step, then saving "
+                    "(Ctrl-C again to abort)")
+
+    old = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def example_batch(shape: tuple[int, int, int], model: ModelShape, seed: int) -> Batch:

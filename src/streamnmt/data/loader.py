@@ -61,9 +61,13 @@ class BatchLoader:
         if cfg.workers > 0:
             extra = {"prefetch_factor": cfg.prefetch_factor, "persistent_workers": True}
         self.workers = cfg.workers
+        # The DataLoader draws a seed for its workers each time an iterator starts; its own
+        # generator keeps that draw out of the global RNG, whose state (dropout) a checkpoint
+        # saves: otherwise a resumed run, which starts an iterator mid-epoch, would diverge.
         self._loader = DataLoader(_PlannedBatches(corpus), sampler=self.sampler, batch_size=None,
                                   collate_fn=_as_is, num_workers=cfg.workers,
-                                  pin_memory=self.pin_memory, **extra)
+                                  pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(seed),
+                                  **extra)
 
     def __len__(self) -> int:
         """Batches per epoch."""

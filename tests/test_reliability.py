@@ -1,0 +1,131 @@
+"""Exact resume after SIGKILL, SIGTERM, the NaN policies, and safe checkpoint loading (CPU)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamnmt.checkpoint import load_safetensors
+from streamnmt.cli import main
+from streamnmt.runs import read_csv
+
+TINY = ["--device", "cpu", "--model", "tiny", "--builtin-size", "500", "--bleu-samples", "0",
+        "--batch-size", "16", "--max-len", "32", "--epochs", "3"]
+
+
+@pytest.fixture()
+def home(tmp_path_factory):
+    return str(tmp_path_factory.getbasetemp() / "home")
+
+
+def run_cli(args: list[str], home: str, env: dict | None = None, wait: bool = True):
+    full_env = dict(os.environ, STREAMNMT_HOME=home, PYTHONPATH=os.pathsep.join(sys.path), **(env or {}))
+    cmd = [sys.executable, "-m", "streamnmt", "train", *args]
+    if not wait:
+        return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=600)
+
+
+def losses(run: Path) -> list[tuple[str, str, str]]:
+    return [(r["step"], r["epoch"], r["loss"]) for r in read_csv(run / "steps.csv")]
+
+
+@pytest.mark.parametrize("corpus,resumed_from,epochs", [("2000", 30, 1), ("500", 33, 2)])
+def test_resume_after_sigkill_is_exact(tmp_path, home, corpus, resumed_from, epochs):
+    """Killed after step 35: resumes mid-epoch from step 30, or (33 batches per epoch) from the
+    epoch-end checkpoint at 33 and crosses into the next epoch."""
+    common = [*TINY, "--max-steps", "60", "--seed", "5", "--save-every", "10", "--project", str(tmp_path),
+              "--builtin-size", corpus]
+    ref = run_cli([*common, "--name", "ref"], home)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    killed = run_cli([*common, "--name", "killed"], home, env={"STREAMNMT_TEST_KILL_AT_STEP": "35"})
+    assert killed.returncode == -signal.SIGKILL
+    last = tmp_path / "killed" / "weights" / "last.pt"
+    assert torch.load(last, weights_only=True)["step"] == resumed_from
+    resumed = run_cli(["--resume", str(last)], home)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    ref_losses = losses(tmp_path / "ref")
+    assert len(ref_losses) == 60 and len({e for _, e, _ in ref_losses}) == epochs
+    assert losses(tmp_path / "killed") == ref_losses
+    a = torch.load(tmp_path / "ref" / "weights" / "last.pt", weights_only=True)["model"]
+    b = torch.load(last, weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_other_flags(tmp_path, home, capsys, monkeypatch):
+    monkeypatch.setenv("STREAMNMT_HOME", home)
+    assert main(["train", "--resume", str(tmp_path / "x.pt"), "--batch-size", "3"]) == 2
+    assert "--batch-size" in capsys.readouterr().err
+
+
+def test_sigterm_saves_and_exits_0(tmp_path, home):
+    proc = run_cli([*TINY, "--epochs", "50", "--seed", "1", "--project", str(tmp_path), "--name", "t",
+                    "--loss-interval", "1"], home, wait=False)
+    steps = tmp_path / "t" / "steps.csv"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not steps.is_file() or len(steps.read_text().splitlines()) < 6):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    assert "stopped by signal" in out + err
+    ckpt = torch.load(tmp_path / "t" / "weights" / "last.pt", weights_only=True)
+    assert ckpt["step"] == len(read_csv(steps)) >= 5
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_nan_policies(tmp_path, home, policy):
+    args = [*TINY, "--max-steps", "20", "--save-every", "5", "--loss-interval", "1", "--on-nan", policy,
+            "--project", str(tmp_path), "--name", policy]
+    res = run_cli(args, home, env={"STREAMNMT_INJECT_INF_STEP": "7"})
+    run = tmp_path / policy
+    rows = read_csv(run / "steps.csv")
+    if policy == "stop":
+        assert res.returncode == 1 and "step 7" in res.stderr
+        assert torch.load(run / "weights" / "last.pt", weights_only=True)["step"] == 5  # last good one
+    else:
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert len(rows) == 20 and rows[6]["loss"] == "inf"
+        assert all(float(r["loss"]) < 100 for i, r in enumerate(rows) if i != 6)
+        assert "step 7" in res.stdout + res.stderr
+
+
+def test_bad_checkpoints_are_refused(tmp_path, home, capsys, monkeypatch):
+    monkeypatch.setenv("STREAMNMT_HOME", home)
+    args = [*TINY, "--max-steps", "3", "--project", str(tmp_path), "--name", "ok"]
+    assert main(["train", *args]) == 0
+    good = tmp_path / "ok" / "weights" / "last.pt"
+    st = load_safetensors(tmp_path / "ok" / "weights" / "best.safetensors")
+    ref = torch.load(good, weights_only=True)["model"]
+    assert set(st) == set(ref) and all(torch.equal(st[k], ref[k]) for k in ref)
+
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:1000])
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"\x00not a checkpoint" * 50)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    evil = tmp_path / "evil.pt"
+    evil.write_bytes(pickle.dumps({"format": "streamnmt-checkpoint", "x": Payload()}))
+    other = tmp_path / "other.pt"
+    ckpt = torch.load(good, weights_only=True)
+    ckpt["model"]["generator.weight"] = torch.zeros(3, 3)
+    torch.save(ckpt, other)
+    for path, expect in ((tmp_path / "missing.pt", "not found"), (truncated, "not a valid"),
+                         (corrupt, "not a valid"), (evil, "not a valid"), (other, "generator.weight")):
+        code = main(["train", *args, "--weights", str(path), "--name", "w"])
+        err = capsys.readouterr().err
+        assert code == 1 and expect in err and str(path.name) in err, err
+    assert not marker.exists()

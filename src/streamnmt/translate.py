@@ -1,0 +1,328 @@
+"""Use a trained checkpoint: the ``translate`` and ``eval`` commands, and BLEU for the trainer.
+
+Everything between text and :mod:`streamnmt.decode` lives here: loading a checkpoint for
+inference with the tokenizers it was trained with (:func:`load_for_inference`), turning lines of
+text into encoder input the way the training batches are built (tokens then EOS), detokenizing
+through SentencePiece, and scoring with sacrebleu (BLEU with its ``zh`` tokenizer for Chinese
+targets, ``13a`` otherwise, and chrF). The trainer calls :func:`bleu_on_pairs` at each epoch end;
+the CLI builds :class:`TranslateConfig` / :class:`EvalConfig` from flags and calls
+:func:`run_translate` / :func:`run_eval`.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sacrebleu
+import torch
+
+from streamnmt import masks
+from streamnmt.checkpoint import load_checkpoint, load_model_weights
+from streamnmt.configbase import check, check_choice, from_dict, opt, pick
+from streamnmt.data import DataConfig, Tokenizer, read_pairs
+from streamnmt.decode import SearchOptions, translate_ids
+from streamnmt.errors import ConfigError, InputError
+from streamnmt.fsutil import atomic_write
+from streamnmt.model import ModelShape, Transformer
+
+CHINESE = {"ch", "zh"}  # target languages scored with sacrebleu's "zh" tokenizer
+MAX_WARNINGS = 10  # truncation warnings printed before they are only counted
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+# -- configs ---------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class InferenceConfig:
+    """Settings shared by ``translate`` and ``eval``."""
+
+    weights: str | None = opt(None, "checkpoint written by streamnmt train, e.g. runs/train/exp/weights/best.pt "
+                                    "(required)")
+    tokenizer_src: str | None = opt(None, "source SentencePiece model (default: the one the checkpoint names)")
+    tokenizer_tgt: str | None = opt(None, "target SentencePiece model (default: the one the checkpoint names)")
+    beam_size: int = opt(3, "beam size (1 = greedy search)")
+    len_penalty: float = opt(0.6, "length penalty alpha: finished hypotheses are ranked by "
+                                  "log-prob / ((5 + length) / 6) ** alpha; 0 = plain log-prob")
+    max_len_a: float = opt(1.5, "an output stops at max_len_a * source tokens + max_len_b tokens")
+    max_len_b: int = opt(10, "see --max-len-a")
+    batch_size: int = opt(64, "sentences per decoding batch")
+    device: str | None = opt(None, "cpu, cuda or cuda:N (default: cuda if present)")
+    cached: bool = opt(True, "incremental decoding with cached keys/values; --no-cached re-runs the "
+                             "decoder over the whole prefix at each step (slow; for checking)")
+    sync_every: int = opt(0, "look for finished sentences every N decoding steps, one host-GPU sync "
+                             "each (0 = every step on CPU, every 4th on CUDA)")
+
+    def __post_init__(self) -> None:
+        check(bool(self.weights), "weights", "is required: the checkpoint to use, "
+                                             "e.g. --weights runs/train/exp/weights/best.pt")
+        check(self.beam_size >= 1, "beam_size", f"must be at least 1; got {self.beam_size}")
+        check(self.len_penalty >= 0, "len_penalty", f"must be 0 or more; got {self.len_penalty}")
+        check(self.max_len_a >= 0, "max_len_a", f"must be 0 or more; got {self.max_len_a}")
+        check(self.max_len_b >= 0, "max_len_b", f"must be 0 or more; got {self.max_len_b}")
+        check(self.max_len_a > 0 or self.max_len_b > 0, "max_len_b",
+              "must be positive when --max-len-a is 0 (outputs would have no room)")
+        check(self.batch_size >= 1, "batch_size", f"must be a positive integer; got {self.batch_size}")
+        check(self.sync_every >= 0, "sync_every", f"must be 0 (auto) or positive; got {self.sync_every}")
+        check_device(self.device)
+
+    def search_options(self) -> SearchOptions:
+        return SearchOptions(beam_size=self.beam_size, len_penalty=self.len_penalty, max_len_a=self.max_len_a,
+                             max_len_b=self.max_len_b, cached=self.cached, sync_every=self.sync_every)
+
+
+@dataclass(kw_only=True)
+class TranslateConfig(InferenceConfig):
+    input: str | None = opt(None, "text file, one sentence a line (default or '-': stdin)")
+    output: str | None = opt(None, "file for the translations, one a line (default or '-': stdout)")
+    max_input_len: int = opt(256, "longest input in tokens (EOS included); longer lines are truncated "
+                                  "with a warning")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.max_input_len >= 2, "max_input_len", f"must be at least 2; got {self.max_input_len}")
+
+
+@dataclass(kw_only=True)
+class EvalConfig(InferenceConfig):
+    data: str | None = opt(None, "corpus directory (default: the checkpoint's data config; the built-in "
+                                 "corpus if it had none)")
+    split: str = opt("test", "split to score", choices=("dev", "test"))
+    limit: int = opt(0, "score only the first N sentences (0 = all)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_choice(self.split, "split", ("dev", "test"))
+        check(self.limit >= 0, "limit", f"must be 0 (all) or positive; got {self.limit}")
+
+
+def check_device(device: str | None, key: str = "device") -> None:
+    if device is None:
+        return
+    ok = device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())
+    check(ok, key, f"must be cpu, cuda or cuda:N; got {device!r}")
+    if device.startswith("cuda"):
+        check(torch.cuda.is_available(), key, f"{device} requested but CUDA is not available here; use --device cpu")
+        index = int(device[5:]) if ":" in device else 0
+        check(index < torch.cuda.device_count(), key,
+              f"{device} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+
+
+def resolve_device(device: str | None) -> torch.device:
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+# -- checkpoint ------------------------------------------------------------------------------
+
+
+def load_for_inference(path: str | Path, device: torch.device | str, tokenizer_src: str | None = None,
+                       tokenizer_tgt: str | None = None
+                       ) -> tuple[Transformer, Tokenizer, Tokenizer, dict[str, Any]]:
+    """Load a checkpoint for decoding: (model in eval mode on ``device``, src_tok, tgt_tok, config).
+
+    The file is read with ``weights_only=True``, so nothing in it is executed. Tokenizers are the
+    ones the checkpoint names unless ``tokenizer_src``/``tokenizer_tgt`` are given; each must have
+    the model's vocabulary size. Every problem is an InputError naming the file.
+    """
+    ckpt = load_checkpoint(path, "--weights")
+    for key in ("model", "model_shape", "tokenizers"):
+        if key not in ckpt:
+            raise InputError(f"--weights: {path} has no '{key}' entry; it is not a complete streamnmt checkpoint")
+    try:
+        shape = ModelShape(**ckpt["model_shape"])
+    except TypeError as e:
+        raise InputError(f"--weights: {path}: bad model_shape entry ({e})") from None
+    src_tok = _tokenizer(ckpt, path, "src", tokenizer_src, shape.src_vocab)
+    tgt_tok = _tokenizer(ckpt, path, "tgt", tokenizer_tgt, shape.tgt_vocab)
+    model = Transformer(shape)
+    load_model_weights(model, ckpt, path)
+    return model.to(device).eval(), src_tok, tgt_tok, ckpt.get("config") or {}
+
+
+def _tokenizer(ckpt: dict[str, Any], path: str | Path, side: str, override: str | None,
+               vocab_size: int) -> Tokenizer:
+    """The ``side`` ("src"/"tgt") tokenizer: ``override`` or the checkpoint's, checked against the model."""
+    flag = f"--tokenizer-{side}"
+    meta = ckpt["tokenizers"].get(side) or {}
+    tok_path = override or meta.get("path")
+    if not tok_path:
+        raise InputError(f"--weights: {path} names no {side} tokenizer; pass one with {flag} PATH")
+    if not Path(tok_path).is_file():
+        if override:
+            raise InputError(f"{flag}: tokenizer model not found: {tok_path}")
+        raise InputError(f"{tok_path}: {side} tokenizer named by checkpoint {path} not found; "
+                         f"pass a copy of it with {flag} PATH")
+    tok = Tokenizer(tok_path)
+    if tok.vocab_size != vocab_size:
+        raise InputError(f"{tok_path}: tokenizer has {tok.vocab_size} pieces but the model's {side} vocabulary "
+                         f"has {vocab_size}; pass the tokenizer it was trained with ({flag} PATH)")
+    if meta.get("sha256") and tok.sha256 != meta["sha256"]:
+        warn(f"{tok_path}: not the {side} tokenizer the model was trained with (sha256 differs; same "
+             f"vocabulary size); translations may be wrong")
+    return tok
+
+
+def _check_beam(beam_size: int, tgt_tok: Tokenizer) -> None:
+    check(2 * beam_size <= tgt_tok.vocab_size, "beam_size",
+          f"must be at most half the target vocabulary ({tgt_tok.vocab_size // 2}); got {beam_size}")
+
+
+# -- translation and scoring -----------------------------------------------------------------
+
+
+def encode_sources(tok: Tokenizer, texts: list[str], max_len: int) -> tuple[list[list[int]], list[int]]:
+    """Encoder input as the training batches have it: tokens then EOS, at most ``max_len`` in all.
+
+    Returns the id lists and the indices of the texts that were truncated.
+    """
+    sources, cut = [], []
+    for i, ids in enumerate(tok.encode_batch(texts) if texts else []):
+        if len(ids) > max_len - 1:
+            ids = ids[:max_len - 1]
+            cut.append(i)
+        sources.append(ids + [masks.EOS])
+    return sources, cut
+
+
+def translate_texts(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, texts: list[str],
+                    opts: SearchOptions, *, device: torch.device | str, batch_size: int = 64,
+                    max_input_len: int | None = None) -> tuple[list[str], list[int]]:
+    """Translate sentences (none empty); returns the translations and the indices of truncated inputs."""
+    limit = min(max_input_len or model.shape.max_positions, model.shape.max_positions)
+    sources, cut = encode_sources(src_tok, texts, limit)
+    hyps = translate_ids(model, sources, opts, batch_size=batch_size, device=device)
+    # A translation is one line of output whatever the tokenizer makes of it.
+    return [tgt_tok.decode(h).replace("\n", " ") for h in hyps], cut
+
+
+def score(hyps: list[str], refs: list[str], tgt_lang: str) -> dict[str, Any]:
+    """Corpus BLEU (sacrebleu, ``zh`` tokenizer for Chinese, else ``13a``) and chrF."""
+    bleu = sacrebleu.BLEU(tokenize="zh" if tgt_lang.lower() in CHINESE else "13a")
+    chrf = sacrebleu.CHRF()
+    if not hyps:
+        return {"bleu": 0.0, "chrf": 0.0, "signature": ""}
+    b, c = bleu.corpus_score(hyps, [refs]), chrf.corpus_score(hyps, [refs])
+    return {"bleu": b.score, "chrf": c.score, "signature": f"{bleu.get_signature()} / {chrf.get_signature()}"}
+
+
+def bleu_on_pairs(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, pairs: list[tuple[str, str]], *,
+                  device: torch.device | str, beam_size: int = 3, batch_size: int = 64, tgt_lang: str = "ch",
+                  limit: int | None = None, options: SearchOptions | None = None) -> dict[str, Any]:
+    """Translate the sources of the first ``limit`` (None = all) ``pairs`` and score them.
+
+    ``options`` gives the search settings other than ``beam_size`` (default: SearchOptions()).
+    Returns ``bleu``, ``chrf``, ``n`` (sentences), ``seconds`` (wall time of the whole call) and the
+    sacrebleu ``signature``. The model is put in eval mode and back in train mode if it was.
+    """
+    t0 = time.perf_counter()
+    pairs = pairs[:limit] if limit else pairs
+    was_training = model.training
+    model.eval()
+    try:
+        hyps, _ = translate_texts(model, src_tok, tgt_tok, [s for s, _ in pairs],
+                                  dataclasses.replace(options or SearchOptions(), beam_size=beam_size),
+                                  device=device, batch_size=batch_size)
+    finally:
+        model.train(was_training)
+    result = score(hyps, [t for _, t in pairs], tgt_lang)
+    return {**result, "n": len(pairs), "seconds": time.perf_counter() - t0}
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+def read_lines(path: str | None) -> tuple[str, list[str]]:
+    """(name for messages, lines) of a UTF-8 file or stdin; a final newline ends the last line."""
+    if path in (None, "-"):
+        name, data = "<stdin>", sys.stdin.buffer.read()
+    else:
+        name = path
+        try:
+            data = Path(path).read_bytes()
+        except FileNotFoundError:
+            raise InputError(f"--input: file not found: {path}") from None
+        except OSError as e:
+            raise InputError(f"--input: cannot read {path}: {e.strerror}") from None
+    skip = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        text = data[skip:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        offset = skip + e.start
+        line = data[:offset].count(b"\n") + 1
+        raise InputError(f"{name}:{line}: not UTF-8 text (byte 0x{data[offset]:02x} at byte offset {offset})") from None
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the final newline ends the last line; it does not start another
+    return name, [line.removesuffix("\r") for line in lines]
+
+
+def run_translate(cfg: TranslateConfig) -> int:
+    """Translate ``cfg.input`` line by line; empty lines stay empty. Returns the exit code."""
+    device = resolve_device(cfg.device)
+    model, src_tok, tgt_tok, _ = load_for_inference(cfg.weights, device, cfg.tokenizer_src, cfg.tokenizer_tgt)
+    _check_beam(cfg.beam_size, tgt_tok)
+    name, lines = read_lines(cfg.input)
+    todo = [i for i, line in enumerate(lines) if line.strip()]  # empty lines are not sent to the model
+
+    t0 = time.perf_counter()
+    max_len = min(cfg.max_input_len, model.shape.max_positions)
+    hyps, cut = translate_texts(model, src_tok, tgt_tok, [lines[i] for i in todo], cfg.search_options(),
+                                device=device, batch_size=cfg.batch_size, max_input_len=max_len)
+    seconds = time.perf_counter() - t0
+    for j in cut[:MAX_WARNINGS]:
+        warn(f"{name}:{todo[j] + 1}: input longer than {max_len} tokens (EOS included); truncated")
+    if len(cut) > MAX_WARNINGS:
+        warn(f"{name}: {len(cut) - MAX_WARNINGS} more lines truncated to {max_len} tokens")
+
+    out = [""] * len(lines)
+    for i, hyp in zip(todo, hyps):
+        out[i] = hyp
+    text = "".join(line + "\n" for line in out)
+    if cfg.output in (None, "-"):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        try:
+            atomic_write(cfg.output, text)
+        except OSError as e:
+            raise InputError(f"--output: cannot write {cfg.output}: {e.strerror}") from None
+    rate = len(todo) / seconds if seconds > 0 else 0.0
+    print(f"translated {len(lines)} lines ({len(todo)} non-empty) in {seconds:.2f} s, {rate:.1f} sentences/s "
+          f"on {device}", file=sys.stderr)
+    return 0
+
+
+def eval_data_config(config: dict[str, Any], data: str | None) -> DataConfig:
+    """The checkpoint's data config (defaults where it has none), with ``data`` as its corpus if given."""
+    dcfg = from_dict(DataConfig, pick(DataConfig, config.get("data") or {}))
+    return dataclasses.replace(dcfg, data=data) if data is not None else dcfg
+
+
+def run_eval(cfg: EvalConfig) -> int:
+    """Print BLEU and chrF of the checkpoint on a split. Returns the exit code."""
+    device = resolve_device(cfg.device)
+    model, src_tok, tgt_tok, config = load_for_inference(cfg.weights, device, cfg.tokenizer_src, cfg.tokenizer_tgt)
+    _check_beam(cfg.beam_size, tgt_tok)
+    try:
+        dcfg = eval_data_config(config, cfg.data)
+    except ConfigError as e:
+        raise InputError(f"--weights: {cfg.weights}: bad data config in the checkpoint ({e})") from None
+    pairs = read_pairs(dcfg, cfg.split)
+    res = bleu_on_pairs(model, src_tok, tgt_tok, pairs, device=device, beam_size=cfg.beam_size,
+                        batch_size=cfg.batch_size, tgt_lang=dcfg.tgt_lang, limit=cfg.limit or None,
+                        options=cfg.search_options())
+    rate = res["n"] / res["seconds"] if res["seconds"] > 0 else 0.0
+    print(f"{cfg.split}: {res['n']} sentences, beam {cfg.beam_size}, {res['seconds']:.2f} s, "
+          f"{rate:.1f} sentences/s on {device}")
+    print(f"BLEU = {res['bleu']:.2f}  chrF = {res['chrf']:.2f}")
+    print(f"sacrebleu: {res['signature']}")
+    return 0

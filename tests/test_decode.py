@@ -1,0 +1,214 @@
+"""Greedy and beam search: cached = uncached = naive one-sentence references, batching, retiring, limits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from streamnmt import decode, masks
+from streamnmt.decode import SearchOptions, beam_search, greedy_search, pad_batch, translate_ids
+from streamnmt.engine.syncstats import STATS
+from streamnmt.model import Transformer, make_model
+
+VOCAB = 40
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models gain nothing from intra-op threads, and those threads stall badly (tens of times
+    # slower) when other processes share the cores.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+LENGTHS = (3, 7, 12, 5, 9, 1, 15, 4)
+
+
+def tiny_model(seed: int = 0, eos_bias: float = 0.5, max_positions: int = 64) -> Transformer:
+    torch.manual_seed(seed)
+    model = make_model(VOCAB, VOCAB, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_positions=max_positions)
+    with torch.no_grad():
+        # Random weights rarely pick EOS; this bias makes some sentences finish early and others
+        # run to their length limit, so retiring finished sentences is exercised.
+        model.generator.bias[masks.EOS] = eos_bias
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def sources() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(4, VOCAB, (n,), generator=g).tolist() + [masks.EOS] for n in LENGTHS]
+
+
+def limit(n_src: int, opts: SearchOptions, max_positions: int = 64) -> int:
+    return min(max(int(opts.max_len_a * n_src + opts.max_len_b), 1), max_positions - 1)
+
+
+# -- independent references: one sentence, full decoder re-run, Python lists -----------------
+
+def _next_logp(model: Transformer, mem, mask, prefix: list[int]) -> torch.Tensor:
+    h = model.decode(mem, mask, torch.tensor([[masks.BOS] + prefix]))[0, -1]
+    return F.log_softmax(model.generator(h), -1)  # (V,)
+
+
+@torch.no_grad()
+def naive_greedy(model: Transformer, src: list[int], opts: SearchOptions) -> list[int]:
+    s = torch.tensor([src])
+    mask = masks.src_mask(s)
+    mem = model.encode(s, mask)
+    out: list[int] = []
+    for _ in range(limit(len(src), opts)):
+        w = int(_next_logp(model, mem, mask, out).argmax())
+        if w == masks.EOS:
+            break
+        out.append(w)
+    return out
+
+
+@torch.no_grad()
+def naive_beam(model: Transformer, src: list[int], opts: SearchOptions) -> list[int]:
+    """Beam search as documented in decode.beam_search, written plainly for one sentence."""
+    k, big = opts.beam_size, limit(len(src), opts)
+    s = torch.tensor([src])
+    mask = masks.src_mask(s)
+    mem = model.encode(s, mask)
+    live: list[tuple[list[int], float]] = [([], 0.0)]
+    pool: list[tuple[float, list[int]]] = []
+    finished = 0
+    for t in range(big + 1):
+        cands = []
+        for toks, score in live:
+            logp = _next_logp(model, mem, mask, toks).tolist()
+            for w in range(VOCAB):
+                if t < big or w == masks.EOS:  # EOS forced at the limit
+                    cands.append((score + logp[w], toks, w))
+        cands = sorted(cands, key=lambda c: -c[0])[:2 * k]
+        for rank, (score, toks, w) in enumerate(cands):
+            if w == masks.EOS and rank < k:
+                pool.append((score / ((5 + t + 1) / 6) ** opts.len_penalty, toks))
+                finished += 1
+        if finished >= k:
+            break
+        live = [(toks + [w], score) for score, toks, w in cands if w != masks.EOS][:k]
+    return max(pool, key=lambda p: p[0])[1]
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("beam", [1, 3, 4])
+def test_cached_equals_uncached(model, sources, beam):
+    opts = SearchOptions(beam_size=beam, max_len_b=5)
+    cached = translate_ids(model, sources, opts, batch_size=5)
+    uncached = translate_ids(model, sources, SearchOptions(beam_size=beam, max_len_b=5, cached=False), batch_size=5)
+    assert cached == uncached
+    # the bias did its job: some sentences stop early, some run to their limit
+    lengths = [len(h) for h in cached]
+    limits = [limit(len(s), opts) for s in sources]
+    assert any(n < lim for n, lim in zip(lengths, limits))
+    assert len(set(lengths)) > 2
+
+
+def test_greedy_matches_naive_reference(model, sources):
+    opts = SearchOptions(beam_size=1, max_len_b=5)
+    assert translate_ids(model, sources, opts, batch_size=3) == [naive_greedy(model, s, opts) for s in sources]
+
+
+@pytest.mark.parametrize("beam,alpha", [(3, 0.6), (4, 0.0), (2, 1.0), (3, 2.0)])
+def test_beam_matches_naive_reference(model, sources, beam, alpha):
+    opts = SearchOptions(beam_size=beam, len_penalty=alpha, max_len_b=5)
+    assert translate_ids(model, sources, opts, batch_size=3) == [naive_beam(model, s, opts) for s in sources]
+
+
+def test_beam_size_one_equals_greedy(model, sources):
+    opts = SearchOptions(beam_size=1, max_len_b=5)
+    src = pad_batch(sources, "cpu")
+    assert beam_search(model, src, opts) == greedy_search(model, src, opts)
+
+
+def test_finished_sentences_are_retired(model, sources, monkeypatch):
+    sizes: list[int] = []
+    select = decode.CachedStepper.select
+    monkeypatch.setattr(decode.CachedStepper, "select", lambda self, index: (sizes.append(len(index)),
+                                                                             select(self, index))[1])
+    beam_search(model, pad_batch(sources, "cpu"), SearchOptions(beam_size=3, max_len_b=5, sync_every=1))
+    full = 3 * len(sources)
+    assert sizes[0] == full
+    assert min(sizes) < full  # the batch shrank as sentences finished
+    assert sizes[-1] < full
+
+
+@pytest.mark.parametrize("beam,alpha", [(1, 0.6), (3, 2.0)])
+def test_result_independent_of_sync_interval_and_syncs_bounded(model, sources, beam, alpha):
+    # alpha 2 favours long hypotheses: a done sentence whose pool were not frozen would pick up
+    # later, longer ones and its result would depend on when the host retires it
+    src = pad_batch(sources, "cpu")
+    results = []
+    for every in (1, 3, 1000):
+        before = STATS.snapshot().get("decode.retire", {}).get("count", 0)
+        opts = SearchOptions(beam_size=beam, len_penalty=alpha, max_len_b=5, sync_every=every)
+        results.append(decode.search(model, src, opts))
+        syncs = STATS.snapshot().get("decode.retire", {}).get("count", 0) - before
+        max_steps = limit(src.size(1), SearchOptions(max_len_b=5))
+        assert syncs <= math.ceil(max_steps / every)
+    assert results[0] == results[1] == results[2]
+
+
+def test_order_restored(model, sources):
+    opts = SearchOptions(beam_size=3, max_len_b=5)
+    forward = translate_ids(model, sources, opts, batch_size=3)
+    backward = translate_ids(model, sources[::-1], opts, batch_size=3)
+    assert backward == forward[::-1]
+    alone = [translate_ids(model, [s], opts)[0] for s in sources]
+    assert forward == alone
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_length_limit_relative_to_source_and_capped(beam):
+    model = tiny_model(eos_bias=-1e4, max_positions=16)  # never EOS: every output runs to its limit
+    srcs = [[5] * n + [masks.EOS] for n in (1, 4, 12)]
+    opts = SearchOptions(beam_size=beam, max_len_a=1.0, max_len_b=2)
+    out = translate_ids(model, srcs, opts)
+    assert [len(h) for h in out] == [4, 7, 15]  # 1.0 * (n + 1) + 2, capped at max_positions - 1
+    assert all(masks.EOS not in h for h in out)
+
+
+def test_length_penalty():
+    assert decode.length_penalty(3, 0.0) == 1.0
+    assert decode.length_penalty(7, 1.0) == pytest.approx(2.0)
+    assert decode.length_penalty(7, 0.6) == pytest.approx(2.0 ** 0.6)
+
+
+def test_refuses_training_mode_and_oversized_beam():
+    model = tiny_model().train()
+    src = pad_batch([[5, masks.EOS]], "cpu")
+    with pytest.raises(ValueError, match="eval"):
+        greedy_search(model, src)
+    with pytest.raises(ValueError, match="beam_size"):
+        beam_search(model.eval(), src, SearchOptions(beam_size=VOCAB))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("beam", [1, 3])
+def test_gpu_cached_equals_uncached_without_unlabelled_syncs(beam):
+    dev = torch.device("cuda")
+    model = tiny_model().to(dev)
+    g = torch.Generator().manual_seed(1)
+    srcs = [torch.randint(4, VOCAB, (n,), generator=g).tolist() + [masks.EOS] for n in LENGTHS]
+    torch.cuda.set_sync_debug_mode("error")  # any sync not made through host_sync raises
+    try:
+        before = STATS.snapshot().get("decode.retire", {}).get("count", 0)
+        cached = translate_ids(model, srcs, SearchOptions(beam_size=beam, max_len_b=5), device=dev)
+        retires = STATS.snapshot()["decode.retire"]["count"] - before
+        uncached = translate_ids(model, srcs, SearchOptions(beam_size=beam, max_len_b=5, cached=False), device=dev)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert cached == uncached
+    assert retires <= math.ceil(limit(max(LENGTHS) + 1, SearchOptions(max_len_b=5)) / decode.sync_interval(dev))

@@ -1,0 +1,303 @@
+"""translate / eval commands, the inference checkpoint loader, BLEU, and their one-line errors."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+import torch
+
+from streamnmt import cli, masks
+from streamnmt.checkpoint import save_checkpoint
+from streamnmt.configbase import from_dict
+from streamnmt.decode import SearchOptions
+from streamnmt.errors import ConfigError, InputError
+from streamnmt.model import ModelShape, Transformer
+from streamnmt.translate import (EvalConfig, TranslateConfig, bleu_on_pairs, load_for_inference, read_lines,
+                                 encode_sources, run_eval, run_translate, score, translate_texts)
+
+EN_WORDS = "the a cat dog sees likes big small red house tree runs eats fish bird green old new".split()
+ZH_CHARS = "猫狗看喜欢大小红房子树跑吃鱼鸟绿老新的一个"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models gain nothing from intra-op threads, and those threads stall badly (tens of times
+    # slower) when other processes share the cores.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _corpus(n: int, seed: int) -> list[tuple[str, str]]:
+    g = torch.Generator().manual_seed(seed)
+    pairs = []
+    for _ in range(n):
+        k = int(torch.randint(3, 9, (1,), generator=g))
+        en = " ".join(EN_WORDS[i] for i in torch.randint(len(EN_WORDS), (k,), generator=g).tolist())
+        zh = "".join(ZH_CHARS[i] for i in torch.randint(len(ZH_CHARS), (k + 1,), generator=g).tolist())
+        pairs.append((en, zh + "。"))
+    return pairs
+
+
+def _train_spm(path: Path, sentences: list[str], vocab: int) -> Path:
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_prefix=str(path), vocab_size=vocab,
+                                   pad_id=0, unk_id=1, bos_id=2, eos_id=3, hard_vocab_limit=False,
+                                   character_coverage=1.0, minloglevel=2)
+    return path.with_suffix(".model")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    """Tokenizers, a data dir in the {"en", "ch"} JSON layout, and a tiny checkpoint naming both."""
+    root = tmp_path_factory.mktemp("translate")
+    pairs = _corpus(300, seed=0)
+    src_spm = _train_spm(root / "src", [e for e, _ in pairs], 48)
+    tgt_spm = _train_spm(root / "tgt", [z for _, z in pairs], 40)
+    other_spm = _train_spm(root / "other", [e for e, _ in pairs], 36)
+    data = root / "data"
+    data.mkdir()
+    for split, chunk in (("train", pairs[:200]), ("dev", pairs[200:240]), ("test", pairs[240:])):
+        (data / f"{split}.json").write_text(json.dumps([{"en": e, "ch": z} for e, z in chunk], ensure_ascii=False),
+                                            encoding="utf-8")
+    sp_src, sp_tgt = spm.SentencePieceProcessor(model_file=str(src_spm)), spm.SentencePieceProcessor(model_file=str(tgt_spm))
+    torch.manual_seed(0)
+    shape = ModelShape(sp_src.get_piece_size(), sp_tgt.get_piece_size(), d_model=32, n_layers=2, n_heads=4,
+                       d_ff=64, dropout=0.1, max_positions=64)
+    model = Transformer(shape)
+    with torch.no_grad():
+        model.generator.bias[masks.EOS] = 1.0  # random weights: let outputs end before their limit
+    tokenizers = {side: {"path": str(p.resolve()), "sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
+                         "vocab_size": sp.get_piece_size()}
+                  for side, p, sp in (("src", src_spm, sp_src), ("tgt", tgt_spm, sp_tgt))}
+    state = {"model": model.state_dict(), "model_shape": vars(shape).copy(), "tokenizers": tokenizers,
+             "config": {"data": {"data": str(data), "src_lang": "en", "tgt_lang": "ch"}}, "epoch": 1}
+    ckpt = root / "best.pt"
+    save_checkpoint(ckpt, state)
+    return {"root": root, "ckpt": ckpt, "state": state, "data": data, "pairs": pairs, "src_spm": src_spm,
+            "tgt_spm": tgt_spm, "other_spm": other_spm}
+
+
+def _translate(env, **kw) -> int:
+    return run_translate(TranslateConfig(weights=str(env["ckpt"]), device="cpu", **kw))
+
+
+INPUT = "the cat sees a dog\n\nbig red house\n   \nold bird eats fish"  # no final newline
+
+
+# -- translate -------------------------------------------------------------------------------
+
+def test_translate_file_keeps_lines_and_order(env, tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text(INPUT, encoding="utf-8")
+    out = tmp_path / "sub" / "out.txt"
+    assert _translate(env, input=str(src), output=str(out)) == 0
+    lines = out.read_text(encoding="utf-8").split("\n")
+    assert lines[-1] == "" and len(lines) == 6  # five lines, each ended by a newline
+    assert lines[1] == "" and lines[3] == ""
+    model, src_tok, tgt_tok, _ = load_for_inference(env["ckpt"], "cpu")
+    expect, _ = translate_texts(model, src_tok, tgt_tok, ["the cat sees a dog", "big red house", "old bird eats fish"],
+                                SearchOptions(), device="cpu")
+    assert [lines[0], lines[2], lines[4]] == expect
+    assert any(expect)
+
+
+def test_translate_stdin_stdout(env, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(("\n" + INPUT + "\n\n").encode())))
+    assert _translate(env, beam_size=1) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.split("\n")
+    assert len(lines) == 8 and lines[-1] == ""
+    assert [i for i, line in enumerate(lines[:-1]) if line == ""] == [0, 2, 4, 6]
+    assert "translated 7 lines (3 non-empty)" in captured.err
+
+
+def test_translate_truncates_long_lines_with_warning(env, tmp_path, capsys):
+    src = tmp_path / "in.txt"
+    src.write_text("a cat\n" + " ".join(["the big red house"] * 10) + "\n", encoding="utf-8")
+    assert _translate(env, input=str(src), output=str(tmp_path / "out.txt"), max_input_len=6) == 0
+    err = capsys.readouterr().err
+    assert f"{src}:2: input longer than 6 tokens" in err and "truncated" in err
+    assert f"{src}:1:" not in err
+
+
+def test_read_lines_crlf_and_bom(tmp_path):
+    p = tmp_path / "in.txt"
+    p.write_bytes(b"\xef\xbb\xbfone\r\ntwo\r\n\r\n")
+    assert read_lines(str(p)) == (str(p), ["one", "two", ""])
+    p.write_bytes(b"\xef\xbb\xbfab\n\xff")
+    with pytest.raises(InputError, match=r"in.txt:2: not UTF-8 .*byte offset 6"):  # offsets count the BOM
+        read_lines(str(p))
+
+
+def test_encoder_input_is_tokens_then_eos_like_training_batches(env):
+    _, src_tok, _, _ = load_for_inference(env["ckpt"], "cpu")
+    texts = ["the cat", " ".join(["big red house"] * 8)]
+    sources, cut = encode_sources(src_tok, texts, 6)
+    assert sources[0] == src_tok.encode("the cat") + [masks.EOS]
+    assert sources[1] == src_tok.encode(texts[1])[:5] + [masks.EOS]
+    assert cut == [1]
+
+
+def test_cli_translate_and_errors(env, tmp_path, capsys):
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text(INPUT, encoding="utf-8")
+    assert cli.main(["translate", "--weights", str(env["ckpt"]), "--input", str(src), "--output", str(out),
+                     "--device", "cpu", "--no-cached", "--beam-size", "2"]) == 0
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 5
+    assert cli.main(["translate", "--weights", str(tmp_path / "nope.pt"), "--device", "cpu"]) == 1
+    assert cli.main(["translate", "--weights", str(env["ckpt"]), "--beam-size", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and "nope.pt" in err[1] and "--beam-size" in err[2]
+
+
+# -- eval and BLEU ---------------------------------------------------------------------------
+
+def test_eval_prints_bleu_and_chrf(env, capsys):
+    assert run_eval(EvalConfig(weights=str(env["ckpt"]), device="cpu", split="dev")) == 0
+    out = capsys.readouterr().out
+    assert "dev: 40 sentences, beam 3" in out and "sentences/s" in out
+    assert "BLEU = " in out and "chrF = " in out and "tok:zh" in out
+    assert run_eval(EvalConfig(weights=str(env["ckpt"]), device="cpu", data=str(env["data"]), limit=5,
+                               beam_size=1)) == 0
+    assert "test: 5 sentences, beam 1" in capsys.readouterr().out
+
+
+def test_bleu_on_pairs_scores_against_references_and_restores_mode(env):
+    model, src_tok, tgt_tok, _ = load_for_inference(env["ckpt"], "cpu")
+    sources = [e for e, _ in env["pairs"][:30]]
+    hyps, _ = translate_texts(model, src_tok, tgt_tok, sources, SearchOptions(), device="cpu")
+    own = [(s, h) for s, h in zip(sources, hyps) if len(h) >= 4]
+    assert len(own) >= 5
+    model.train()
+    res = bleu_on_pairs(model, src_tok, tgt_tok, own, device="cpu", beam_size=3, tgt_lang="ch")
+    assert model.training
+    assert res["bleu"] == pytest.approx(100.0) and res["chrf"] == pytest.approx(100.0)
+    assert res["n"] == len(own) and res["seconds"] > 0
+    shifted = [(s, h) for (s, _), (_, h) in zip(own, own[1:] + own[:1])]  # references out of order
+    model.eval()
+    res = bleu_on_pairs(model, src_tok, tgt_tok, shifted, device="cpu", limit=4)
+    assert res["bleu"] < 100 and res["n"] == 4 and not model.training
+
+
+def test_score_uses_zh_tokenizer_for_chinese():
+    assert score(["我们是学生"], ["我们是学生们"], "ch")["bleu"] > 0
+    assert score(["我们是学生"], ["我们是学生们"], "en")["bleu"] == 0
+    assert score([], [], "ch")["bleu"] == 0.0
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+def test_weights_missing(tmp_path):
+    with pytest.raises(InputError, match="nope.pt"):
+        load_for_inference(tmp_path / "nope.pt", "cpu")
+
+
+def test_not_a_checkpoint(tmp_path):
+    text = tmp_path / "notes.pt"
+    text.write_text("hello", encoding="utf-8")
+    with pytest.raises(InputError, match=r"not a .*streamnmt checkpoint") as e:
+        load_for_inference(text, "cpu")
+    assert str(text) in str(e.value)
+    other = tmp_path / "other.pt"
+    torch.save({"weights": torch.zeros(2)}, other)
+    with pytest.raises(InputError, match=r"not a streamnmt checkpoint") as e:
+        load_for_inference(other, "cpu")
+    assert str(other) in str(e.value)
+
+
+class _Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
+
+
+def test_pickle_payload_is_not_executed(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": "streamnmt-checkpoint", "version": 1, "model": _Payload(marker)}, evil)
+    torch.load(evil, weights_only=False)  # the payload works when unpickled ...
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(InputError, match="evil.pt"):
+        load_for_inference(evil, "cpu")
+    assert not marker.exists()  # ... and the loader never unpickled it
+
+
+def test_tokenizer_missing_names_path_and_flag(env, tmp_path):
+    state = json.loads(json.dumps(env["state"]["tokenizers"]))
+    state["src"]["path"] = str(tmp_path / "gone.model")
+    ckpt = tmp_path / "moved.pt"
+    save_checkpoint(ckpt, {**env["state"], "tokenizers": state})
+    with pytest.raises(InputError, match="gone.model") as e:
+        load_for_inference(ckpt, "cpu")
+    assert "--tokenizer-src" in str(e.value)
+    model, src_tok, _, _ = load_for_inference(ckpt, "cpu", tokenizer_src=str(env["src_spm"]))
+    assert src_tok.vocab_size == model.shape.src_vocab
+
+
+def test_tokenizer_of_other_content_warns(env, tmp_path, capsys):
+    tokenizers = json.loads(json.dumps(env["state"]["tokenizers"]))
+    tokenizers["tgt"]["sha256"] = "0" * 64
+    ckpt = tmp_path / "retrained.pt"
+    save_checkpoint(ckpt, {**env["state"], "tokenizers": tokenizers})
+    load_for_inference(ckpt, "cpu")
+    err = capsys.readouterr().err
+    assert "tgt.model: not the tgt tokenizer the model was trained with" in err and "src.model" not in err
+
+
+def test_tokenizer_of_other_vocab_size(env):
+    with pytest.raises(InputError, match="other.model") as e:
+        load_for_inference(env["ckpt"], "cpu", tokenizer_src=str(env["other_spm"]))
+    n_other = spm.SentencePieceProcessor(model_file=str(env["other_spm"])).get_piece_size()
+    assert f"{n_other} pieces" in str(e.value) and f"has {env['state']['model_shape']['src_vocab']}" in str(e.value)
+    assert "--tokenizer-src" in str(e.value)
+
+
+def test_input_not_utf8(env, tmp_path, monkeypatch):
+    src = tmp_path / "latin1.txt"
+    src.write_bytes(b"good line\ncaf\xe9\n")
+    with pytest.raises(InputError, match=r"latin1.txt:2: not UTF-8 .*byte offset 13"):
+        _translate(env, input=str(src))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff\n")))
+    with pytest.raises(InputError, match=r"<stdin>:1: not UTF-8 .*byte offset 0"):
+        _translate(env)
+
+
+def test_input_missing(env, tmp_path):
+    with pytest.raises(InputError, match="absent.txt"):
+        _translate(env, input=str(tmp_path / "absent.txt"))
+
+
+@pytest.mark.parametrize("values,flag", [
+    ({}, "--weights"),
+    ({"weights": "w.pt", "beam_size": "0"}, "--beam-size"),
+    ({"weights": "w.pt", "device": "tpu"}, "--device"),
+    ({"weights": "w.pt", "max_input_len": "1"}, "--max-input-len"),
+    ({"weights": "w.pt", "len_penalty": "-1"}, "--len-penalty"),
+])
+def test_translate_config_errors_name_the_flag(values, flag):
+    with pytest.raises(ConfigError, match=flag):
+        from_dict(TranslateConfig, values)
+
+
+def test_eval_config_errors_name_the_flag():
+    with pytest.raises(ConfigError, match="--split"):
+        EvalConfig(weights="w.pt", split="train")
+    with pytest.raises(ConfigError, match="--limit"):
+        EvalConfig(weights="w.pt", limit=-1)
+
+
+def test_beam_larger_than_half_the_vocabulary(env):
+    with pytest.raises(ConfigError, match="--beam-size"):
+        _translate(env, beam_size=1000, input=os.devnull)

@@ -24,12 +24,14 @@ import torch
 
 from streamnmt import masks
 from streamnmt.checkpoint import load_checkpoint, load_model_weights
+from streamnmt.config import RunConfig
 from streamnmt.configbase import check, check_choice, from_dict, opt, pick
 from streamnmt.data import DataConfig, Tokenizer, read_pairs
 from streamnmt.decode import SearchOptions, translate_ids
 from streamnmt.errors import ConfigError, InputError
 from streamnmt.fsutil import atomic_write
 from streamnmt.model import ModelShape, Transformer
+from streamnmt.train import resolve_device
 
 CHINESE = {"ch", "zh"}  # target languages scored with sacrebleu's "zh" tokenizer
 MAX_WARNINGS = 10  # truncation warnings printed before they are only counted
@@ -48,19 +50,19 @@ class InferenceConfig:
 
     weights: str | None = opt(None, "checkpoint written by streamnmt train, e.g. runs/train/exp/weights/best.pt "
                                     "(required)")
-    tokenizer_src: str | None = opt(None, "source SentencePiece model (default: the one the checkpoint names)")
-    tokenizer_tgt: str | None = opt(None, "target SentencePiece model (default: the one the checkpoint names)")
+    tokenizer_src: str | None = opt(None, "source SentencePiece model; none = the one the checkpoint names")
+    tokenizer_tgt: str | None = opt(None, "target SentencePiece model; none = the one the checkpoint names")
     beam_size: int = opt(3, "beam size (1 = greedy search)")
     len_penalty: float = opt(0.6, "length penalty alpha: finished hypotheses are ranked by "
                                   "log-prob / ((5 + length) / 6) ** alpha; 0 = plain log-prob")
     max_len_a: float = opt(1.5, "an output stops at max_len_a * source tokens + max_len_b tokens")
     max_len_b: int = opt(10, "see --max-len-a")
     batch_size: int = opt(64, "sentences per decoding batch")
-    device: str | None = opt(None, "cpu, cuda or cuda:N (default: cuda if present)")
+    device: str | None = opt(None, "cpu, cuda or cuda:N; none = cuda if present")
     cached: bool = opt(True, "incremental decoding with cached keys/values; --no-cached re-runs the "
                              "decoder over the whole prefix at each step (slow; for checking)")
     sync_every: int = opt(0, "look for finished sentences every N decoding steps, one host-GPU sync "
-                             "each (0 = every step on CPU, every 4th on CUDA)")
+                             "each; 0 = every step on CPU, every 4th on CUDA")
 
     def __post_init__(self) -> None:
         check(bool(self.weights), "weights", "is required: the checkpoint to use, "
@@ -73,7 +75,7 @@ class InferenceConfig:
               "must be positive when --max-len-a is 0 (outputs would have no room)")
         check(self.batch_size >= 1, "batch_size", f"must be a positive integer; got {self.batch_size}")
         check(self.sync_every >= 0, "sync_every", f"must be 0 (auto) or positive; got {self.sync_every}")
-        check_device(self.device)
+        RunConfig(device=self.device)  # the trainer's --device check
 
     def search_options(self) -> SearchOptions:
         return SearchOptions(beam_size=self.beam_size, len_penalty=self.len_penalty, max_len_a=self.max_len_a,
@@ -82,8 +84,8 @@ class InferenceConfig:
 
 @dataclass(kw_only=True)
 class TranslateConfig(InferenceConfig):
-    input: str | None = opt(None, "text file, one sentence a line (default or '-': stdin)")
-    output: str | None = opt(None, "file for the translations, one a line (default or '-': stdout)")
+    input: str | None = opt(None, "text file, one sentence a line; none or '-' = stdin")
+    output: str | None = opt(None, "file for the translations, one a line; none or '-' = stdout")
     max_input_len: int = opt(256, "longest input in tokens (EOS included); longer lines are truncated "
                                   "with a warning")
 
@@ -94,7 +96,7 @@ class TranslateConfig(InferenceConfig):
 
 @dataclass(kw_only=True)
 class EvalConfig(InferenceConfig):
-    data: str | None = opt(None, "corpus directory (default: the checkpoint's data config; the built-in "
+    data: str | None = opt(None, "corpus directory; none = the checkpoint's data config (the built-in "
                                  "corpus if it had none)")
     split: str = opt("test", "split to score", choices=("dev", "test"))
     limit: int = opt(0, "score only the first N sentences (0 = all)")
@@ -103,22 +105,6 @@ class EvalConfig(InferenceConfig):
         super().__post_init__()
         check_choice(self.split, "split", ("dev", "test"))
         check(self.limit >= 0, "limit", f"must be 0 (all) or positive; got {self.limit}")
-
-
-def check_device(device: str | None, key: str = "device") -> None:
-    if device is None:
-        return
-    ok = device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())
-    check(ok, key, f"must be cpu, cuda or cuda:N; got {device!r}")
-    if device.startswith("cuda"):
-        check(torch.cuda.is_available(), key, f"{device} requested but CUDA is not available here; use --device cpu")
-        index = int(device[5:]) if ":" in device else 0
-        check(index < torch.cuda.device_count(), key,
-              f"{device} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
-
-
-def resolve_device(device: str | None) -> torch.device:
-    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 # -- checkpoint ------------------------------------------------------------------------------

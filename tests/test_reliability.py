@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -31,7 +32,15 @@ def run_cli(args: list[str], home: str, env: dict | None = None, wait: bool = Tr
     cmd = [sys.executable, "-m", "streamnmt", "train", *args]
     if not wait:
         return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=600)
+    # In its own process group, so that nothing it started outlives the test.
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def losses(run: Path) -> list[tuple[str, str, str]]:

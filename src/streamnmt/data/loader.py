@@ -18,6 +18,9 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,6 +42,16 @@ class _PlannedBatches(Dataset):
     def __getitem__(self, item: PlannedBatch) -> HostBatch:
         length, rows = item
         return collate_host(self.corpus, rows, length)
+
+
+def _die_with_parent(worker_id: int) -> None:
+    """Workers end when the trainer process dies, even by SIGKILL. (Their own watchdog notices a
+    dead parent, but a worker with results still queued then blocks forever flushing its pipe.)"""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _as_is(batch: HostBatch) -> HostBatch:
@@ -67,7 +80,7 @@ class BatchLoader:
         self._loader = DataLoader(_PlannedBatches(corpus), sampler=self.sampler, batch_size=None,
                                   collate_fn=_as_is, num_workers=cfg.workers,
                                   pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(seed),
-                                  **extra)
+                                  worker_init_fn=_die_with_parent, **extra)
 
     def __len__(self) -> int:
         """Batches per epoch."""

@@ -1,0 +1,110 @@
+"""The benchmark's settings: which rows to run, how long, on what model and data.
+
+One dataclass, as for every other component: its fields are the ``streamnmt bench`` flags
+(``batch_size`` -> ``--batch-size``), and ``__post_init__`` refuses values with a message naming
+the flag. ``auto`` settings are filled from the device by :meth:`BenchConfig.resolve`, and the
+resolved config is what ``bench.json`` records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from streamnmt.config import PRESETS, RunConfig
+from streamnmt.configbase import check, check_choice, opt
+from streamnmt.engine import STRATEGY_NAMES
+
+# Reference rows: the limit of an eager loop (batches already on the GPU, no transfers, no host
+# waits), the same for graph mode, and the loop most people write (blocking copy, loss.item()).
+REFERENCES = ("resident", "resident-graph", "plain")
+# Table and execution order: what users write, the engine's strategies, then the limits.
+ORDER = ("plain", *STRATEGY_NAMES, "resident", "resident-graph")
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    device: str | None = opt(None, "cpu, cuda or cuda:N (default: cuda if present)")
+    steps: int = opt(100, "timed steps per run")
+    warmup: int = opt(20, "untimed steps before each timed run (same code path, same data each run)")
+    repeats: int = opt(3, "runs of each row, interleaved (A B C A B C ...); the table shows the median")
+    strategies: str = opt("all", "comma-separated rows: " + ",".join(STRATEGY_NAMES) + " and the references "
+                          + ",".join(REFERENCES) + "; all = every one")
+    references: bool = opt(True, "add the reference rows: resident and plain, and resident-graph with graph "
+                                 "on CUDA")
+    batch_size: int = opt(32, "sentences per batch")
+    max_len: int = opt(32, "longest sentence in tokens")
+    pad_multiple: int = opt(8, "batch lengths are padded to a multiple of this; set it to --max-len for fixed "
+                               "(batch-size x max-len) shapes")
+    model: str = opt("auto", "model preset; auto = base on CUDA, tiny on CPU", choices=("auto", *PRESETS))
+    amp: str = opt("auto", "mixed precision; auto = bf16 on CUDA, off on CPU",
+                   choices=("auto", "bf16", "fp16", "off"))
+    compile: bool = opt(False, "torch.compile each row's model (slow to start: one compilation per row)")
+    sync_interval: int = opt(10, "interval/deep/full/graph: the host blocks every this many batches")
+    loss_interval: int = opt(10, "losses are copied to the host every this many batches")
+    workers: int | None = opt(None, "loader worker processes for the strategies that load in workers "
+                                    "(full, graph); default min(4, CPUs)")
+    data: str | None = opt(None, "corpus directory; none = the built-in English->Chinese corpus")
+    builtin_size: int = opt(40000, "sentence pairs in the built-in corpus's training split")
+    out: str | None = opt(None, "output directory (default runs/bench/exp, exp2, ...)")
+    profile: bool = opt(False, "also profile a few steps per row: Chrome/Perfetto traces, timeline.png, "
+                               "GPU idle breakdown, kernels per stream")
+    profile_steps: int = opt(10, "steps profiled per row with --profile")
+    seed: int = opt(0, "seed of every row's model initialisation and of the batch order")
+
+    def __post_init__(self) -> None:
+        RunConfig(device=self.device)  # the trainer's --device check
+        check(self.steps >= 1, "steps", f"must be at least 1; got {self.steps}")
+        check(self.warmup >= 0, "warmup", f"must be 0 or more; got {self.warmup}")
+        check(self.repeats >= 1, "repeats", f"must be at least 1; got {self.repeats}")
+        check(self.batch_size >= 1, "batch_size", f"must be a positive integer; got {self.batch_size}")
+        check(self.max_len >= 4, "max_len", f"must be at least 4; got {self.max_len}")
+        check(self.pad_multiple >= 1, "pad_multiple", f"must be a positive integer; got {self.pad_multiple}")
+        check_choice(self.model, "model", ("auto", *PRESETS))
+        check_choice(self.amp, "amp", ("auto", "bf16", "fp16", "off"))
+        check(self.sync_interval >= 1, "sync_interval", f"must be at least 1; got {self.sync_interval}")
+        check(self.loss_interval >= 1, "loss_interval", f"must be at least 1; got {self.loss_interval}")
+        check(self.workers is None or self.workers >= 0, "workers", f"must be 0 or more; got {self.workers}")
+        check(self.builtin_size >= 100, "builtin_size", f"must be at least 100; got {self.builtin_size}")
+        check(self.profile_steps >= 1, "profile_steps", f"must be at least 1; got {self.profile_steps}")
+        self.selected()  # validates --strategies
+
+    def selected(self) -> list[str]:
+        """The rows named by ``--strategies`` (before references are added), in table order."""
+        if self.strategies.strip().lower() == "all":
+            return list(ORDER)
+        names = [s.strip().lower() for s in self.strategies.split(",") if s.strip()]
+        check(bool(names), "strategies", "must name at least one row, or 'all'")
+        unknown = [n for n in names if n not in ORDER]
+        check(not unknown, "strategies", f"unknown row(s) {', '.join(unknown)}; known: {', '.join(ORDER)}, all")
+        return [n for n in ORDER if n in names]
+
+    def rows(self, device: torch.device) -> tuple[list[str], list[str]]:
+        """(rows to run in order, notes about rows left out on this device)."""
+        names = set(self.selected())
+        if self.references:
+            names |= {"resident", "plain"}
+            if "graph" in names:
+                names.add("resident-graph")
+        notes = []
+        if "resident-graph" in names and device.type != "cuda":
+            names.discard("resident-graph")
+            notes.append("resident-graph left out: CUDA graphs need a CUDA device")
+        return [n for n in ORDER if n in names], notes
+
+    def resolve(self, device: torch.device) -> BenchConfig:
+        """Fill the ``auto`` settings from the device."""
+        cuda = device.type == "cuda"
+        model = self.model if self.model != "auto" else ("base" if cuda else "tiny")
+        amp = self.amp
+        if amp == "auto":
+            amp = "bf16" if cuda and torch.cuda.is_bf16_supported() else "off"
+        workers = self.workers if self.workers is not None else min(4, _cpus())
+        return dataclasses.replace(self, device=str(device), model=model, amp=amp, workers=workers)
+
+
+def _cpus() -> int:
+    import os
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

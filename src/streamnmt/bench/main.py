@@ -1,0 +1,199 @@
+"""``streamnmt bench``: build every row once, run them interleaved, write the results, print the table.
+
+The steps, in order: data (the trainer's loader over the built-in corpus or ``--data``), one
+runner per row (model from the same seed, strategy, streams, graph capture: all before any
+timing), ``repeats`` rounds of one timed run per row, an optional profiled pass per row, then
+``bench.json`` (every per-run number, config, device, versions, date, commit), ``bench.csv``
+(one summary row per row), ``bench.png`` and the console table, printed last.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamnmt.bench.config import BenchConfig
+from streamnmt.bench.flops import peak_flops, precision
+from streamnmt.bench.profile import GRAPH_BRANCHES, analyze_trace, format_summary, load_trace, stream_label
+from streamnmt.bench.runners import Env, Runner, make_runner
+from streamnmt.bench.stats import CSV_FIELDS, format_table, limit_of, summarize
+from streamnmt.config import PRESETS
+from streamnmt.configbase import to_dict
+from streamnmt.data import DataConfig, prepare_data
+from streamnmt.fsutil import atomic_write
+from streamnmt.model import ModelShape
+from streamnmt.plots import plot_bench, plot_timeline
+from streamnmt.runs import increment_path, write_json
+from streamnmt.train import resolve_device, seed_everything
+
+Log = Callable[[str], None]
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {"type": device.type, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        info.update(name=p.name, capability=f"{p.major}.{p.minor}", memory_gb=round(p.total_memory / 1e9, 1),
+                    multiprocessors=p.multi_processor_count, cuda=torch.version.cuda)
+    else:
+        info["name"] = platform.processor() or platform.machine() or "cpu"
+    return info
+
+
+def git_commit() -> dict[str, Any] | None:
+    """The commit of the source tree this module runs from, if it is a git checkout."""
+    here = str(Path(__file__).resolve().parent)
+    try:
+        commit = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "dirty": bool(dirty)}
+
+
+def _progress(name: str, repeat: int, repeats: int, r: dict[str, Any]) -> str:
+    busy = "" if r["gpu_busy_pct"] is None else f", GPU busy {r['gpu_busy_pct']:.0f}%"
+    return (f"bench: {name:<15} run {repeat + 1}/{repeats}: {r['ms_per_step']:.2f} ms/step, "
+            f"{r['tokens_per_s']:,.0f} tokens/s{busy}, {r['sync_count']} syncs")
+
+
+def _footnotes(cfg: BenchConfig, rows: list[dict[str, Any]], peak: float | None, device_name: str,
+               notes: dict[str, list[str]]) -> str:
+    names = [r["name"] for r in rows]
+    mfu = (f"model FLOPs (3 x forward matmuls of the padded batch) / wall / {peak / 1e12:.0f} TFLOP/s "
+           f"({device_name}, {precision(cfg.amp)} dense peak)" if peak else
+           f"n/a: no peak rate known for '{device_name}' at {precision(cfg.amp)}")
+    lines = [
+        f"ms/step: median of {cfg.repeats} interleaved runs of {cfg.steps} steps [min-max]; 'within noise': the "
+        "medians differ by less than the larger min-max range of the two rows",
+        "vs baseline: baseline ms / row ms; % of limit: limit ms / row ms, the limit being "
+        + ("resident (graph rows: resident-graph)" if "resident-graph" in names else "resident"),
+        f"MFU: {mfu}",
+        "GPU span: sum over steps of the GPU time between CUDA events before and after each step / wall; it"
+        " includes launch gaps inside a step, so it reads ~100% whenever the GPU never waits between steps,"
+        " busy or not",
+        "GPU kernels: GPU time covered by kernels and copies per profiled step (--profile) / ms/step: the true busy"
+        " share" + ("" if cfg.profile else " (n/a: run with --profile)") + "; NVML util: mean of ~100 ms samples of"
+        " NVML's utilisation (unreliable for runs under ~2 s)",
+        "CPU: this process's CPU time / wall (100% = one core; loader workers in bench.json); syncs, sync ms: "
+        "counted host waits inside the timed loop (the end-of-run drain is in bench.json)",
+    ]
+    for name, ns in notes.items():
+        lines += [f"{name}: {n}" for n in ns]
+    return "\n".join(lines)
+
+
+def _profile(runners: list[Runner], cfg: BenchConfig, out: Path, log: Log) -> dict[str, Any]:
+    """A profiled pass per row: trace files, timeline.png, idle breakdown and kernels per stream."""
+    result: dict[str, Any] = {}
+    timelines: dict[str, dict[str, Any]] = {}
+    texts = []
+    for runner in runners:
+        path = runner.profile(cfg.profile_steps, out / f"trace_{runner.name}.json")
+        summary = analyze_trace(load_trace(path))
+        result[runner.name] = {"trace": path.name, **(summary.to_dict() if summary else {"gpu": None})}
+        texts.append(format_summary(runner.name, summary))
+        if summary is not None:
+            timelines[runner.name] = {"ops": summary.ops, "syncs": summary.syncs,
+                                      "labels": {GRAPH_BRANCHES: stream_label(GRAPH_BRANCHES)}}
+        log(f"bench: profiled {runner.name}: {path}")
+    if timelines:
+        plot_timeline(timelines, out / "timeline.png")
+        log(f"bench: kernel timeline per stream: {out / 'timeline.png'}")
+    else:
+        log("bench: the traces hold CPU ops only: the stream timeline and the GPU idle breakdown need CUDA")
+    log("\n".join(texts))
+    return result
+
+
+def run_bench(cfg: BenchConfig, log: Log = print) -> int:
+    device = resolve_device(cfg.device)
+    cfg = cfg.resolve(device)
+    names, skipped = cfg.rows(device)
+    seed_everything(cfg.seed)
+
+    # 1. data: the trainer's loader over the same corpus for every row
+    data_cfg = DataConfig(data=cfg.data, batch_size=cfg.batch_size, max_len=cfg.max_len,
+                          pad_multiple=cfg.pad_multiple, builtin_size=cfg.builtin_size)
+    bundle = prepare_data(data_cfg, log=log)
+    d, n, h, ff = PRESETS[cfg.model]
+    shape = ModelShape(bundle.src_tok.vocab_size, bundle.tgt_tok.vocab_size, d, n, h, ff, dropout=0.1,
+                       max_positions=max(1024, cfg.max_len + 8))
+    info = device_info(device)
+    peak = peak_flops(info["name"], cfg.amp) if device.type == "cuda" else None
+    env = Env(cfg, device, shape, data_cfg, bundle.train, peak, log)
+    out = Path(cfg.out) if cfg.out else increment_path("runs/bench", "exp")
+    out.mkdir(parents=True, exist_ok=True)
+    log(f"bench: {info['name']}, model {cfg.model} ({n}+{n} layers, d_model {d}), amp {cfg.amp}, batch "
+        f"{cfg.batch_size} x max-len {cfg.max_len} (pad multiple {cfg.pad_multiple}), rows {', '.join(names)}; "
+        f"{cfg.repeats} x ({cfg.warmup} warm-up + {cfg.steps} timed steps) each; out {out}")
+    for note in skipped:
+        log(f"bench: {note}")
+
+    try:
+        # 2. every row built once: model from the same seed, strategy and streams, graph capture
+        runners = []
+        for name in names:
+            t0 = time.perf_counter()
+            runners.append(make_runner(name, env))
+            log(f"bench: {name} ready in {time.perf_counter() - t0:.1f} s")
+
+        # 3. timed runs, interleaved: A B C, A B C, ...
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for repeat in range(cfg.repeats):
+            for runner in runners:
+                result = runner.run_once(repeat)
+                runs[runner.name].append(result)
+                log(_progress(runner.name, repeat, cfg.repeats, result))
+
+        # 4. optional profiled pass
+        profiles = _profile(runners, cfg, out, log) if cfg.profile else {}
+    finally:
+        env.close()
+
+    # 5. summary and files; the table last
+    rows = summarize(runs)
+    notes = {r.name: r.notes + ([f"loads in {r.workers} worker processes"] if r.workers else [])
+             for r in runners}
+    notes = {k: v for k, v in notes.items() if v}
+    for row in rows:
+        row["note"] = "; ".join(notes.get(row["name"], []))
+        busy = profiles.get(row["name"], {}).get("busy_ms")
+        row["kernel_busy_pct"] = None if busy is None else 100 * busy / cfg.profile_steps / row["ms_per_step"]
+    record = {
+        "config": to_dict(cfg), "rows": names, "left_out": skipped, "device": info,
+        "torch": torch.__version__, "python": platform.python_version(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_commit(),
+        "model": {**dataclasses.asdict(shape), "params": sum(p.numel() for p in runners[0].step.params)},
+        "data": {"shapes": env.loader(0).shapes(), "batches_per_epoch": len(env.loader(0)),
+                 "train_pairs": len(bundle.train)},
+        "peak_tflops": peak / 1e12 if peak else None, "precision": precision(cfg.amp),
+        "limits": {name: limit_of(name, names) for name in names},
+        "runners": {r.name: {"kind": r.kind, "workers": r.workers, "report": r.report, "notes": r.notes,
+                             "runs": runs[r.name]} for r in runners},
+        "summary": rows, "profile": profiles,
+    }
+    write_json(out / "bench.json", record)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write(out / "bench.csv", buf.getvalue())
+    plot_bench(rows, out / "bench.png", title=f"{info['name']}: {cfg.model}, {cfg.amp}, batch {cfg.batch_size}"
+               f" x {cfg.max_len}")
+    log(f"bench: wrote bench.json, bench.csv, bench.png to {out}")
+    log(format_table(rows) + "\n" + _footnotes(cfg, rows, peak, info["name"], notes))
+    return 0

@@ -1,0 +1,330 @@
+"""One runner per benchmark row: the engine's strategies and the three reference loops.
+
+Every runner is built once (model from the same seed, optimizer, its strategy and streams, graph
+capture) and then called once per repeat, interleaved with the others. A call is timm's two
+stages: ``warmup`` untimed steps through the same code path, a drain, then ``steps`` timed steps
+and a drain; the wall time covers the timed steps and the final drain (the work queued must be
+finished to count). Each call sees the same batches: the loader is rewound to the start of epoch
+0 first. Models are separate per row, not one model reset between rows: graph mode bakes the
+addresses of its weights and optimizer state into its graphs, and each strategy's streams keep
+their own allocator pools. Weights are not reset between repeats; timings do not depend on them.
+
+Rows:
+* a strategy (``baseline`` ... ``graph``): ``strategy.run`` over the real loader, losses polled
+  as the trainer does; ``full`` and ``graph`` load in worker processes, as the trainer does;
+* ``resident``: the batches already on the GPU, one stream, eager steps, losses deferred, no
+  transfer and no host wait: what an eager loop cannot beat;
+* ``resident-graph``: the graph strategy over the same GPU-resident batches: the limit of graph mode;
+* ``plain``: what most people write: a blocking ``.to(device)`` and ``loss.item()`` every step.
+
+Measurements per timed stage: see ``streamnmt.bench`` (the package docstring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamnmt.bench.config import BenchConfig
+from streamnmt.bench.flops import training_flops
+from streamnmt.data import Batch, BatchLoader, DataConfig, make_loader
+from streamnmt.data.corpus import TokenizedCorpus
+from streamnmt.engine import STATS, DeferredLosses, EngineConfig, host_sync, make_strategy
+from streamnmt.fsutil import atomic_path
+from streamnmt.model import ModelShape, Transformer
+from streamnmt.monitor import CpuSampler, GpuTimer, NvmlSampler, TimedStep, time_graph_replays
+from streamnmt.train import NMTStep, example_batch, make_step
+
+PROFILE_WARMUP = 3      # untimed steps before a profiled window
+WINDOW = "bench.window"  # profiler range around the profiled steps and their drain
+
+
+def take(loader: BatchLoader, n: int) -> Iterator[Batch]:
+    """The first ``n`` batches from the start of epoch 0 (into later epochs if needed)."""
+    if len(loader) == 0:
+        raise ValueError("the loader has no batches")
+    state = loader.state_dict()
+    state.update(epoch=0, position=0)
+    loader.load_state_dict(state)
+    got = 0
+    while got < n:
+        for batch in loader:
+            yield batch
+            got += 1
+            if got == n:
+                return
+
+
+class Env:
+    """What every runner shares: settings, model shape, data loaders, the GPU-resident batches."""
+
+    def __init__(self, cfg: BenchConfig, device: torch.device, shape: ModelShape, data_cfg: DataConfig,
+                 corpus: TokenizedCorpus, peak_flops: float | None, log: Callable[[str], None]):
+        self.cfg, self.device, self.shape, self.data_cfg, self.corpus = cfg, device, shape, data_cfg, corpus
+        self.peak_flops, self.log = peak_flops, log
+        self.cuda = device.type == "cuda"
+        self._loaders: dict[int, BatchLoader] = {}
+        self._staged: list[Batch] | None = None
+        self._flops: dict[tuple[int, int, int], int] = {}
+
+    def loader(self, workers: int) -> BatchLoader:
+        if workers not in self._loaders:
+            cfg = dataclasses.replace(self.data_cfg, workers=workers)
+            self._loaders[workers] = make_loader(self.corpus, cfg, train=True, seed=self.cfg.seed,
+                                                 pin_memory=self.cuda)
+        return self._loaders[workers]
+
+    def staged(self) -> list[Batch]:
+        """The batches every run uses, copied to the device once (the resident rows' data)."""
+        if self._staged is None:
+            n = max(self.cfg.warmup + self.cfg.steps, PROFILE_WARMUP + self.cfg.profile_steps)
+            self._staged = [b.to(self.device, non_blocking=True) for b in take(self.loader(0), n)]
+            if self.cuda:
+                # Needed: set-up; the copies must be done before any timing starts.
+                host_sync("bench.setup", torch.cuda.current_stream(self.device))
+        return self._staged
+
+    def flops(self, shape: tuple[int, int, int]) -> int:
+        if shape not in self._flops:
+            self._flops[shape] = training_flops(self.shape, *shape)
+        return self._flops[shape]
+
+    def new_step(self) -> NMTStep:
+        """A model and its step function, initialised from the benchmark's seed (same for every row)."""
+        torch.manual_seed(self.cfg.seed)
+        model = Transformer(self.shape).to(self.device)
+        return make_step(model, self.device, d_model=self.shape.d_model, lr=1.0, warmup=4000, amp=self.cfg.amp,
+                         clip=1.0, compile=self.cfg.compile)
+
+    def close(self) -> None:
+        self._loaders.clear()  # worker processes end with their DataLoader iterators
+        self._staged = None
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _sync_totals(stats: dict[str, dict[str, float]]) -> tuple[int, float]:
+    return sum(int(s["count"]) for s in stats.values()), sum(s["total_ms"] for s in stats.values())
+
+
+class Runner:
+    """Base runner: the two stages and the measurements; subclasses supply the loop."""
+
+    kind = "reference"
+
+    def __init__(self, name: str, env: Env):
+        self.name, self.env, self.device = name, env, env.device
+        self.step = TimedStep(env.new_step())
+        self.losses = DeferredLosses(self.device, env.cfg.loss_interval)
+        self.timer = GpuTimer(self.device)
+        self.nvml = NvmlSampler(self.device)
+        self.cpu = CpuSampler()
+        self.workers = 0
+        self.notes: list[str] = []
+
+    @property
+    def report(self) -> dict[str, Any]:
+        """What the row's engine reported (graph mode: shapes captured, capture time, pool, fallback)."""
+        return {}
+
+    # -- what each row does ------------------------------------------------------------------
+    def source(self, n: int) -> Iterator[Batch]:
+        """The first ``n`` batches of the benchmark's data, as this row consumes them."""
+        return take(self.env.loader(self.workers), n)
+
+    def loop(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        """Train one step per batch; yield each batch after its step has been issued."""
+        raise NotImplementedError
+
+    def finish(self, site: str) -> None:
+        """Wait until the work queued so far has finished and every loss has been read."""
+        if self.env.cuda:
+            # Needed: a run's time must include the work it queued, and runs must not overlap.
+            host_sync(f"{site}.drain", torch.cuda.current_stream(self.device))
+        self.losses.flush(f"{site}.losses")
+
+    def extra_bytes(self) -> int:
+        """Device memory this row holds besides its model and optimizer state."""
+        return 0
+
+    # -- the two stages ------------------------------------------------------------------------
+    def run_once(self, repeat: int) -> dict[str, Any]:
+        cfg, env, cuda = self.env.cfg, self.env, self.env.cuda
+        src = self.source(cfg.warmup + cfg.steps)
+        try:
+            # 1. warm-up: same code path and data, untimed; then drain and forget its syncs
+            for _ in self.loop(islice(src, cfg.warmup)):
+                pass
+            self.finish("bench.warmup")
+            STATS.reset()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+                mem0 = torch.cuda.memory_allocated(self.device)
+            # 2. timed stage: per-step GPU event pairs, samplers, wall clock
+            self.step.timer = self.timer
+            self.cpu.start()
+            self.nvml.start()
+            t0 = time.perf_counter()
+            steps = tokens = flops = 0
+            for batch in self.loop(islice(src, cfg.steps)):
+                steps, tokens, flops = steps + 1, tokens + batch.ntokens, flops + env.flops(batch.shape)
+            loop_syncs = STATS.reset()
+            self.finish("bench.end")
+            wall = time.perf_counter() - t0
+            nvml, cpu = self.nvml.stop(), self.cpu.stop()
+        finally:
+            self.step.timer = None
+            getattr(src, "close", lambda: None)()
+        # 3. read what was deferred (no waiting left: everything has been drained)
+        gpu_ms = self.timer.collect("bench.gpu_timer") if self.timer.enabled else None
+        end_syncs = STATS.reset()
+        count, sync_ms = _sync_totals(loop_syncs)
+        peak_mb = None
+        if cuda:
+            own = _bytes(self.step.state_tensors()) + self.extra_bytes()
+            peak_mb = (own + torch.cuda.max_memory_allocated(self.device) - mem0) / 2**20
+            self._release()
+        return {
+            "repeat": repeat, "steps": steps, "wall_s": wall, "ms_per_step": 1e3 * wall / steps,
+            "tokens": tokens, "tokens_per_s": tokens / wall, "model_tflops": flops / wall / 1e12,
+            "mfu_pct": 100 * flops / wall / env.peak_flops if env.peak_flops else None,
+            "gpu_ms": gpu_ms, "gpu_busy_pct": None if gpu_ms is None else 100 * gpu_ms / (1e3 * wall),
+            "gpu_timed_steps": self.timer.collected if self.timer.enabled else None,
+            "nvml_util_pct": nvml.get("util_mean_pct"), "nvml_util_max_pct": nvml.get("util_max_pct"),
+            "nvml_mem_max_mb": nvml.get("mem_max_mb"), "nvml_samples": nvml.get("samples", 0),
+            "cpu_pct": cpu["process_pct"], "workers_cpu_pct": cpu["workers_pct"],
+            "system_cpu_pct": cpu["system_pct"], "sync_count": count, "sync_ms": sync_ms,
+            "syncs": loop_syncs, "end_syncs": end_syncs, "peak_mem_mb": peak_mb,
+        }
+
+    def _release(self) -> None:
+        # Each row's streams keep their own cached blocks; returning them between runs keeps nine
+        # rows' caches from adding up. cudaFree waits for the device (idle here: just drained).
+        host_sync("bench.release", torch.cuda.empty_cache)
+
+    def profile(self, steps: int, path: Path) -> Path:
+        """Profile ``steps`` steps (after a short warm-up) and export a Chrome/Perfetto trace."""
+        src = self.source(PROFILE_WARMUP + steps)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.env.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        try:
+            for _ in self.loop(islice(src, PROFILE_WARMUP)):
+                pass
+            self.finish("bench.profile_warmup")
+            self.step.annotate = True
+            with torch.profiler.profile(activities=activities) as prof:
+                with torch.profiler.record_function(WINDOW):
+                    for _ in self.loop(islice(src, steps)):
+                        pass
+                    self.finish("bench.profile")
+        finally:
+            self.step.annotate = False
+            getattr(src, "close", lambda: None)()
+        if self.env.cuda:
+            self._release()
+        STATS.reset()
+        with atomic_path(path, suffix=".json") as tmp:
+            prof.export_chrome_trace(str(tmp))
+        return path
+
+
+class StrategyRunner(Runner):
+    """A row driven by one of the engine's strategies (also ``resident-graph``: graph, resident data)."""
+
+    kind = "strategy"
+
+    def __init__(self, name: str, env: Env, engine_name: str | None = None, resident: bool = False):
+        super().__init__(name, env)
+        cfg = env.cfg
+        engine_name = engine_name or name
+        ecfg = EngineConfig(sync_strategy=engine_name, sync_interval=cfg.sync_interval,
+                            loss_interval=cfg.loss_interval, compile=cfg.compile)
+        self.strategy = make_strategy(engine_name, self.device, ecfg, log=env.log)
+        self.resident = resident
+        if resident:
+            self.kind = "reference"
+        elif self.strategy.wants_workers:
+            self.workers = cfg.workers  # as the trainer does for these strategies
+        shapes = env.loader(self.workers).shapes()
+        self.strategy.prepare(self.step, [example_batch(s, env.shape, cfg.seed) for s in shapes])
+        time_graph_replays(self.strategy, self.step)
+        if "fallback" in self.report:
+            self.notes.append(f"ran the 'full' strategy: {self.report['fallback']}")
+
+    @property
+    def report(self) -> dict[str, Any]:
+        return self.strategy.report
+
+    def source(self, n: int) -> Iterator[Batch]:
+        return iter(self.env.staged()[:n]) if self.resident else super().source(n)
+
+    def loop(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        for info in self.strategy.run(batches, self.step, self.losses):
+            self.losses.poll()  # as the trainer does: never blocks
+            yield info.batch
+
+    def finish(self, site: str) -> None:
+        # Needed (inside drain/flush, counted): a run's time must include the work it queued.
+        self.strategy.drain(f"{site}.drain")
+        self.losses.flush(f"{site}.losses")
+
+    def extra_bytes(self) -> int:
+        pool = self.report.get("pool_mb") or 0.0  # graph memory pool (activations live there)
+        staged = _bytes([t for b in self.env.staged() for t in (b.src, b.tgt_in, b.tgt_out)]) if self.resident else 0
+        return int(pool * 2**20) + staged
+
+
+class ResidentRunner(Runner):
+    """Batches pre-staged on the GPU; a plain single-stream eager loop; losses deferred."""
+
+    def source(self, n: int) -> Iterator[Batch]:
+        return iter(self.env.staged()[:n])
+
+    def loop(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        for i, b in enumerate(batches):
+            loss = self.step.forward(b)
+            self.step.backward(loss)
+            self.step.optimizer_step()
+            self.losses.push(i + 1, loss)
+            self.losses.poll()  # never blocks
+            yield b
+
+    def extra_bytes(self) -> int:
+        return _bytes([t for b in self.env.staged() for t in (b.src, b.tgt_in, b.tgt_out)])
+
+
+class PlainRunner(Runner):
+    """What most training loops look like: blocking copy in, ``loss.item()`` out, every step."""
+
+    def loop(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        for batch in batches:
+            if self.env.cuda:
+                # The usual blocking copy: the host waits for it (and for the stream before it).
+                b = host_sync("bench.plain.copy", lambda: batch.to(self.device))
+            else:
+                b = batch  # already where the model is: nothing to copy or wait for
+            loss = self.step.forward(b)
+            self.step.backward(loss)
+            self.step.optimizer_step()
+            # The usual per-step logging read: the host waits for the whole step to finish.
+            self.last_loss = host_sync("bench.plain.loss", lambda: loss.item())
+            yield batch
+
+
+def make_runner(name: str, env: Env) -> Runner:
+    if name == "plain":
+        return PlainRunner(name, env)
+    if name == "resident":
+        return ResidentRunner(name, env)
+    if name == "resident-graph":
+        return StrategyRunner(name, env, engine_name="graph", resident=True)
+    return StrategyRunner(name, env)

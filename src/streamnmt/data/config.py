@@ -27,7 +27,8 @@ class DataConfig:
     pad_multiple: int = opt(8, "padded lengths are rounded up to a multiple of this (bounds batch shapes)")
     workers: int = opt(0, "DataLoader worker processes (0 = load in the main process)")
     prefetch_factor: int = opt(4, "batches each worker loads ahead")
-    builtin_size: int = opt(40000, "sentence pairs in the built-in corpus's training split")
+    builtin_size: int | None = opt(None, "sentence pairs in the built-in corpus's training split "
+                                         "(default: 40000; 16000 for the CPU presets)")
     tokenizer_sample: int = opt(300000, "training pairs sampled (seeded) to train a SentencePiece model "
                                         "when none exists; more is slower and rarely better")
 
@@ -43,6 +44,11 @@ class DataConfig:
               f"must be at least --max-len ({self.max_len}) so the longest sentence fits; got {self.max_tokens}")
         check(self.workers >= 0, "workers", f"must be 0 or more; got {self.workers}")
         check(self.prefetch_factor >= 1, "prefetch_factor", f"must be at least 1; got {self.prefetch_factor}")
-        check(self.builtin_size >= 100, "builtin_size", f"must be at least 100; got {self.builtin_size}")
+        check(self.builtin_size is None or self.builtin_size >= 100, "builtin_size",
+              f"must be at least 100; got {self.builtin_size}")
+
+    @property
+    def builtin_pairs(self) -> int:
+        return self.builtin_size or 40000
         check(self.tokenizer_sample >= 100, "tokenizer_sample",
               f"must be at least 100; got {self.tokenizer_sample}")

@@ -45,7 +45,7 @@ class DataBundle:
 
 def builtin_dir(cfg: DataConfig) -> Path:
     home = Path(os.environ.get("STREAMNMT_HOME", "~/.cache/streamnmt")).expanduser()
-    return home / f"builtin-{cfg.builtin_size}"
+    return home / f"builtin-{cfg.builtin_pairs}"
 
 
 def resolve_data_dir(cfg: DataConfig) -> Path:
@@ -54,7 +54,7 @@ def resolve_data_dir(cfg: DataConfig) -> Path:
         from streamnmt.data import synthetic  # written by its own module; imported only when used
 
         directory = builtin_dir(cfg)
-        synthetic.write_builtin(directory, cfg.builtin_size, seed=0)
+        synthetic.write_builtin(directory, cfg.builtin_pairs, seed=0)
         return directory
     directory = Path(cfg.data).expanduser()
     if not directory.is_dir():
@@ -86,7 +86,7 @@ def prepare_data(cfg: DataConfig, log: Log = print) -> DataBundle:
     t0 = time.perf_counter()
     directory = resolve_data_dir(cfg)
     if cfg.data is None:
-        log(f"data: built-in corpus ({cfg.builtin_size} training pairs) in {directory}")
+        log(f"data: built-in corpus ({cfg.builtin_pairs} training pairs) in {directory}")
     sources = find_sources(cfg, directory)
     src_tok, tgt_tok = _tokenizers(cfg, directory, sources, log)
     corpora: dict[str, TokenizedCorpus] = {}

@@ -26,7 +26,8 @@ def train(tmp_path, *extra: str, name: str = "exp") -> int:
 def test_train_writes_the_run_dir(tmp_path):
     assert train(tmp_path, "--max-steps", "20") == 0
     run = tmp_path / "runs" / "exp"
-    for f in ("config.yaml", "weights/best.pt", "weights/last.pt", "results.csv", "steps.csv", "sync_stats.json"):
+    for f in ("config.yaml", "weights/best.pt", "weights/last.pt", "weights/best.safetensors", "results.csv",
+              "steps.csv", "sync_stats.json", "results.png"):
         assert (run / f).is_file(), f
     steps = read_csv(run / "steps.csv")
     assert [int(r["step"]) for r in steps] == list(range(1, 21))

@@ -37,11 +37,13 @@ from streamnmt.data import Batch, make_loader, prepare_data, read_pairs
 from streamnmt.engine import STATS, DeferredLosses, host_sync, make_strategy
 from streamnmt.engine.syncstats import format_table
 from streamnmt.model import ModelShape, Transformer
+from streamnmt.monitor import NvmlSampler
+from streamnmt.plots import plot_results
 from streamnmt.runs import CsvLog, increment_path, write_json
 
 STEP_COLUMNS = ["step", "epoch", "loss", "lr", "tokens"]
 RESULT_COLUMNS = ["epoch", "train_loss", "val_loss", "bleu", "tokens_per_s", "epoch_s", "bleu_s",
-                  "gpu_mem_gb", "sync_count", "sync_ms", "steps"]
+                  "gpu_mem_gb", "gpu_busy", "sync_count", "sync_ms", "steps"]
 
 
 def noam_lr(step: int, d_model: int, warmup: int, factor: float) -> float:
@@ -314,6 +316,8 @@ class Trainer:
         self.steps_log.close()
         self.results_log.close()
         self._export_best()
+        if (self.save_dir / "results.csv").stat().st_size > 0 and self.epoch > 0:
+            plot_results(self.save_dir)
         if self.stop_requested:
             self.log(f"stopped by signal after step {self.global_step}; saved {self.save_dir / 'weights' / 'last.pt'}")
         return {"save_dir": self.save_dir, "best_val": self.best_val, "steps": self.global_step,
@@ -328,6 +332,7 @@ class Trainer:
         self.model.train()
         self.train_loader.set_epoch(epoch)  # keeps a resumed mid-epoch position
         STATS.reset()
+        nvml = NvmlSampler(self.device).start()  # GPU utilisation sampled in a thread; no device sync
         t0 = time.perf_counter()
         tokens, losses = 0, []
         n_batches = len(self.train_loader) - self.epoch_pos
@@ -357,6 +362,7 @@ class Trainer:
         if self.stop_requested:  # finish cleanly: drain, keep every loss, save where we are
             losses += self._save_mid_epoch("signal")
             bar.close()
+            nvml.stop()
             return {}
         # 4. epoch end: drain the streams and the remaining losses
         # Needed: the epoch's time and every loss must be final before they are reported.
@@ -364,6 +370,7 @@ class Trainer:
         losses += self._write_steps(self.losses.flush("epoch.losses"))
         bar.close()
         epoch_s = time.perf_counter() - t0
+        gpu_busy = nvml.stop().get("util_mean_pct")
         train_stats = STATS.reset()
         # 5. validation loss and BLEU (timed separately from training)
         val_loss = self.validate()
@@ -373,6 +380,7 @@ class Trainer:
                "bleu": "" if bleu is None else round(bleu, 2), "tokens_per_s": tokens / epoch_s,
                "epoch_s": round(epoch_s, 3), "bleu_s": round(bleu_s, 3),
                "gpu_mem_gb": torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else 0.0,
+               "gpu_busy": "" if gpu_busy is None else round(gpu_busy, 1),
                "sync_count": sum(s["count"] for s in train_stats.values()),
                "sync_ms": round(sum(s["total_ms"] for s in train_stats.values()), 3),
                "steps": self.global_step}

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The benchmark table on the GPU machine (see docs/PERFORMANCE.md). Usage: scripts/gpu_measure.sh PART
+export PYTHONUNBUFFERED=1 PYTHONPATH=src STREAMNMT_HOME=/tmp/snhome
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+case "$1" in
+  table)
+    python3 -m streamnmt bench --batch-size 32 --max-len 32 --pad-multiple 32 --repeats 3 --profile \
+      --out /tmp/b32 > "$OUT/bench32.log" 2>&1
+    cp /tmp/b32/bench.json "$OUT/bench32.json"; cp /tmp/b32/bench.png "$OUT/bench32.png"
+    cp /tmp/b32/timeline.png "$OUT/timeline32.png"; tail -25 "$OUT/bench32.log"
+    python3 -m streamnmt bench --batch-size 128 --max-len 128 --pad-multiple 128 --repeats 3 \
+      --out /tmp/b128 > "$OUT/bench128.log" 2>&1
+    cp /tmp/b128/bench.json "$OUT/bench128.json"; cp /tmp/b128/bench.png "$OUT/bench128.png"
+    tail -20 "$OUT/bench128.log" ;;
+  tests)
+    python3 -m pytest -m gpu tests -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; tail -15 "$OUT/gpu_tests.log"
+    python3 -m streamnmt train --sync-strategy graph --epochs ${EPOCHS:-12} --project /tmp/runs --name bleu \
+      > "$OUT/train_bleu.log" 2>&1
+    cp /tmp/runs/bleu/results.csv "$OUT/bleu_results.csv"; cp /tmp/runs/bleu/results.png "$OUT/bleu_results.png"
+    grep -E "^ +[0-9]+/|graph mode|done" "$OUT/train_bleu.log"
+    python3 -m streamnmt eval --weights /tmp/runs/bleu/weights/best.pt --split test 2>&1 | tail -3 ;;
+  compile)
+    python3 -m streamnmt bench --batch-size 128 --max-len 128 --pad-multiple 128 --repeats 3 --compile \
+      --strategies graph,resident-graph,full --no-references --out /tmp/bc > "$OUT/bench128c.log" 2>&1
+    cp /tmp/bc/bench.json "$OUT/bench128c.json"; tail -12 "$OUT/bench128c.log"
+    python3 scripts/bench_loader.py --dir /tmp/c1m --out "$OUT/loader.json" > "$OUT/loader.log" 2>&1
+    tail -15 "$OUT/loader.log" ;;
+esac

@@ -21,9 +21,10 @@ case "$1" in
     grep -E "^ +[0-9]+/|graph mode|done" "$OUT/train_bleu.log"
     python3 -m streamnmt eval --weights /tmp/runs/bleu/weights/best.pt --split test 2>&1 | tail -3 ;;
   compile)
-    python3 -m streamnmt bench --batch-size 128 --max-len 128 --pad-multiple 128 --repeats 3 --compile \
+    timeout 330 python3 -m streamnmt bench --batch-size 128 --max-len 128 --pad-multiple 128 --repeats 3 --compile \
       --strategies graph,resident-graph,full --no-references --out /tmp/bc > "$OUT/bench128c.log" 2>&1
     cp /tmp/bc/bench.json "$OUT/bench128c.json"; tail -12 "$OUT/bench128c.log"
-    python3 scripts/bench_loader.py --dir /tmp/c1m --out "$OUT/loader.json" > "$OUT/loader.log" 2>&1
+    timeout 240 python3 scripts/bench_loader.py --dir /tmp/c1m --out "$OUT/loader.json" --tokenizer-sample 150000 \
+      > "$OUT/loader.log" 2>&1
     tail -15 "$OUT/loader.log" ;;
 esac

@@ -28,3 +28,11 @@ case "$1" in
       > "$OUT/loader.log" 2>&1
     tail -15 "$OUT/loader.log" ;;
 esac
+case "$1" in
+  soak)
+    timeout 300 python3 scripts/soak.py --steps ${SOAK_STEPS:-3000} --out "$OUT/soak.json" 2>&1 | grep -v Warning
+    for b in 256 512; do
+      timeout 120 python3 scripts/bench_decode.py --batch-size $b --dtype float32 --only beam --repeats 3 \
+        --out "$OUT/decode_fp32_$b.json" 2>&1 | tail -6
+    done ;;
+esac

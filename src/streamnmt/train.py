@@ -119,7 +119,7 @@ class NMTStep:
         loss = loss / ntok.clamp(min=1)  # token-level mean; the count stays on the device
         if self.calls == self.inject_inf_at:
             loss = loss * float("inf")
-        self.loss = loss
+        self.loss = loss.detach()  # for the finiteness check; keeps no autograd graph alive
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:

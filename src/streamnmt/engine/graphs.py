@@ -111,6 +111,7 @@ class GraphStrategy(Strategy):
                     loss = step.forward(static)
                     step.backward(loss)
                     step.optimizer_step()
+                del loss  # an autograd graph kept alive would tie its AccumulateGrad nodes to this stream
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

@@ -459,7 +459,9 @@ class Trainer:
         }
 
     def save(self, path: Path) -> None:
-        save_checkpoint(path, self.checkpoint_state())
+        # Needed: torch.save copies every device tensor to the host (callers drained the streams
+        # first, so this waits for nothing queued, but it is a host-device sync all the same).
+        host_sync("checkpoint.save", lambda: save_checkpoint(path, self.checkpoint_state()))
 
     def _export_best(self) -> None:
         best = self.save_dir / "weights" / "best.pt"

@@ -34,6 +34,7 @@ import torch
 
 from streamnmt.engine.config import EngineConfig
 from streamnmt.engine.losses import DeferredLosses
+from streamnmt.engine.syncstats import host_sync
 from streamnmt.engine.strategies import (STRATEGIES, FullPipeline, StepFunction, StepInfo, Strategy, lookahead,
                                          move, tensors)
 
@@ -85,7 +86,8 @@ class GraphStrategy(Strategy):
             self._capture_all(step, examples)
         except (RuntimeError, NotImplementedError) as e:
             self.graphs.clear()
-            torch.cuda.synchronize(self.device)  # not counted: set-up, before the timed epochs
+            # Needed: the failed capture's work must be finished before the fallback strategy starts.
+            host_sync("graph.capture", lambda: torch.cuda.synchronize(self.device))
             msg = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             self._fall_back(self.device, self.cfg, f"capture failed: {msg}")
             return
@@ -127,7 +129,8 @@ class GraphStrategy(Strategy):
                 else:
                     t.zero_()  # created by warm-up (optimizer moments, step counts): fresh ones are zeros
         torch.cuda.set_rng_state(rng, self.device)
-        torch.cuda.synchronize(self.device)  # not counted: set-up, before the timed epochs
+        # Needed: set-up ends with warm-up and restores finished, before the first timed epoch.
+        host_sync("graph.capture", lambda: torch.cuda.synchronize(self.device))
 
     # -- training --------------------------------------------------------------------------------
     def run(self, batches, step, losses: DeferredLosses, start_step: int = 0):

@@ -145,7 +145,7 @@ class GraphStrategy(Strategy):
         nxt = next(it, None)
         if nxt is None:
             return
-        b_next = self._transfer(nxt[0], ev_t)
+        b_next = self._copy_in(nxt[0], ev_t, self.T)
         i = 0
         while nxt is not None:
             batch, last = nxt
@@ -154,7 +154,7 @@ class GraphStrategy(Strategy):
             sm.guard(tensors(b), self.C)
             nxt = None if last else next(it)
             if nxt is not None:
-                b_next = self._transfer(nxt[0], ev_t)  # copies while this step replays
+                b_next = self._copy_in(nxt[0], ev_t, self.T)  # copies while this step replays
             with sm.use(self.C):
                 cap = self.graphs.get(shape_key(b))
                 if cap is None:
@@ -174,12 +174,6 @@ class GraphStrategy(Strategy):
                 sm.block(ev_c, "graph.compute")
             yield StepInfo(i, start_step + i + 1, batch)
             i += 1
-
-    def _transfer(self, host_batch: Any, ev_t) -> Any:
-        with self.sm.use(self.T):
-            b = move(host_batch, self.device)
-            self.sm.record(ev_t, self.T)
-        return b
 
     def _warn_uncaptured(self, b: Any) -> None:
         key = shape_key(b)

@@ -121,6 +121,13 @@ class Strategy:
         """Block until all work this strategy queued is done (epoch end, before a save)."""
         self.sm.drain(site)
 
+    def _copy_in(self, host_batch: Any, event, i: int) -> Any:
+        """Start the host->device copy of a batch on stream ``i``; ``event`` completes with it."""
+        with self.sm.use(i):
+            b = move(host_batch, self.device)
+            self.sm.record(event, i)
+        return b
+
     def _compute(self, b: Any, step: StepFunction, losses: DeferredLosses, gstep: int) -> torch.Tensor:
         loss = step.forward(b)
         step.backward(loss)
@@ -138,9 +145,7 @@ class Baseline(Strategy):
     def _run(self, batches, step, losses, start_step):
         sm, ev_t = self.sm, self.sm.event()
         for i, batch in enumerate(batches):
-            with sm.use(self.T):
-                b = move(batch, self.device)
-                sm.record(ev_t, self.T)
+            b = self._copy_in(batch, ev_t, self.T)
             if i == 0:
                 # Seed design: the first batch waits for its transfer on the host.
                 sm.synchronize(self.T, "baseline.transfer")
@@ -167,9 +172,7 @@ class EventSync(Strategy):
         ev_t, ev_c = sm.event(), sm.event()
         self.not_ready = 0  # how often the host was ahead of the GPU when it looked
         for i, batch in enumerate(batches):
-            with sm.use(self.T):
-                b = move(batch, self.device)
-                sm.record(ev_t, self.T)
+            b = self._copy_in(batch, ev_t, self.T)
             sm.wait(ev_t, self.C)
             sm.guard(tensors(b), self.C)
             with sm.use(self.C):
@@ -191,9 +194,7 @@ class IntervalSync(Strategy):
         ring = [sm.event() for _ in range(k + 1)]  # compute events, reused round-robin
         queue: deque = deque()                     # recorded, not yet waited on
         for i, (batch, last) in enumerate(lookahead(batches)):
-            with sm.use(self.T):
-                b = move(batch, self.device)
-                sm.record(ev_t, self.T)
+            b = self._copy_in(batch, ev_t, self.T)
             if i == 0:
                 # Seed design (kept from the baseline): the first batch waits for its transfer.
                 sm.synchronize(self.T, "interval.transfer")
@@ -226,9 +227,7 @@ class DeepPipeline(Strategy):
         nxt = next(it, None)
         if nxt is None:
             return
-        with sm.use(self.T0):  # stream 0: the first transfer
-            b_next = move(nxt[0], self.device)
-            sm.record(ev_t, self.T0)
+        b_next = self._copy_in(nxt[0], ev_t, self.T0)  # stream 0: the first transfer
         i = 0
         while nxt is not None:
             batch, last = nxt
@@ -238,7 +237,7 @@ class DeepPipeline(Strategy):
             sm.guard(tensors(b), self.B)
             nxt = None if last else next(it)
             if self.prefetch_early and nxt is not None:
-                b_next = self._transfer(nxt[0], ev_t)  # overlaps this batch's compute
+                b_next = self._copy_in(nxt[0], ev_t, self.T1)  # overlaps this batch's compute
             with sm.use(self.F):
                 loss = step.forward(b)
                 sm.record(ev_f, self.F)
@@ -251,18 +250,12 @@ class DeepPipeline(Strategy):
             sm.wait(ev_b, self.F)  # forward N+1 must see the updated weights
             if not self.prefetch_early and nxt is not None:
                 sm.wait(ev_b, self.T1)  # seed design: transfer N+1 after backward N released memory
-                b_next = self._transfer(nxt[0], ev_t)
+                b_next = self._copy_in(nxt[0], ev_t, self.T1)
             if (i + 1) % k == 0 or last:
                 # Bound how far the host runs ahead of the GPU (seed: every SYNC_INTERVAL batches).
                 sm.block(ev_b, f"{self.name}.backward")
             yield StepInfo(i, start_step + i + 1, batch)
             i += 1
-
-    def _transfer(self, host_batch: Any, ev_t) -> Any:
-        with self.sm.use(self.T1):
-            b = move(host_batch, self.device)
-            self.sm.record(ev_t, self.T1)
-        return b
 
 
 class FullPipeline(DeepPipeline):

@@ -84,3 +84,16 @@ def test_strategies_log_identical_losses_and_weights(tmp_path):
     other = tmp_path / "runs" / "other"
     assert train(tmp_path, "--max-steps", "25", "--seed", "4", name="other") == 0
     assert [(r["step"], r["loss"]) for r in read_csv(other / "steps.csv")] != ref_steps
+
+
+def test_exist_ok_starts_fresh_logs(tmp_path):
+    assert train(tmp_path, "--max-steps", "5") == 0
+    assert train(tmp_path, "--max-steps", "3", "--exist-ok") == 0
+    steps = read_csv(tmp_path / "runs" / "exp" / "steps.csv")
+    assert [int(r["step"]) for r in steps] == [1, 2, 3]
+    assert len(read_csv(tmp_path / "runs" / "exp" / "results.csv")) == 1
+
+
+def test_tokenizer_sample_is_validated(tmp_path, capsys):
+    assert train(tmp_path, "--tokenizer-sample", "5") == 2
+    assert "--tokenizer-sample" in capsys.readouterr().err

@@ -75,15 +75,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.pop("command")
     try:
         return run(args)
-    except ConfigError as e:
+    except (ConfigError, InputError, NonFiniteLoss) as e:
         print(f"streamnmt: error: {e}", file=sys.stderr)
         return e.exit_code
-    except InputError as e:
-        print(f"streamnmt: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except NonFiniteLoss as e:
-        print(f"streamnmt: error: {e}", file=sys.stderr)
-        return e.exit_code
+    except OSError as e:  # e.g. a run directory that cannot be written, a full disk
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        print(f"streamnmt: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("streamnmt: interrupted", file=sys.stderr)
         return 130

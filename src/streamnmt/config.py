@@ -17,7 +17,7 @@ import yaml
 from streamnmt.configbase import check, check_choice, from_dict, opt, to_dict
 from streamnmt.data.config import DataConfig
 from streamnmt.engine.config import EngineConfig
-from streamnmt.errors import ConfigError, InputError
+from streamnmt.errors import ConfigError
 
 # Model presets: (d_model, n_layers, n_heads, d_ff). "base" is the original system's model.
 PRESETS = {
@@ -183,9 +183,3 @@ def job_from_dict(d: dict[str, dict[str, Any]]) -> TrainJob:
     """Rebuild a job from its ``to_dict`` form (a checkpoint's config, a config.yaml)."""
     return TrainJob(**{name: from_dict(cls, d.get(name, {})) for name, cls in SECTIONS.items()})
 
-
-def read_job(path: str | Path) -> TrainJob:
-    try:
-        return job_from_dict(load_yaml(path))
-    except ConfigError as e:
-        raise InputError(str(e)) from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -61,17 +62,18 @@ class NoamSchedule:
         self.step_t = torch.zeros((), dtype=torch.float32, device=device)
         self.lr_t = torch.zeros((), dtype=torch.float32, device=device)
 
+    def _update_lr(self) -> None:
+        s = self.step_t.clamp(min=1)  # the same formula as noam_lr, on device tensors
+        self.lr_t.copy_(self.factor * self.d_model ** -0.5 * torch.minimum(s.rsqrt(), s * self.warmup ** -1.5))
+
     def advance(self) -> None:
         self.step_t += 1
-        s = self.step_t
-        lr = self.factor * self.d_model ** -0.5 * torch.minimum(s.rsqrt(), s * self.warmup ** -1.5)
-        self.lr_t.copy_(lr)
+        self._update_lr()
 
     def set_step(self, step: int) -> None:
         """Continue after ``step`` optimizer steps (resume)."""
         self.step_t.fill_(step)
-        s = self.step_t.clamp(min=1)
-        self.lr_t.copy_(self.factor * self.d_model ** -0.5 * torch.minimum(s.rsqrt(), s * self.warmup ** -1.5))
+        self._update_lr()
 
 
 class NMTStep:
@@ -92,6 +94,7 @@ class NMTStep:
             scaler.scale(torch.zeros((), device=self.params[0].device))
         self.loss: torch.Tensor | None = None
         # Test hook: make the loss of this (1-based) call non-finite, to exercise the NaN policy.
+        # Eager strategies only: graph mode's warm-up and capture calls count too.
         self.inject_inf_at = int(os.environ.get("STREAMNMT_INJECT_INF_STEP", "0"))
         self.calls = 0
 
@@ -180,6 +183,8 @@ class Trainer:
     def __init__(self, job: TrainJob, log: Callable[[str], None] = print, resume: dict[str, Any] | None = None):
         self.log = log
         self.device = resolve_device(job.run.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # so that streams, events and graphs default to it
         self.job = job = self._resolve(job) if resume is None else job
         if job.run.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -231,10 +236,11 @@ class Trainer:
             self.save_dir = increment_path(r.project, r.name, r.exist_ok)
             (self.save_dir / "weights").mkdir(parents=True, exist_ok=True)
             atomic_write(self.save_dir / "config.yaml", job.to_yaml())
-        self.steps_log = CsvLog(self.save_dir / "steps.csv", STEP_COLUMNS,
-                                truncate_after=self.global_step if resume is not None else None)
-        self.results_log = CsvLog(self.save_dir / "results.csv", RESULT_COLUMNS,
-                                  truncate_after=self.epoch if resume is not None else None)
+            for stale in ("best.pt", "best.safetensors"):  # --exist-ok: an earlier run's best is not ours
+                (self.save_dir / "weights" / stale).unlink(missing_ok=True)
+        # A new run in a reused directory starts its logs afresh; a resumed one keeps its past.
+        self.steps_log = CsvLog(self.save_dir / "steps.csv", STEP_COLUMNS, truncate_after=self.global_step)
+        self.results_log = CsvLog(self.save_dir / "results.csv", RESULT_COLUMNS, truncate_after=self.epoch)
         stats_path = self.save_dir / "sync_stats.json"
         self.sync_stats: list[dict[str, Any]] = []
         if resume is not None and stats_path.is_file():
@@ -252,8 +258,11 @@ class Trainer:
     def from_checkpoint(cls, path: str, log: Callable[[str], None] = print,
                         device: str | None = None) -> Trainer:
         ckpt = load_checkpoint(path, flag="--resume")
-        job = job_from_dict(ckpt["config"])
-        run = dataclasses.replace(job.run, resume=str(path), device=device or job.run.device)
+        config = {**ckpt["config"], "run": {**ckpt["config"].get("run", {})}}
+        if device is not None:  # validated here, not the device the checkpoint was written on
+            config["run"]["device"] = device
+        job = job_from_dict(config)
+        run = dataclasses.replace(job.run, resume=str(path))
         return cls(dataclasses.replace(job, run=run), log=log, resume=ckpt)
 
     def _resolve(self, job: TrainJob) -> TrainJob:
@@ -289,8 +298,9 @@ class Trainer:
     def _restore(self, ckpt: dict[str, Any]) -> None:
         load_model_weights(self.model, ckpt, self.job.run.resume, flag="--resume")
         self.optimizer.load_state_dict(ckpt["optimizer"])
-        for group in self.optimizer.param_groups:  # keep reading the schedule's device tensor
-            group["lr"] = self.schedule.lr_t
+        for group in self.optimizer.param_groups:  # the saved groups carry the saving device's settings
+            group["lr"] = self.schedule.lr_t       # keep reading the schedule's device tensor
+            group["fused"], group["capturable"] = True, self.device.type == "cuda"
         self.schedule.set_step(ckpt["step"])
         if self.scaler is not None and ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
@@ -339,7 +349,7 @@ class Trainer:
         if r.max_steps:
             n_batches = min(n_batches, r.max_steps - self.global_step)
         bar = _progress(n_batches, f"epoch {epoch + 1}/{r.epochs}")
-        for info in self.strategy.run(_limit(self.train_loader, n_batches), self.step_fn, self.losses,
+        for info in self.strategy.run(itertools.islice(self.train_loader, n_batches), self.step_fn, self.losses,
                                       start_step=self.global_step):
             # 1. bookkeeping on the host only: no device value is read here
             self.global_step, self.epoch_pos = info.step, self.epoch_pos + 1
@@ -502,13 +512,6 @@ def example_batch(shape: tuple[int, int, int], model: ModelShape, seed: int) -> 
     tgt = torch.randint(4, model.tgt_vocab, (b, t + 1), generator=g)
     return Batch(src=src, tgt_in=tgt[:, :-1].contiguous(), tgt_out=tgt[:, 1:].contiguous(),
                  ntokens=b * t, src_tokens=b * s)
-
-
-def _limit(loader, n: int):
-    for i, batch in enumerate(loader):
-        if i >= n:
-            break
-        yield batch
 
 
 def _progress(total: int, desc: str):

@@ -46,9 +46,9 @@ class DataConfig:
         check(self.prefetch_factor >= 1, "prefetch_factor", f"must be at least 1; got {self.prefetch_factor}")
         check(self.builtin_size is None or self.builtin_size >= 100, "builtin_size",
               f"must be at least 100; got {self.builtin_size}")
+        check(self.tokenizer_sample >= 100, "tokenizer_sample",
+              f"must be at least 100; got {self.tokenizer_sample}")
 
     @property
     def builtin_pairs(self) -> int:
         return self.builtin_size or 40000
-        check(self.tokenizer_sample >= 100, "tokenizer_sample",
-              f"must be at least 100; got {self.tokenizer_sample}")

@@ -100,14 +100,22 @@ class GraphStrategy(Strategy):
         # Keyed by storage address: the graphs hold these addresses, so restoring is in place.
         saved = {t.data_ptr(): t.detach().clone() for t in step.state_tensors()}
         rng = torch.cuda.get_rng_state(self.device)
+        try:
+            self._warm_up_and_capture(step, examples)
+        finally:  # also after a failed capture, so that the fallback starts from the same state
+            self._restore(step, saved, rng)
+
+    def _warm_up_and_capture(self, step: StepFunction, examples: list[Any]) -> None:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        # Capture on a stream of our device (torch.cuda.graph's own default is the current device's).
+        capture_stream = torch.cuda.Stream(self.device)
         for example in examples:
             key = shape_key(example)
             if key in self.graphs:
                 continue
             static = move(example, self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))  # the copy into ``static`` first
             with torch.cuda.stream(side):
                 for _ in range(self.warmup_steps):
                     loss = step.forward(static)
@@ -116,12 +124,14 @@ class GraphStrategy(Strategy):
                 del loss  # an autograd graph kept alive would tie its AccumulateGrad nodes to this stream
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
                 static_loss = step.forward(static)
                 step.backward(static_loss)
                 step.optimizer_step()
             self.graphs[key] = _Captured(graph, static, static_loss.detach())
-        # Undo the warm-up steps: restore in place (the graphs hold these addresses).
+
+    def _restore(self, step: StepFunction, saved: dict[int, torch.Tensor], rng: torch.Tensor) -> None:
+        """Undo the warm-up steps: restore in place (the graphs hold these addresses)."""
         with torch.no_grad():
             for t in step.state_tensors():
                 if t.data_ptr() in saved:

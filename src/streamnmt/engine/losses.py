@@ -59,7 +59,7 @@ class DeferredLosses:
                 self.interval, dtype=torch.float32, pin_memory=True)
             host[:n].copy_(self.buf[:n], non_blocking=True)
             event = torch.cuda.Event()
-            event.record()  # on the current stream, right after the copy
+            event.record(torch.cuda.current_stream(self.device))  # right after the copy
             self.pending.append(_Pending(self.steps, host, event))
             # ``buf`` is overwritten by later pushes on the same stream, i.e. after this copy.
         self.steps = []

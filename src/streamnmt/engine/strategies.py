@@ -95,6 +95,9 @@ class Strategy:
 
     def __init__(self, device: torch.device | str, cfg: EngineConfig, log: Callable[[str], None] = print):
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Streams, events and graph captures made without a device argument use the current one.
+            torch.cuda.set_device(self.device)
         self.cfg = cfg
         self.log = log
         self.sm = StreamManager(self.device, self.n_streams)  # created once per trainer

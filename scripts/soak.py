@@ -19,7 +19,7 @@ from streamnmt.config import PRESETS
 from streamnmt.data import DataConfig, make_loader, prepare_data
 from streamnmt.engine import DeferredLosses, EngineConfig, make_strategy
 from streamnmt.model import ModelShape, Transformer
-from streamnmt.train import example_batch, make_step
+from streamnmt.step import example_batch, make_step
 
 
 def main() -> None:
@@ -46,13 +46,13 @@ def main() -> None:
         strat.prepare(step, [example_batch(s, shape, 0) for s in loader.shapes()])
         losses = DeferredLosses(dev, 10)
 
-        def batches():
+        def batches(loader):
             for epoch in itertools.count():
                 loader.set_epoch(epoch)
                 yield from loader
 
         marks = {}
-        for info in strat.run(itertools.islice(batches(), args.steps), step, losses):
+        for info in strat.run(itertools.islice(batches(loader), args.steps), step, losses):
             losses.poll()
             if info.step in (args.early, args.steps):
                 strat.drain("soak")

@@ -5,7 +5,6 @@ import yaml
 
 from streamnmt.config import build_job, job_from_dict, load_yaml
 from streamnmt.errors import ConfigError
-from streamnmt.train import noam_lr
 
 
 def test_yaml_round_trip(tmp_path):
@@ -48,21 +47,3 @@ def test_bad_yaml_and_unknown_key(tmp_path):
     unknown.write_text("data:\n  batch_sise: 3\n")
     with pytest.raises(ConfigError, match="batch_sise"):
         build_job({}, str(unknown))
-
-
-def test_noam_schedule_values():
-    d, w = 512, 4000
-    assert noam_lr(1, d, w, 1.0) == pytest.approx(512 ** -0.5 * 4000 ** -1.5)
-    assert noam_lr(4000, d, w, 1.0) == pytest.approx(512 ** -0.5 * 4000 ** -0.5)
-    assert noam_lr(16000, d, w, 2.0) == pytest.approx(2 * 512 ** -0.5 * 16000 ** -0.5)
-    assert noam_lr(2000, d, w, 1.0) < noam_lr(4000, d, w, 1.0) > noam_lr(8000, d, w, 1.0)
-
-
-def test_device_schedule_matches_host():
-    import torch
-
-    from streamnmt.train import NoamSchedule
-    s = NoamSchedule(64, 10, 1.5, torch.device("cpu"))
-    for step in range(1, 30):
-        s.advance()
-        assert s.lr_t.item() == pytest.approx(noam_lr(step, 64, 10, 1.5), rel=1e-6)

@@ -1,9 +1,9 @@
-"""Training: the NMT step function and the Trainer that runs epochs through the stream engine.
+"""Training: the Trainer that runs epochs through the stream engine.
 
-The engine (``streamnmt.engine``) knows nothing of translation; this module supplies what it
-drives: :class:`NMTStep` (forward with token-level cross-entropy, backward, clipped Adam step on
-the Noam schedule, all without a host sync) and :class:`Trainer` (run directory, data, model,
-epochs, validation, BLEU, checkpoints, logs). The training loop reads top to bottom in
+The engine (``streamnmt.engine``) knows nothing of translation; it drives the step function of
+``streamnmt.step`` (loss, backward, clipped Adam on the Noam schedule, without a host sync). The
+Trainer owns everything around it: run directory, data, model, epochs, validation, BLEU,
+checkpoints, resume, signals, logs. The training loop reads top to bottom in
 :meth:`Trainer.run_epoch`.
 """
 
@@ -26,18 +26,17 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from streamnmt import masks
 from streamnmt.checkpoint import (load_checkpoint, load_model_weights, rng_state, save_checkpoint, save_safetensors,
                                   set_rng_state)
 from streamnmt.config import TrainJob, job_from_dict
 from streamnmt.errors import InputError, NonFiniteLoss
 from streamnmt.fsutil import atomic_write
-from streamnmt.data import Batch, make_loader, prepare_data, read_pairs
+from streamnmt.data import make_loader, prepare_data, read_pairs
 from streamnmt.engine import STATS, DeferredLosses, host_sync, make_strategy
 from streamnmt.engine.syncstats import format_table
 from streamnmt.model import ModelShape, Transformer
+from streamnmt.step import example_batch, make_step, noam_lr
 from streamnmt.monitor import NvmlSampler
 from streamnmt.plots import plot_results
 from streamnmt.runs import CsvLog, increment_path, write_json
@@ -45,120 +44,6 @@ from streamnmt.runs import CsvLog, increment_path, write_json
 STEP_COLUMNS = ["step", "epoch", "loss", "lr", "tokens"]
 RESULT_COLUMNS = ["epoch", "train_loss", "val_loss", "bleu", "tokens_per_s", "epoch_s", "bleu_s",
                   "gpu_mem_gb", "gpu_busy", "sync_count", "sync_ms", "steps"]
-
-
-def noam_lr(step: int, d_model: int, warmup: int, factor: float) -> float:
-    """Learning rate at optimizer step ``step`` (1-based), computed on the host for logging."""
-    step = max(step, 1)
-    return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
-
-
-class NoamSchedule:
-    """Noam schedule kept on the device: the learning rate is a tensor the optimizer reads, updated
-    by device kernels each step, so neither an eager step nor a captured CUDA graph waits on the host."""
-
-    def __init__(self, d_model: int, warmup: int, factor: float, device: torch.device):
-        self.d_model, self.warmup, self.factor = d_model, warmup, factor
-        self.step_t = torch.zeros((), dtype=torch.float32, device=device)
-        self.lr_t = torch.zeros((), dtype=torch.float32, device=device)
-
-    def _update_lr(self) -> None:
-        s = self.step_t.clamp(min=1)  # the same formula as noam_lr, on device tensors
-        self.lr_t.copy_(self.factor * self.d_model ** -0.5 * torch.minimum(s.rsqrt(), s * self.warmup ** -1.5))
-
-    def advance(self) -> None:
-        self.step_t += 1
-        self._update_lr()
-
-    def set_step(self, step: int) -> None:
-        """Continue after ``step`` optimizer steps (resume)."""
-        self.step_t.fill_(step)
-        self._update_lr()
-
-
-class NMTStep:
-    """One training step in the three phases the strategies schedule on their streams.
-
-    A non-finite loss or gradient norm discards the update on the device: the fused Adam reads a
-    ``found_inf`` flag and leaves weights and moments untouched (with fp16, the grad scaler does
-    the same and lowers its scale). The host learns of it later, from the extracted loss.
-    """
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: NoamSchedule,
-                 *, amp_dtype: torch.dtype | None, scaler: torch.amp.GradScaler | None, clip: float,
-                 label_smoothing: float):
-        self.model, self.optimizer, self.schedule = model, optimizer, schedule
-        self.amp_dtype, self.scaler, self.clip, self.ls = amp_dtype, scaler, clip, label_smoothing
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        if scaler is not None:  # create the scaler's device state now (it is lazy), before any capture
-            scaler.scale(torch.zeros((), device=self.params[0].device))
-        self.loss: torch.Tensor | None = None
-        # Test hook: make the loss of this (1-based) call non-finite, to exercise the NaN policy.
-        # Eager strategies only: graph mode's warm-up and capture calls count too.
-        self.inject_inf_at = int(os.environ.get("STREAMNMT_INJECT_INF_STEP", "0"))
-        self.calls = 0
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """Every tensor a step mutates (graph mode saves and restores them around its warm-up)."""
-        out = list(self.params)
-        out += [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-        out += [self.schedule.step_t, self.schedule.lr_t]
-        if self.scaler is not None:
-            out += [self.scaler._scale, self.scaler._growth_tracker]
-        return out
-
-    def loss_sum(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed token cross-entropy, target token count), both device scalars."""
-        dev_type = batch.src.device.type
-        with torch.autocast(dev_type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
-            logits = self.model(batch.src, batch.tgt_in, masks.src_mask(batch.src))  # (B, T, V)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.tgt_out.flatten(),
-                                   ignore_index=masks.PAD, reduction="sum", label_smoothing=self.ls)
-        return loss, (batch.tgt_out != masks.PAD).sum()
-
-    def forward(self, batch) -> torch.Tensor:
-        self.calls += 1
-        loss, ntok = self.loss_sum(batch)
-        loss = loss / ntok.clamp(min=1)  # token-level mean; the count stays on the device
-        if self.calls == self.inject_inf_at:
-            loss = loss * float("inf")
-        self.loss = loss.detach()  # for the finiteness check; keeps no autograd graph alive
-        return loss
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
-
-    def optimizer_step(self) -> None:
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)  # device-side; the scaler tells the fused Adam to skip inf steps
-        # foreach norm without error_if_nonfinite: no host sync; an infinite max_norm only measures.
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip if self.clip > 0 else float("inf"),
-                                              foreach=True)
-        self.schedule.advance()
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            # Discard a non-finite step on the device (the fused Adam skips when found_inf is 1).
-            self.optimizer.found_inf = (~(torch.isfinite(norm) & torch.isfinite(self.loss))).float()
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-
-def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr: float = 1.0,
-              warmup: int = 4000, amp: str = "off", clip: float = 1.0, label_smoothing: float = 0.0,
-              compile: bool = False) -> NMTStep:
-    """The optimizer, schedule, grad scaler and step function for ``model`` (trainer and bench)."""
-    schedule = NoamSchedule(d_model, warmup, lr, device)
-    # Fused Adam reading the learning rate from a device tensor; capturable so that graph mode
-    # can put the step inside a CUDA graph (used by every strategy, so all compute the same).
-    optimizer = torch.optim.Adam(model.parameters(), lr=schedule.lr_t, betas=(0.9, 0.98), eps=1e-9,
-                                 fused=True, capturable=device.type == "cuda")
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
-    scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
-    step_model = torch.compile(model) if compile else model
-    return NMTStep(step_model, optimizer, schedule, amp_dtype=amp_dtype, scaler=scaler, clip=clip,
-                   label_smoothing=label_smoothing)
 
 
 def seed_everything(seed: int) -> None:
@@ -502,16 +387,6 @@ def _signals(trainer: Trainer):
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-
-
-def example_batch(shape: tuple[int, int, int], model: ModelShape, seed: int) -> Batch:
-    """A batch of random tokens of ``shape`` (B, S, T), e.g. to capture a graph for that shape."""
-    b, s, t = shape
-    g = torch.Generator().manual_seed(seed)
-    src = torch.randint(4, model.src_vocab, (b, s), generator=g)
-    tgt = torch.randint(4, model.tgt_vocab, (b, t + 1), generator=g)
-    return Batch(src=src, tgt_in=tgt[:, :-1].contiguous(), tgt_out=tgt[:, 1:].contiguous(),
-                 ntokens=b * t, src_tokens=b * s)
 
 
 def _progress(total: int, desc: str):

@@ -8,7 +8,7 @@ import torch
 from streamnmt.data import Batch
 from streamnmt.engine import DeferredLosses, EngineConfig, make_strategy
 from streamnmt.model import make_model
-from streamnmt.train import example_batch, make_step
+from streamnmt.step import example_batch, make_step
 
 pytestmark = pytest.mark.gpu
 SHAPES = [(16, 16, 16), (16, 24, 24)]

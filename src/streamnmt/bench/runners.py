@@ -39,7 +39,7 @@ from streamnmt.engine import STATS, DeferredLosses, EngineConfig, host_sync, mak
 from streamnmt.fsutil import atomic_path
 from streamnmt.model import ModelShape, Transformer
 from streamnmt.monitor import CpuSampler, GpuTimer, NvmlSampler, TimedStep, time_graph_replays
-from streamnmt.train import NMTStep, example_batch, make_step
+from streamnmt.step import NMTStep, example_batch, make_step
 
 PROFILE_WARMUP = 3      # untimed steps before a profiled window
 WINDOW = "bench.window"  # profiler range around the profiled steps and their drain

@@ -1,0 +1,45 @@
+"""The training step's schedule and non-finite guard (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamnmt.model import make_model
+from streamnmt.step import NoamSchedule, example_batch, make_step, noam_lr
+
+
+def test_noam_schedule_values():
+    d, w = 512, 4000
+    assert noam_lr(1, d, w, 1.0) == pytest.approx(512 ** -0.5 * 4000 ** -1.5)
+    assert noam_lr(4000, d, w, 1.0) == pytest.approx(512 ** -0.5 * 4000 ** -0.5)
+    assert noam_lr(16000, d, w, 2.0) == pytest.approx(2 * 512 ** -0.5 * 16000 ** -0.5)
+    assert noam_lr(2000, d, w, 1.0) < noam_lr(4000, d, w, 1.0) > noam_lr(8000, d, w, 1.0)
+
+
+def test_device_schedule_matches_host():
+    s = NoamSchedule(64, 10, 1.5, torch.device("cpu"))
+    for step in range(1, 30):
+        s.advance()
+        assert s.lr_t.item() == pytest.approx(noam_lr(step, 64, 10, 1.5), rel=1e-6)
+
+
+def test_non_finite_step_is_discarded_on_the_device(monkeypatch):
+    monkeypatch.setenv("STREAMNMT_INJECT_INF_STEP", "2")
+    torch.manual_seed(0)
+    model = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64)
+    step = make_step(model, torch.device("cpu"), d_model=32, warmup=10)
+    batch = example_batch((4, 8, 8), model.shape, 0)
+    loss = step.forward(batch)  # call 1: a normal step
+    step.backward(loss)
+    step.optimizer_step()
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = step.forward(batch)  # call 2: made infinite by the test hook
+    assert not torch.isfinite(loss)
+    step.backward(loss)
+    step.optimizer_step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    loss = step.forward(batch)  # call 3: trains again
+    step.backward(loss)
+    step.optimizer_step()
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

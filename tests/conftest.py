@@ -1,5 +1,25 @@
+import contextlib
+
 import pytest
 import torch
+
+
+@contextlib.contextmanager
+def single_thread():
+    """One intra-op thread: tiny models gain nothing from more, and on a 2-core CI machine
+    OpenMP threads spinning against loader workers or other processes make steps 10-50x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    with single_thread():
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,6 +17,7 @@ from streamnmt.bench.profile import analyze_trace, format_summary
 from streamnmt.bench.stats import NOISE, format_table, summarize
 from streamnmt.errors import ConfigError
 from streamnmt.model import ModelShape
+from tests.conftest import single_thread
 
 SMALL = ["--device", "cpu", "--model", "tiny", "--builtin-size", "2000", "--batch-size", "16", "--max-len", "16",
          "--warmup", "2", "--repeats", "2"]
@@ -26,12 +27,8 @@ SMALL = ["--device", "cpu", "--model", "tiny", "--builtin-size", "2000", "--batc
 def _isolated(monkeypatch, tmp_path_factory):
     # The built-in corpus is written once per session, under the test's temporary directory.
     monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path_factory.getbasetemp() / "home"))
-    # One intra-op thread: CI has two cores and the loader's workers need one; OpenMP threads
-    # spinning against them make steps 10-50x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +36,12 @@ def bench_run(tmp_path_factory) -> tuple[Path, dict, str]:
     out = tmp_path_factory.mktemp("bench") / "exp"
     mp = pytest.MonkeyPatch()
     mp.setenv("STREAMNMT_HOME", str(tmp_path_factory.getbasetemp() / "home"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     buf = io.StringIO()
     try:
-        with contextlib.redirect_stdout(buf):
+        with single_thread(), contextlib.redirect_stdout(buf):
             code = cli.main(["bench", *SMALL, "--steps", "8", "--strategies", "baseline,interval,full",
                              "--out", str(out)])
     finally:
-        torch.set_num_threads(threads)
         mp.undo()
     assert code == 0
     return out, json.loads((out / "bench.json").read_text()), buf.getvalue()

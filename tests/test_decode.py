@@ -16,14 +16,7 @@ from streamnmt.model import Transformer, make_model
 VOCAB = 40
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models gain nothing from intra-op threads, and those threads stall badly (tens of times
-    # slower) when other processes share the cores.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 LENGTHS = (3, 7, 12, 5, 9, 1, 15, 4)
 
 

@@ -27,14 +27,7 @@ EN_WORDS = "the a cat dog sees likes big small red house tree runs eats fish bir
 ZH_CHARS = "猫狗看喜欢大小红房子树跑吃鱼鸟绿老新的一个"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models gain nothing from intra-op threads, and those threads stall badly (tens of times
-    # slower) when other processes share the cores.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _corpus(n: int, seed: int) -> list[tuple[str, str]]:

@@ -39,17 +39,22 @@ def make_batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor
     return out
 
 
+def run_collect(strat, batches, step, losses) -> list[tuple[int, float]]:
+    """Run ``strat`` over ``batches`` and return every (step, loss), as a trainer would."""
+    got = []
+    for _ in strat.run(batches, step, losses):
+        got += losses.poll()
+    strat.drain("test.drain")
+    return got + losses.flush()
+
+
 def train(strategy: str, device: str, n: int = 23, interval: int = 10, seed: int = 0):
     dev = torch.device(device)
     step = Regression(dev, seed)
     losses = DeferredLosses(dev, interval)
     strat = make_strategy(strategy, dev, EngineConfig(sync_strategy=strategy, sync_interval=interval,
                                                       loss_interval=interval))
-    got = []
-    for info in strat.run(make_batches(n), step, losses):
-        got += losses.poll()
-    strat.drain("test.drain")
-    got += losses.flush()
+    got = run_collect(strat, make_batches(n), step, losses)
     return got, [p.detach().cpu().clone() for p in step.model.parameters()]
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from streamnmt.engine import DeferredLosses, EngineConfig, make_strategy
-from tests.engine.test_engine import SEED_STRATEGIES, Regression, make_batches, train
+from tests.engine.test_engine import SEED_STRATEGIES, Regression, make_batches, run_collect, train
 
 pytestmark = pytest.mark.gpu
 
@@ -32,17 +32,10 @@ def test_no_hidden_host_syncs(strategy):
     step, losses = Regression(dev), DeferredLosses(dev, 10)
     strat = make_strategy(strategy, dev, EngineConfig(sync_strategy=strategy))
     batches = [tuple(t.pin_memory() for t in b) for b in make_batches(40)]
-    for _ in strat.run(batches[:3], step, losses):  # warm-up: lazy inits may sync
-        pass
-    strat.drain("test")
-    losses.flush()
+    run_collect(strat, batches[:3], step, losses)  # warm-up: lazy inits may sync
     torch.cuda.set_sync_debug_mode("error")
-    got = []
     try:
-        for _ in strat.run(batches, step, losses):
-            got += losses.poll()
-        strat.drain("test")
-        got += losses.flush()
+        got = run_collect(strat, batches, step, losses)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert len(got) == 40

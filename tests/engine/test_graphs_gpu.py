@@ -9,6 +9,7 @@ from streamnmt.data import Batch
 from streamnmt.engine import DeferredLosses, EngineConfig, make_strategy
 from streamnmt.model import make_model
 from streamnmt.step import example_batch, make_step
+from tests.engine.test_engine import run_collect
 
 pytestmark = pytest.mark.gpu
 SHAPES = [(16, 16, 16), (16, 24, 24)]
@@ -40,12 +41,7 @@ def train(strategy: str, amp: str, steps: int = 100, dropout: float = 0.1):
     if strategy == "graph":
         assert strat.fallback is None and strat.report["shapes"] == len(SHAPES)
     torch.manual_seed(1)  # same dropout stream for both runs
-    losses = DeferredLosses(dev, 10)
-    got = []
-    for _ in strat.run(random_batches(steps), step, losses):
-        got += losses.poll()
-    strat.drain("test")
-    got += losses.flush()
+    got = run_collect(strat, random_batches(steps), step, DeferredLosses(dev, 10))
     return [v for _, v in got], [p.detach().float().cpu() for p in model.parameters()]
 
 
@@ -75,12 +71,8 @@ def test_graph_has_no_hidden_syncs():
     losses = DeferredLosses(dev, 10)
     batches = random_batches(40)
     torch.cuda.set_sync_debug_mode("error")
-    got = []
     try:
-        for _ in strat.run(batches, step, losses):
-            got += losses.poll()
-        strat.drain("test")
-        got += losses.flush()
+        got = run_collect(strat, batches, step, losses)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert len(got) == 40

@@ -48,6 +48,15 @@ def run_collect(strat, batches, step, losses) -> list[tuple[int, float]]:
     return got + losses.flush()
 
 
+def run_without_host_syncs(strat, batches, step, losses) -> list[tuple[int, float]]:
+    """``run_collect`` with any host sync outside ``host_sync`` raising (CUDA only)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return run_collect(strat, batches, step, losses)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def train(strategy: str, device: str, n: int = 23, interval: int = 10, seed: int = 0):
     dev = torch.device(device)
     step = Regression(dev, seed)

@@ -9,7 +9,7 @@ from streamnmt.data import Batch
 from streamnmt.engine import DeferredLosses, EngineConfig, make_strategy
 from streamnmt.model import make_model
 from streamnmt.step import example_batch, make_step
-from tests.engine.test_engine import run_collect
+from tests.engine.test_engine import run_collect, run_without_host_syncs
 
 pytestmark = pytest.mark.gpu
 SHAPES = [(16, 16, 16), (16, 24, 24)]
@@ -70,9 +70,5 @@ def test_graph_has_no_hidden_syncs():
     strat.prepare(step, [example_batch(s, model.shape, 0) for s in SHAPES])
     losses = DeferredLosses(dev, 10)
     batches = random_batches(40)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = run_collect(strat, batches, step, losses)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    got = run_without_host_syncs(strat, batches, step, losses)
     assert len(got) == 40

@@ -30,9 +30,22 @@ case "$1" in
 esac
 case "$1" in
   soak)
-    timeout 300 python3 scripts/soak.py --steps ${SOAK_STEPS:-3000} --out "$OUT/soak.json" 2>&1 | grep -v Warning
+    timeout 300 python3 scripts/soak.py --steps ${SOAK_STEPS:-3000} --strategies ${SOAK_STRATEGIES:-baseline,event,interval,deep,full,graph} \
+      --out "$OUT/soak.json" 2>&1 | grep -v Warning
     for b in 256 512; do
       timeout 120 python3 scripts/bench_decode.py --batch-size $b --dtype float32 --only beam --repeats 3 \
         --out "$OUT/decode_fp32_$b.json" 2>&1 | tail -6
     done ;;
+esac
+case "$1" in
+  peer)  # the compile-ro peer beside graph mode and the eager strategies, 32x32; graph with --compile
+    timeout 420 python3 -m streamnmt bench --batch-size 32 --max-len 32 --pad-multiple 32 --repeats 3 \
+      --strategies full,graph,compile-ro --out /tmp/p32 > "$OUT/peer32.log" 2>&1; tail -14 "$OUT/peer32.log"
+    timeout 300 python3 -m streamnmt bench --batch-size 32 --max-len 32 --pad-multiple 32 --repeats 3 --compile \
+      --strategies graph --out /tmp/p32c > "$OUT/peer32c.log" 2>&1; tail -10 "$OUT/peer32c.log" ;;
+  longtail)  # token-budget batches over a heavy-tailed corpus: graph mode vs its resident limit
+    python3 scripts/make_longtail.py --out /tmp/lt --pairs 100000
+    timeout 200 python3 -m streamnmt bench --data /tmp/lt --max-tokens 8192 --max-len 128 --repeats 3 \
+      --strategies graph,resident-graph --no-references --steps 200 --out /tmp/lt8k > "$OUT/longtail.log" 2>&1
+    tail -8 "$OUT/longtail.log" ;;
 esac

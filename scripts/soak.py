@@ -1,13 +1,16 @@
 """Soak: train N steps per strategy on the built-in corpus and check that allocated GPU memory
-and host RSS stay flat (within 2 %) between an early step and the last one.
+and host RSS stay flat (within 1 %) between an early step and the last one. Each strategy's model,
+optimizer, streams and graphs are freed before the next one starts (``start`` records what is
+still allocated then, which should not grow from one strategy to the next).
 
-    PYTHONPATH=src python3 scripts/soak.py --steps 3000 --model tiny --out soak.json
+    PYTHONPATH=src python3 scripts/soak.py --steps 10000 --model tiny --strategies full,graph --out soak.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import itertools
 import json
 import os
@@ -37,6 +40,7 @@ def main() -> None:
     shape = ModelShape(data.src_tok.vocab_size, data.tgt_tok.vocab_size, d, n, h, f, 0.1)
     proc, results = psutil.Process(), {}
     for name in args.strategies.split(","):
+        start = {"gpu_allocated": torch.cuda.memory_allocated(dev), "rss": proc.memory_info().rss}
         torch.manual_seed(0)
         model = Transformer(shape).to(dev)
         step = make_step(model, dev, d_model=d, warmup=400, amp="bf16")
@@ -59,13 +63,16 @@ def main() -> None:
                 marks[info.step] = {"gpu_allocated": torch.cuda.memory_allocated(dev), "rss": proc.memory_info().rss}
         losses.flush()
         a, b = marks[args.early], marks[args.steps]
-        results[name] = {"early": a, "last": b,
+        results[name] = {"start": start, "early": a, "last": b,
                          "gpu_change_pct": 100 * (b["gpu_allocated"] - a["gpu_allocated"]) / a["gpu_allocated"],
                          "rss_change_pct": 100 * (b["rss"] - a["rss"]) / a["rss"]}
         print(f"{name:<9} GPU allocated {a['gpu_allocated'] / 2**20:8.1f} -> {b['gpu_allocated'] / 2**20:8.1f} MiB "
               f"({results[name]['gpu_change_pct']:+.2f} %)   RSS {a['rss'] / 2**20:7.1f} -> {b['rss'] / 2**20:7.1f} MiB "
-              f"({results[name]['rss_change_pct']:+.2f} %)", flush=True)
-        del strat, step, model, loader
+              f"({results[name]['rss_change_pct']:+.2f} %)  flat within 1 %: "
+              f"{abs(results[name]['gpu_change_pct']) <= 1 and abs(results[name]['rss_change_pct']) <= 1}", flush=True)
+        del strat, step, model, loader, losses, info
+        gc.collect()
+        torch.cuda.empty_cache()
     with open(args.out, "w") as fh:
         json.dump({"steps": args.steps, "early": args.early, "model": args.model, "results": results}, fh, indent=2)
 

@@ -51,8 +51,7 @@ def test_bench_writes_json_csv_png(bench_run):
     out, record, _ = bench_run
     assert (out / "bench.png").stat().st_size > 1000
     assert record["rows"] == ["plain", "baseline", "interval", "full", "resident"]  # references added
-    assert record["left_out"] == ["resident-graph left out: CUDA graphs need a CUDA device"] or \
-        record["left_out"] == []
+    assert all(n.startswith(("resident-graph left out", "compile-ro left out")) for n in record["left_out"])
     for key in ("config", "device", "torch", "date", "git", "model", "data"):
         assert key in record
     assert record["config"]["model"] == "tiny" and record["config"]["amp"] == "off"
@@ -61,6 +60,8 @@ def test_bench_writes_json_csv_png(bench_run):
         assert len(runs) == 2
         for r in runs:
             assert r["steps"] == 8 and r["wall_s"] > 0 and r["ms_per_step"] > 0 and r["tokens_per_s"] > 0
+            # padded positions include the PAD tail of every row: more than the real tokens
+            assert r["padded_tokens_per_s"] > r["tokens_per_s"]
             assert r["gpu_busy_pct"] is None and r["mfu_pct"] is None and r["peak_mem_mb"] is None
     with open(out / "bench.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -111,12 +112,18 @@ def test_bad_flags_name_the_flag(tmp_path, capsys):
         BenchConfig(repeats=0)
 
 
-def test_rows_and_auto_settings():
+def test_rows_and_auto_settings(monkeypatch):
     cfg = BenchConfig(strategies="graph,baseline")
     rows, notes = cfg.rows(torch.device("cpu"))
-    assert rows == ["plain", "baseline", "graph", "resident"] and "resident-graph" in notes[0]
+    assert rows == ["plain", "baseline", "graph", "resident"]
+    assert any("resident-graph" in n for n in notes) and any("compile-ro" in n for n in notes)
+    from streamnmt.bench import runners
+    monkeypatch.setattr(runners, "peer_available", lambda device: None)  # as on a CUDA machine with Triton
     rows, _ = cfg.rows(torch.device("cuda"))
-    assert rows == ["plain", "baseline", "graph", "resident", "resident-graph"]
+    assert rows == ["plain", "compile-ro", "baseline", "graph", "resident", "resident-graph"]
+    monkeypatch.setattr(runners, "peer_available", lambda device: "compile-ro left out: no triton")
+    rows, notes = cfg.rows(torch.device("cuda"))
+    assert "compile-ro" not in rows and notes == ["compile-ro left out: no triton"]
     assert BenchConfig(strategies="all", references=False).rows(torch.device("cpu"))[0][-1] == "resident"
     r = BenchConfig().resolve(torch.device("cpu"))
     assert (r.model, r.amp, r.device) == ("tiny", "off", "cpu") and r.workers >= 1

@@ -21,9 +21,10 @@ from streamnmt.errors import ConfigError
 T = TypeVar("T")
 
 
-def opt(default: Any, help: str, *, choices: tuple | None = None, cli: bool = True) -> Any:
-    """A config field: ``default`` plus the help text shown by ``--help``."""
-    meta = {"help": help, "choices": choices, "cli": cli}
+def opt(default: Any, help: str, *, choices: tuple | None = None, cli: bool = True, const: Any = None) -> Any:
+    """A config field: ``default`` plus the help text shown by ``--help``; with ``const``, the flag
+    may be given without a value, meaning ``const`` (``--compile`` = ``--compile on``)."""
+    meta = {"help": help, "choices": choices, "cli": cli, "const": const}
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -123,6 +124,8 @@ def add_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: typ
         kw["metavar"] = typ.__name__.upper() if typ in (int, float) else "VALUE"
         if f.metadata.get("choices"):
             kw["metavar"] = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
+        if f.metadata.get("const") is not None:
+            kw.update(nargs="?", const=f.metadata["const"])
         parser.add_argument(flag_name(f.name), **kw)
 
 

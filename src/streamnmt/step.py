@@ -118,8 +118,12 @@ class NMTStep:
 
 def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr: float = 1.0,
               warmup: int = 4000, amp: str = "off", clip: float = 1.0, label_smoothing: float = 0.0,
-              compile: bool = False) -> NMTStep:
-    """The optimizer, schedule, grad scaler and step function for ``model`` (trainer and bench)."""
+              compile: bool = False, shapes: int = 1) -> NMTStep:
+    """The optimizer, schedule, grad scaler and step function for ``model`` (trainer and bench).
+
+    With ``compile``, the model is compiled for each of its ``shapes`` batch shapes (static shapes:
+    what CUDA graph capture needs); the compile cache is made large enough to hold all of them.
+    """
     schedule = NoamSchedule(d_model, warmup, lr, device)
     # Fused Adam reading the learning rate from a device tensor; capturable so that graph mode
     # can put the step inside a CUDA graph (used by every strategy, so all compute the same).
@@ -127,9 +131,21 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
                                  fused=True, capturable=device.type == "cuda")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
-    step_model = torch.compile(model) if compile else model
+    if compile:
+        _fit_compile_cache(shapes)
+    step_model = torch.compile(model, dynamic=False) if compile else model
     return NMTStep(step_model, optimizer, schedule, amp_dtype=amp_dtype, scaler=scaler, clip=clip,
                    label_smoothing=label_smoothing)
+
+
+def _fit_compile_cache(shapes: int) -> None:
+    """Let torch.compile keep one compiled graph per batch shape (it stops compiling, and runs
+    eagerly, after ``recompile_limit`` shapes: 8 by default, fewer than a real corpus has)."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):  # the name differs across torch versions
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), shapes + 2))
 
 
 def example_batch(shape: tuple[int, int, int], model: ModelShape, seed: int) -> Batch:

@@ -32,8 +32,9 @@ from streamnmt.checkpoint import (load_checkpoint, load_model_weights, rng_state
 from streamnmt.config import TrainJob, job_from_dict
 from streamnmt.errors import InputError, NonFiniteLoss
 from streamnmt.fsutil import atomic_write
-from streamnmt.data import make_loader, prepare_data, read_pairs
+from streamnmt.data import batch_plan, make_loader, padding_share, prepare_data, read_pairs
 from streamnmt.engine import STATS, DeferredLosses, host_sync, make_strategy
+from streamnmt.engine.auto import choose_compile, choose_strategy
 from streamnmt.engine.syncstats import format_table
 from streamnmt.model import ModelShape, Transformer
 from streamnmt.step import example_batch, make_step, noam_lr
@@ -42,7 +43,7 @@ from streamnmt.plots import plot_results
 from streamnmt.runs import CsvLog, increment_path, write_json
 
 STEP_COLUMNS = ["step", "epoch", "loss", "lr", "tokens"]
-RESULT_COLUMNS = ["epoch", "train_loss", "val_loss", "bleu", "tokens_per_s", "epoch_s", "bleu_s",
+RESULT_COLUMNS = ["epoch", "train_loss", "val_loss", "bleu", "tokens_per_s", "padded_tokens_per_s", "epoch_s", "bleu_s",
                   "gpu_mem_gb", "gpu_busy", "sync_count", "sync_ms", "steps"]
 
 
@@ -80,6 +81,8 @@ class Trainer:
         self.data = prepare_data(job.data, log=log)
         if resume is not None:
             self._check_tokenizers(resume)
+        else:
+            self.job = job = self._resolve_compile(job)
         # 2. model and step function (optimizer, schedule, scaler)
         m = job.model
         self.shape = ModelShape(self.data.src_tok.vocab_size, self.data.tgt_tok.vocab_size, m.d_model,
@@ -91,7 +94,8 @@ class Trainer:
             log(f"weights: started from {job.run.weights}")
         self.step_fn = make_step(self.model, self.device, d_model=m.d_model, lr=job.optim.lr,
                                  warmup=job.optim.warmup, amp=job.optim.amp, clip=job.optim.clip_grad,
-                                 label_smoothing=m.label_smoothing, compile=job.engine.compile)
+                                 label_smoothing=m.label_smoothing, compile=job.engine.compile == "on",
+                                 shapes=len(batch_plan(self.data.train, job.data)[1]))
         self.optimizer, self.schedule, self.scaler = (self.step_fn.optimizer, self.step_fn.schedule,
                                                       self.step_fn.scaler)
         # 3. engine: the strategy's streams are created once, here
@@ -138,6 +142,8 @@ class Trainer:
         log(f"model: {m.model} ({m.n_layers}+{m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
             f"d_ff {m.d_ff}), {self.model.num_params() / 1e6:.1f}M parameters; device {self.device}; "
             f"amp {job.optim.amp}; strategy {self.strategy.name}")
+        log(f"data: {len(self.train_loader)} batches per epoch in {len(self.train_loader.shapes())} shape(s); "
+            f"padding {100 * padding_share(self.data.train, job.data):.1f} % of the target positions")
 
     @classmethod
     def from_checkpoint(cls, path: str, log: Callable[[str], None] = print,
@@ -171,7 +177,22 @@ class Trainer:
         if data.builtin_size is None:
             data = dataclasses.replace(data, builtin_size=40000 if preset == "base" else 16000)
         run = dataclasses.replace(run, device=str(self.device))
-        return dataclasses.replace(job, model=model, optim=optim, run=run, data=data)
+        strategy = choose_strategy(job.engine.sync_strategy, self.device)
+        if job.engine.sync_strategy == "auto":
+            self.log(f"engine: strategy {strategy.value} ({strategy.why})")
+        engine = dataclasses.replace(job.engine, sync_strategy=strategy.value)
+        return dataclasses.replace(job, model=model, optim=optim, run=run, data=data, engine=engine)
+
+    def _resolve_compile(self, job: TrainJob) -> TrainJob:
+        """``--compile auto``: decided from the run's planned steps and batch shapes (see engine.auto)."""
+        per_epoch, shapes = batch_plan(self.data.train, job.data)
+        steps = per_epoch * job.run.epochs
+        if job.run.max_steps:
+            steps = min(steps, job.run.max_steps)
+        choice = choose_compile(job.engine.compile, self.device, job.engine.sync_strategy, steps, len(shapes))
+        if job.engine.compile == "auto":
+            self.log(f"engine: compile {'on' if choice.value else 'off'} ({choice.why})")
+        return dataclasses.replace(job, engine=dataclasses.replace(job.engine, compile="on" if choice.value else "off"))
 
     def _check_tokenizers(self, ckpt: dict[str, Any]) -> None:
         for side, tok in (("src", self.data.src_tok), ("tgt", self.data.tgt_tok)):
@@ -229,7 +250,7 @@ class Trainer:
         STATS.reset()
         nvml = NvmlSampler(self.device).start()  # GPU utilisation sampled in a thread; no device sync
         t0 = time.perf_counter()
-        tokens, losses = 0, []
+        tokens, padded, losses = 0, 0, []
         n_batches = len(self.train_loader) - self.epoch_pos
         if r.max_steps:
             n_batches = min(n_batches, r.max_steps - self.global_step)
@@ -238,7 +259,8 @@ class Trainer:
                                       start_step=self.global_step):
             # 1. bookkeeping on the host only: no device value is read here
             self.global_step, self.epoch_pos = info.step, self.epoch_pos + 1
-            tokens += info.batch.ntokens
+            tokens += info.batch.ntokens  # real (non-PAD) target tokens, counted on the host
+            padded += info.batch.tgt_out.numel()  # a shape: no device access
             self.pending_rows[info.step] = {"step": info.step, "epoch": epoch + 1, "tokens": info.batch.ntokens,
                                             "lr": noam_lr(info.step, self.shape.d_model, self.job.optim.warmup,
                                                           self.job.optim.lr)}
@@ -273,6 +295,7 @@ class Trainer:
         finite = [v for v in losses if math.isfinite(v)]
         row = {"epoch": epoch + 1, "train_loss": sum(finite) / max(len(finite), 1), "val_loss": val_loss,
                "bleu": "" if bleu is None else round(bleu, 2), "tokens_per_s": tokens / epoch_s,
+               "padded_tokens_per_s": padded / epoch_s,
                "epoch_s": round(epoch_s, 3), "bleu_s": round(bleu_s, 3),
                "gpu_mem_gb": torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else 0.0,
                "gpu_busy": "" if gpu_busy is None else round(gpu_busy, 1),

@@ -19,9 +19,10 @@ from streamnmt.engine import STRATEGY_NAMES
 
 # Reference rows: the limit of an eager loop (batches already on the GPU, no transfers, no host
 # waits), the same for graph mode, and the loop most people write (blocking copy, loss.item()).
-REFERENCES = ("resident", "resident-graph", "plain")
-# Table and execution order: what users write, the engine's strategies, then the limits.
-ORDER = ("plain", *STRATEGY_NAMES, "resident", "resident-graph")
+# The peer row: the strongest off-the-shelf alternative, torch.compile(mode="reduce-overhead").
+REFERENCES = ("resident", "resident-graph", "plain", "compile-ro")
+# Table and execution order: what users write, the peer, the engine's strategies, then the limits.
+ORDER = ("plain", "compile-ro", *STRATEGY_NAMES, "resident", "resident-graph")
 
 
 @dataclass(kw_only=True)
@@ -32,9 +33,10 @@ class BenchConfig:
     repeats: int = opt(3, "runs of each row, interleaved (A B C A B C ...); the table shows the median")
     strategies: str = opt("all", "comma-separated rows: " + ",".join(STRATEGY_NAMES) + " and the references "
                           + ",".join(REFERENCES) + "; all = every one")
-    references: bool = opt(True, "add the reference rows: resident and plain, and resident-graph with graph "
-                                 "on CUDA")
-    batch_size: int = opt(32, "sentences per batch")
+    references: bool = opt(True, "add the reference rows: resident and plain, resident-graph with graph "
+                                 "on CUDA, and the compile-ro peer on CUDA with Triton")
+    batch_size: int = opt(32, "sentences per batch (ignored with --max-tokens)")
+    max_tokens: int = opt(0, "token budget per batch, as the trainer's --max-tokens (0 = by sentences)")
     max_len: int = opt(32, "longest sentence in tokens")
     pad_multiple: int = opt(8, "batch lengths are padded to a multiple of this; set it to --max-len for fixed "
                                "(batch-size x max-len) shapes")
@@ -60,6 +62,8 @@ class BenchConfig:
         check(self.warmup >= 0, "warmup", f"must be 0 or more; got {self.warmup}")
         check(self.repeats >= 1, "repeats", f"must be at least 1; got {self.repeats}")
         check(self.batch_size >= 1, "batch_size", f"must be a positive integer; got {self.batch_size}")
+        check(self.max_tokens == 0 or self.max_tokens >= self.max_len, "max_tokens",
+              f"must be 0 (off) or at least --max-len ({self.max_len}); got {self.max_tokens}")
         check(self.max_len >= 4, "max_len", f"must be at least 4; got {self.max_len}")
         check(self.pad_multiple >= 1, "pad_multiple", f"must be a positive integer; got {self.pad_multiple}")
         check_choice(self.model, "model", ("auto", *PRESETS))
@@ -89,6 +93,16 @@ class BenchConfig:
             if "graph" in names:
                 names.add("resident-graph")
         notes = []
+        if self.references:
+            from streamnmt.bench.runners import peer_available
+            why = peer_available(device)
+            if why is None:
+                names.add("compile-ro")
+            elif "compile-ro" not in self.selected():
+                notes.append(why)
+        if "compile-ro" in names and device.type != "cuda":
+            names.discard("compile-ro")
+            notes.append("compile-ro left out: reduce-overhead replays CUDA graphs, which need a CUDA device")
         if "resident-graph" in names and device.type != "cuda":
             names.discard("resident-graph")
             notes.append("resident-graph left out: CUDA graphs need a CUDA device")

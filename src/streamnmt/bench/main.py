@@ -30,7 +30,7 @@ from streamnmt.bench.runners import Env, Runner, make_runner
 from streamnmt.bench.stats import CSV_FIELDS, format_table, limit_of, summarize
 from streamnmt.config import PRESETS
 from streamnmt.configbase import to_dict
-from streamnmt.data import DataConfig, prepare_data
+from streamnmt.data import DataConfig, padding_share, prepare_data
 from streamnmt.fsutil import atomic_write
 from streamnmt.model import ModelShape
 from streamnmt.plots import plot_bench, plot_timeline
@@ -79,6 +79,8 @@ def _footnotes(cfg: BenchConfig, rows: list[dict[str, Any]], peak: float | None,
     lines = [
         f"ms/step: median of {cfg.repeats} interleaved runs of {cfg.steps} steps [min-max]; 'within noise': the "
         "medians differ by less than the larger min-max range of the two rows",
+        "real tok/s: non-PAD target tokens per second; padded tok/s: target positions (batch x length, "
+        "filler rows included) per second",
         "vs baseline: baseline ms / row ms; % of limit: limit ms / row ms, the limit being "
         + ("resident (graph rows: resident-graph)" if "resident-graph" in names else "resident"),
         f"MFU: {mfu}",
@@ -126,7 +128,7 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> int:
     seed_everything(cfg.seed)
 
     # 1. data: the trainer's loader over the same corpus for every row
-    data_cfg = DataConfig(data=cfg.data, batch_size=cfg.batch_size, max_len=cfg.max_len,
+    data_cfg = DataConfig(data=cfg.data, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, max_len=cfg.max_len,
                           pad_multiple=cfg.pad_multiple, builtin_size=cfg.builtin_size)
     bundle = prepare_data(data_cfg, log=log)
     d, n, h, ff = PRESETS[cfg.model]
@@ -142,14 +144,17 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> int:
         f"{cfg.repeats} x ({cfg.warmup} warm-up + {cfg.steps} timed steps) each; out {out}")
     for note in skipped:
         log(f"bench: {note}")
+    log(f"bench: {len(env.loader(0).shapes())} batch shape(s); padding "
+        f"{100 * padding_share(bundle.train, data_cfg):.1f} % of the target positions")
 
     try:
         # 2. every row built once: model from the same seed, strategy and streams, graph capture
-        runners = []
+        runners, ready_s = [], {}
         for name in names:
             t0 = time.perf_counter()
             runners.append(make_runner(name, env))
-            log(f"bench: {name} ready in {time.perf_counter() - t0:.1f} s")
+            ready_s[name] = time.perf_counter() - t0  # graph capture and compilation included
+            log(f"bench: {name} ready in {ready_s[name]:.1f} s")
 
         # 3. timed runs, interleaved: A B C, A B C, ...
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
@@ -182,7 +187,7 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> int:
                  "train_pairs": len(bundle.train)},
         "peak_tflops": peak / 1e12 if peak else None, "precision": precision(cfg.amp),
         "limits": {name: limit_of(name, names) for name in names},
-        "runners": {r.name: {"kind": r.kind, "workers": r.workers, "report": r.report, "notes": r.notes,
+        "runners": {r.name: {"kind": r.kind, "workers": r.workers, "ready_s": ready_s[r.name], "report": r.report, "notes": r.notes,
                              "runs": runs[r.name]} for r in runners},
         "summary": rows, "profile": profiles,
     }

@@ -15,7 +15,11 @@ Rows:
 * ``resident``: the batches already on the GPU, one stream, eager steps, losses deferred, no
   transfer and no host wait: what an eager loop cannot beat;
 * ``resident-graph``: the graph strategy over the same GPU-resident batches: the limit of graph mode;
-* ``plain``: what most people write: a blocking ``.to(device)`` and ``loss.item()`` every step.
+* ``plain``: what most people write: a blocking ``.to(device)`` and ``loss.item()`` every step;
+* ``compile-ro``: the strongest off-the-shelf alternative: the same model under
+  ``torch.compile(mode="reduce-overhead")`` (forward and backward compiled and replayed as CUDA
+  graphs by PyTorch's graph trees), eager clipping and fused Adam, pinned batches copied without
+  blocking, losses deferred. Offered on CUDA where Triton is installed.
 
 Measurements per timed stage: see ``streamnmt.bench`` (the package docstring).
 """
@@ -173,9 +177,10 @@ class Runner:
             self.cpu.start()
             self.nvml.start()
             t0 = time.perf_counter()
-            steps = tokens = flops = 0
+            steps = tokens = padded = flops = 0
             for batch in self.loop(islice(src, cfg.steps)):
                 steps, tokens, flops = steps + 1, tokens + batch.ntokens, flops + env.flops(batch.shape)
+                padded += batch.tgt_out.numel()  # a shape: no device access
             loop_syncs = STATS.reset()
             self.finish("bench.end")
             wall = time.perf_counter() - t0
@@ -194,7 +199,8 @@ class Runner:
             self._release()
         return {
             "repeat": repeat, "steps": steps, "wall_s": wall, "ms_per_step": 1e3 * wall / steps,
-            "tokens": tokens, "tokens_per_s": tokens / wall, "model_tflops": flops / wall / 1e12,
+            "tokens": tokens, "tokens_per_s": tokens / wall, "padded_tokens_per_s": padded / wall,
+            "model_tflops": flops / wall / 1e12,
             "mfu_pct": 100 * flops / wall / env.peak_flops if env.peak_flops else None,
             "gpu_ms": gpu_ms, "gpu_busy_pct": None if gpu_ms is None else 100 * gpu_ms / (1e3 * wall),
             "gpu_timed_steps": self.timer.collected if self.timer.enabled else None,
@@ -320,7 +326,51 @@ class PlainRunner(Runner):
             yield batch
 
 
+class CompiledPeerRunner(Runner):
+    """``torch.compile(mode="reduce-overhead")`` of the same model: see the module docstring."""
+
+    kind = "peer"
+
+    def __init__(self, name: str, env: Env):
+        super().__init__(name, env)
+        t0 = time.perf_counter()
+        self.step.model = torch.compile(self.step.model, mode="reduce-overhead", dynamic=False)
+        # Compile (and record the graph trees) for every batch shape now, not inside a timed run.
+        for shape in env.loader(0).shapes():
+            b = example_batch(shape, env.shape, env.cfg.seed).to(self.device, non_blocking=True)
+            torch.compiler.cudagraph_mark_step_begin()
+            loss = self.step.forward(b)
+            self.step.backward(loss)
+            self.step.optimizer.zero_grad(set_to_none=True)
+        self.compile_s = time.perf_counter() - t0
+        self.notes.append(f"compiled {len(env.loader(0).shapes())} shape(s) in {self.compile_s:.0f} s")
+
+    def loop(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        for i, batch in enumerate(batches):
+            b = batch.to(self.device, non_blocking=True)  # pinned: the copy does not block
+            torch.compiler.cudagraph_mark_step_begin()  # a new iteration: graph-tree outputs may be reused
+            loss = self.step.forward(b)
+            self.step.backward(loss)
+            self.step.optimizer_step()
+            self.losses.push(i + 1, loss)  # copied out of the graph's output at once
+            self.losses.poll()  # never blocks
+            yield batch
+
+
+def peer_available(device: torch.device) -> str | None:
+    """None when the ``compile-ro`` row can run on ``device``, else why not."""
+    if device.type != "cuda":
+        return "compile-ro left out: reduce-overhead replays CUDA graphs, which need a CUDA device"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "compile-ro left out: torch.compile needs the triton package on CUDA (pip install triton)"
+    return None
+
+
 def make_runner(name: str, env: Env) -> Runner:
+    if name == "compile-ro":
+        return CompiledPeerRunner(name, env)
     if name == "plain":
         return PlainRunner(name, env)
     if name == "resident":

@@ -11,13 +11,18 @@ STRATEGY_NAMES = ("baseline", "event", "interval", "deep", "full", "graph")
 
 @dataclass(kw_only=True)
 class EngineConfig:
-    sync_strategy: str = opt("full", "how the host and the GPU streams are synchronised",
-                             choices=STRATEGY_NAMES)
+    sync_strategy: str = opt("auto", "how the host and the GPU streams are synchronised; auto = graph on "
+                                     "CUDA, full on CPU", choices=("auto", *STRATEGY_NAMES))
     sync_interval: int = opt(10, "interval/deep/full/graph: the host blocks every this many batches")
     loss_interval: int = opt(10, "losses are copied to the host every this many batches")
-    compile: bool = opt(False, "torch.compile the model (fused kernels)")
+    compile: str = opt("auto", "torch.compile the model (fused kernels): on, off, or auto = on in graph mode "
+                               "when the run is long enough to win the compile time back",
+                       choices=("auto", "on", "off"), const="on")
 
     def __post_init__(self) -> None:
-        check_choice(self.sync_strategy, "sync_strategy", STRATEGY_NAMES)
+        check_choice(self.sync_strategy, "sync_strategy", ("auto", *STRATEGY_NAMES))
+        if str(self.compile).lower() in ("true", "false"):  # config.yaml of earlier versions held a bool
+            self.compile = "on" if str(self.compile).lower() == "true" else "off"
+        check_choice(self.compile, "compile", ("auto", "on", "off"))
         check(self.sync_interval >= 1, "sync_interval", f"must be at least 1; got {self.sync_interval}")
         check(self.loss_interval >= 1, "loss_interval", f"must be at least 1; got {self.loss_interval}")

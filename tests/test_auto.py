@@ -1,0 +1,91 @@
+"""``--sync-strategy auto``, ``--compile auto``, the padding report and token-budget batches (CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from streamnmt import cli
+from streamnmt.config import build_job
+from streamnmt.data import DataConfig, batch_plan, make_loader, padding_share, prepare_data
+from streamnmt.engine import EngineConfig
+from streamnmt.engine.auto import COMPILE_S_PER_SHAPE, choose_compile, choose_strategy
+from streamnmt.errors import ConfigError
+from tests.conftest import single_thread
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path_factory.getbasetemp() / "home"))
+    with single_thread():
+        yield
+
+
+def test_auto_strategy_by_device():
+    assert choose_strategy("auto", CUDA).value == "graph"
+    assert choose_strategy("auto", CPU).value == "full"
+    assert choose_strategy("deep", CUDA).value == "deep"
+
+
+def test_compile_auto_rule():
+    # Two extremes of the rule: a long run of one shape compiles, a short run of many does not.
+    long_run = choose_compile("auto", CUDA, "graph", planned_steps=10**7, n_shapes=1)
+    short_run = choose_compile("auto", CUDA, "graph", planned_steps=100, n_shapes=16)
+    assert long_run.value is True and short_run.value is False and "--compile on" in short_run.why
+    # the threshold moves with the number of shapes to compile
+    steps = 10**6
+    few = choose_compile("auto", CUDA, "graph", planned_steps=steps, n_shapes=1).value
+    many = choose_compile("auto", CUDA, "graph", planned_steps=steps, n_shapes=int(10**4 / COMPILE_S_PER_SHAPE)).value
+    assert few and not many
+    assert choose_compile("auto", CUDA, "full", planned_steps=10**9, n_shapes=1).value is False
+    assert choose_compile("auto", CPU, "graph", planned_steps=10**9, n_shapes=1).value is False
+    assert choose_compile("on", CPU, "full", 1, 1).value is True and choose_compile("off", CUDA, "graph", 10**9, 1).value is False
+
+
+def test_compile_flag_values():
+    assert EngineConfig(compile=True).compile == "on" and EngineConfig(compile="false").compile == "off"
+    with pytest.raises(ConfigError, match="--compile"):
+        EngineConfig(compile="fast")
+    args = vars(cli.build_parser().parse_args(["train", "--compile"]))
+    assert args["compile"] == "on"
+    assert build_job({"compile": args["compile"]}).engine.compile == "on"
+    assert build_job({}).engine.sync_strategy == "auto" and build_job({}).engine.compile == "auto"
+
+
+def test_cpu_run_picks_full_and_says_why(tmp_path, capsys):
+    code = cli.main(["train", "--device", "cpu", "--model", "tiny", "--builtin-size", "300", "--epochs", "1",
+                     "--max-steps", "3", "--bleu-samples", "0", "--workers", "0", "--batch-size", "16",
+                     "--project", str(tmp_path), "--name", "auto"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "engine: strategy full (auto: no CUDA graphs on cpu" in out
+    assert "engine: compile off (auto:" in out and "padding" in out
+    cfg = yaml.safe_load((tmp_path / "auto" / "config.yaml").read_text())
+    assert cfg["engine"]["sync_strategy"] == "full" and cfg["engine"]["compile"] == "off"  # resolved values
+    header = (tmp_path / "auto" / "results.csv").read_text().splitlines()[0].split(",")
+    assert "tokens_per_s" in header and "padded_tokens_per_s" in header
+
+
+def test_max_tokens_batches_respect_the_budget():
+    cfg = DataConfig(builtin_size=400, max_tokens=200, max_len=64, pad_multiple=8)
+    bundle = prepare_data(cfg, log=lambda s: None)
+    loader = make_loader(bundle.train, cfg, train=True, seed=0, pin_memory=False)
+    seen = 0
+    for batch in loader:
+        b, length = batch.src.shape
+        assert b * length <= 200 and batch.tgt_in.shape == (b, length)
+        assert batch.ntokens == int((batch.tgt_out != 0).sum())  # real tokens, as the reports count them
+        seen += 1
+    n, shapes = batch_plan(bundle.train, cfg)
+    assert seen == n == len(loader) and len(shapes) >= 2
+    # padding share = 1 - real / padded target positions, checked against the batches themselves
+    real = padded = 0
+    for batch in make_loader(bundle.train, cfg, train=True, seed=0, pin_memory=False):
+        real += batch.ntokens
+        padded += batch.tgt_out.numel()
+    assert padding_share(bundle.train, cfg) == pytest.approx(1 - real / padded)
+    assert np.isfinite(padding_share(bundle.train, cfg))

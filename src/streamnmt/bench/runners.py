@@ -335,7 +335,8 @@ class CompiledPeerRunner(Runner):
         super().__init__(name, env)
         t0 = time.perf_counter()
         inner = self.step.step  # the NMTStep inside the timing wrapper: its model is the one called
-        inner.model = torch.compile(inner.model, mode="reduce-overhead", dynamic=False)
+        base = getattr(inner.model, "_orig_mod", inner.model)  # with --compile: not compiled twice
+        inner.model = torch.compile(base, mode="reduce-overhead", dynamic=False)
         # Compile (and record the graph trees) for every batch shape now, not inside a timed run.
         for shape in env.loader(0).shapes():
             b = example_batch(shape, env.shape, env.cfg.seed).to(self.device, non_blocking=True)

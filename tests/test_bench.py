@@ -210,6 +210,10 @@ def test_trace_analysis_attributes_kernels_and_idle_time():
     d = s.to_dict()
     assert d["busy_pct"] == pytest.approx(40) and d["idle_pct"]["sync"] == pytest.approx(30)
     assert "stream 13" in format_summary("deep", s)
+    # kernels by GPU time: the three 10-us kernels first, 'late' (5 us) last; copies are not kernels
+    assert s.n_kernels == 4 and [n for n, _, _ in s.top_kernels][-1] == "late"
+    assert s.top_kernels[0][1:] == (1, pytest.approx(0.01)) and d["top_kernels"][-1]["pct_of_busy"] == pytest.approx(12.5)
+    assert "4 kernels in the window" in format_summary("deep", s)
     assert analyze_trace(_trace([("cpu_op", "aten::mm", 0, 5, {})])) is None
 
 

@@ -54,6 +54,7 @@ SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaEventSynchronize", "cudaDe
                         "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize", "cuMemcpy"})
 IDLE_CAUSES = ("launch", "data", "sync", "queued")
 GRAPH_BRANCHES = -1  # pseudo-stream: streams that only ran graph-internal kernels
+TOP_KERNELS = 12     # kernels named in the summary, by GPU time
 _GPU_CATS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
 
 
@@ -78,6 +79,8 @@ class TraceSummary:
     streams: dict[str, dict[int, list[float]]]  # category -> stream -> [kernels, ms]
     ops: list[tuple[int, float, float, str]] = field(default_factory=list)  # (stream, start, duration, category)
     syncs: list[tuple[float, float]] = field(default_factory=list)         # (start, duration)
+    top_kernels: list[tuple[str, int, float]] = field(default_factory=list)  # (name, count, ms), by ms
+    n_kernels: int = 0  # kernels that ran inside the window
 
     def to_dict(self) -> dict[str, Any]:
         w = max(self.window_ms, 1e-9)
@@ -85,7 +88,9 @@ class TraceSummary:
                 "idle_ms": self.idle_ms, "idle_pct": {k: 100 * v / w for k, v in self.idle_ms.items()},
                 "kernels_per_stream": {cat: {str(s): {"count": int(c), "ms": ms} for s, (c, ms) in by.items()}
                                        for cat, by in self.streams.items()},
-                "host_syncs": len(self.syncs)}
+                "host_syncs": len(self.syncs), "kernels": self.n_kernels,
+                "top_kernels": [{"name": n, "count": c, "ms": ms, "pct_of_busy": 100 * ms / max(self.busy_ms, 1e-9)}
+                                for n, c, ms in self.top_kernels]}
 
 
 def load_trace(path: str | Path) -> dict[str, Any]:
@@ -214,7 +219,16 @@ def analyze_trace(trace: dict[str, Any], window: str = WINDOW) -> TraceSummary |
         cell[1] += (o.end - o.start) / 1e3
     rel = [(o.stream, (o.start - w0) / 1e3, (o.end - o.start) / 1e3, o.category) for o in ops]
     rel_syncs = [((s - w0) / 1e3, (e - s) / 1e3) for s, e in syncs if e > w0 and s < w1]
-    return TraceSummary((w1 - w0) / 1e3, busy_ms, idle, streams, rel, rel_syncs)
+    # 4. where the GPU time goes: kernels by name (time inside the window)
+    by_name: dict[str, list[float]] = {}
+    for o in ops:
+        if o.kind == "kernel" and o.end > w0 and o.start < w1:
+            cell = by_name.setdefault(o.name, [0, 0.0])
+            cell[0] += 1
+            cell[1] += (min(o.end, w1) - max(o.start, w0)) / 1e3
+    top = sorted(((n, int(c), ms) for n, (c, ms) in by_name.items()), key=lambda t: -t[2])[:TOP_KERNELS]
+    return TraceSummary((w1 - w0) / 1e3, busy_ms, idle, streams, rel, rel_syncs, top,
+                        sum(int(c) for c, _ in by_name.values()))
 
 
 def stream_label(stream: int) -> str:
@@ -235,4 +249,8 @@ def format_summary(name: str, s: TraceSummary | None) -> str:
         cells = [s.streams[cat].get(st) for st in stream_ids]
         lines.append(f"    {cat:<22}" + "".join(f"{'-' if c is None else f'{int(c[0])} / {c[1]:.2f}':>18}"
                                              for c in cells))
+    if s.top_kernels:
+        lines.append(f"    {s.n_kernels} kernels in the window; by GPU time (count, ms, share of busy):")
+        for name, count, ms in s.top_kernels:
+            lines.append(f"    {count:>7} {ms:>9.2f} {100 * ms / max(s.busy_ms, 1e-9):>5.1f}%  {name[:110]}")
     return "\n".join(lines)

@@ -255,7 +255,7 @@ class Trainer:
         STATS.reset()
         nvml = NvmlSampler(self.device).start()  # GPU utilisation sampled in a thread; no device sync
         t0 = time.perf_counter()
-        tokens, losses, eval_s = 0, [], 0.0
+        tokens, losses, eval_s, eval_stats = 0, [], 0.0, []
         n_batches = len(self.train_loader) - self.epoch_pos
         if r.max_steps:
             n_batches = min(n_batches, r.max_steps - self.global_step)
@@ -279,7 +279,10 @@ class Trainer:
             if r.eval_every and self.global_step % r.eval_every == 0 and self.epoch_pos < len(self.train_loader):
                 te = time.perf_counter()  # a mid-epoch evaluation (the epoch's last batch has its own)
                 losses += self._drain("eval")
+                held, STATS.sites = STATS.sites, {}  # the evaluation's host waits are not training's
                 self._evaluate(epoch)
+                eval_stats.append(STATS.reset())
+                STATS.sites = held
                 eval_s += time.perf_counter() - te
             if not self.stop_requested and self.budget.expired():
                 self._request_stop(self.budget.reason(self.global_step))
@@ -314,7 +317,7 @@ class Trainer:
                "steps": self.global_step}
         self.results_log.write(row)
         self.sync_stats.append({"epoch": epoch + 1, "strategy": self.strategy.name, "train": train_stats,
-                                "eval": STATS.reset()})
+                                "eval": merge_sync_stats([*eval_stats, STATS.reset()])})
         write_json(self.save_dir / "sync_stats.json", self.sync_stats)
         self.sync_table = format_table(train_stats)
         self.scalars.add(self.global_step, {"epoch/train_loss": row["train_loss"], "epoch/tokens_per_s": row["tokens_per_s"],

@@ -264,3 +264,22 @@ def test_cpu_start_line_names_the_builtin_corpus_only_without_data(tmp_path):
     t._resolve(build_job({"data": str(tmp_path)}))
     t._resolve(build_job({}))
     assert len(lines) == 2 and "built-in" not in lines[0] and "16000-pair built-in corpus" in lines[1]
+
+
+def test_results_png_curves_are_per_step_and_per_evaluation(tmp_path):
+    from streamnmt.plots import plot_results, results_series
+
+    (tmp_path / "steps.csv").write_text("step,epoch,loss,lr,tokens\n1,1,5.0,0.1,10\n2,1,4.0,0.1,10\n3,1,inf,0.1,10\n"
+                                        "4,1,3.5,0.1,10\n")
+    (tmp_path / "evals.csv").write_text("step,epoch,val_loss,bleu,bleu_s,best\n2,1,4.5,1.5,0.1,1\n4,1,4.2,,0.1,0\n")
+    (tmp_path / "results.csv").write_text("epoch,train_loss,val_loss,bleu,tokens_per_s,epoch_s\n1,4.2,4.2,,100,1\n")
+    axis, s = results_series(tmp_path)
+    assert axis == "optimizer step"
+    assert s["train_loss"] == ([1.0, 2.0, 4.0], [5.0, 4.0, 3.5])  # the non-finite step is left out
+    assert s["val_loss"] == ([2.0, 4.0], [4.5, 4.2]) and s["bleu"] == ([2.0], [1.5])
+    assert s["tokens_per_s"] == ([1.0], [100.0])
+    assert plot_results(tmp_path).read_bytes()[:4] == b"\x89PNG"
+    for name in ("steps.csv", "evals.csv"):  # an older run directory: per-epoch curves
+        (tmp_path / name).unlink()
+    axis, s = results_series(tmp_path)
+    assert axis == "epoch" and s["val_loss"] == ([1.0], [4.2])

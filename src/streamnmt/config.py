@@ -98,7 +98,8 @@ class RunConfig:
     eval_every: int = opt(0, "also evaluate (val loss, BLEU, best.pt, patience) every N optimizer steps "
                              "(0 = at epoch ends only)")
     best_metric: str = opt("auto", "what chooses best.pt and drives --patience: bleu (higher is better) or "
-                                   "val_loss; auto = bleu when --bleu-samples > 0", choices=("auto", "bleu", "val_loss"))
+                                   "val_loss; auto = bleu when --bleu-samples > 0",
+                           choices=("auto", "bleu", "val_loss"))
     patience: int = opt(0, "stop when --best-metric has not improved for N evaluations in a row (0 = never)")
     time_limit: str | None = opt(None, "stop cleanly after this much training time, e.g. 2h, 90m, 20s, 1h30m: "
                                        "last.pt is saved, exit 0, --resume continues (none = no limit)")

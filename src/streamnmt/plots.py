@@ -77,7 +77,8 @@ def results_series(run_dir: str | Path) -> tuple[str, dict[str, tuple[list[float
         out["val_loss"] = _finite(epochs, _floats(results, "val_loss"))
         out["bleu"] = _finite(epochs, _floats(results, "bleu"))
     out["tokens_per_s"] = _finite(epochs, _floats(results, "tokens_per_s"))
-    out["gpu_busy"] = _finite(epochs, _floats(results, "gpu_busy")) if results and "gpu_busy" in results[0] else ([], [])
+    busy = results and "gpu_busy" in results[0]
+    out["gpu_busy"] = _finite(epochs, _floats(results, "gpu_busy")) if busy else ([], [])
     return ("optimizer step" if steps or evals else "epoch"), out
 
 

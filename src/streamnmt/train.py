@@ -126,8 +126,9 @@ class Trainer:
             self.save_dir = increment_path(r.project, r.name, r.exist_ok)
             (self.save_dir / "weights").mkdir(parents=True, exist_ok=True)
             atomic_write(self.save_dir / "config.yaml", job.to_yaml())
-            for stale in ("best.pt", "best.safetensors", *(p.name for p in (self.save_dir / "weights").glob("step_*.pt"))):
-                (self.save_dir / "weights" / stale).unlink(missing_ok=True)  # --exist-ok: an earlier run's are not ours
+            weights = self.save_dir / "weights"  # --exist-ok: an earlier run's best and step files are not ours
+            for stale in [weights / "best.pt", weights / "best.safetensors", *weights.glob("step_*.pt")]:
+                stale.unlink(missing_ok=True)
         # A new run in a reused directory starts its logs afresh; a resumed one keeps its past.
         self.steps_log = CsvLog(self.save_dir / "steps.csv", STEP_COLUMNS, truncate_after=self.global_step)
         self.results_log = CsvLog(self.save_dir / "results.csv", RESULT_COLUMNS, truncate_after=self.epoch)
@@ -171,7 +172,8 @@ class Trainer:
         if preset == "auto":
             preset = "base" if cuda else "small"
             if not cuda:
-                corpus = " and a 16000-pair built-in corpus" if job.data.data is None and job.data.builtin_size is None else ""
+                pairs = job.data.builtin_size or 16000
+                corpus = f" and a {pairs}-pair built-in corpus" if job.data.data is None else ""  # not with --data
                 self.log(f"no GPU: using the 'small' model preset{corpus} so a CPU run finishes in minutes "
                          "(--model base for the original size)")
         model = job.model.resolve(preset)
@@ -320,7 +322,8 @@ class Trainer:
                                 "eval": merge_sync_stats([*eval_stats, STATS.reset()])})
         write_json(self.save_dir / "sync_stats.json", self.sync_stats)
         self.sync_table = format_table(train_stats)
-        self.scalars.add(self.global_step, {"epoch/train_loss": row["train_loss"], "epoch/tokens_per_s": row["tokens_per_s"],
+        self.scalars.add(self.global_step, {"epoch/train_loss": row["train_loss"],
+                                            "epoch/tokens_per_s": row["tokens_per_s"],
                                             "sync/count": row["sync_count"], "sync/ms": row["sync_ms"]})
         # 6. checkpoint: the next epoch starts from its first batch
         self.save(self.save_dir / "weights" / "last.pt")

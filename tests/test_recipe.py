@@ -283,3 +283,13 @@ def test_results_png_curves_are_per_step_and_per_evaluation(tmp_path):
         (tmp_path / name).unlink()
     axis, s = results_series(tmp_path)
     assert axis == "epoch" and s["val_loss"] == ([1.0], [4.2])
+
+
+def test_validation_loss_is_plain_nll_whatever_the_smoothing():
+    torch.manual_seed(0)
+    model = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64, dropout=0.0)
+    batch = example_batch((4, 8, 8), model.shape, 0)
+    smooth = make_step(model, torch.device("cpu"), d_model=32, label_smoothing=0.1)
+    plain = make_step(model, torch.device("cpu"), d_model=32, label_smoothing=0.0)
+    assert not torch.equal(smooth.loss_sum(batch)[0], plain.loss_sum(batch)[0])
+    assert torch.equal(smooth.loss_sum(batch, label_smoothing=0.0)[0], plain.loss_sum(batch)[0])

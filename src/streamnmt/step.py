@@ -82,13 +82,15 @@ class NMTStep:
             out += self.ema.shadow
         return out
 
-    def loss_sum(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed token cross-entropy, target token count), both device scalars."""
+    def loss_sum(self, batch, label_smoothing: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed token cross-entropy, target token count), both device scalars; ``label_smoothing``
+        None = the training's (validation passes 0: its loss is the plain NLL whatever the smoothing)."""
+        ls = self.ls if label_smoothing is None else label_smoothing
         dev_type = batch.src.device.type
         with torch.autocast(dev_type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
             logits = self.model(batch.src, batch.tgt_in, masks.src_mask(batch.src))  # (B, T, V)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.tgt_out.flatten(),
-                                   ignore_index=masks.PAD, reduction="sum", label_smoothing=self.ls)
+                                   ignore_index=masks.PAD, reduction="sum", label_smoothing=ls)
         return loss, (batch.tgt_out != masks.PAD).sum()
 
     def forward(self, batch) -> torch.Tensor:

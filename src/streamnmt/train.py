@@ -381,13 +381,14 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> float:
-        """Token-level validation loss; sums stay on the device, one counted sync at the end."""
+        """Token-level validation loss (plain NLL, no label smoothing); sums stay on the device, one
+        counted sync at the end."""
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         ntok = torch.zeros((), dtype=torch.int64, device=self.device)
         for batch in self.dev_loader:
             b = batch.to(self.device, non_blocking=True)
-            loss, n = self.step_fn.loss_sum(b)
+            loss, n = self.step_fn.loss_sum(b, label_smoothing=0.0)
             total += loss.double()
             ntok += n
         self.model.train()

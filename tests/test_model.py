@@ -78,3 +78,52 @@ def test_tiny_model_overfits_one_batch():
         opt.step()
     assert first > 2.0
     assert loss.item() < 0.05
+
+
+def test_tied_embeddings_are_one_parameter():
+    torch.manual_seed(0)
+    untied = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64)
+    dec = make_model(30, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64, tie_embeddings="decoder")
+    assert dec.generator.weight is dec.tgt_embed.weight and dec.src_embed.weight is not dec.tgt_embed.weight
+    both = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64, tie_embeddings="all")
+    assert both.generator.weight is both.tgt_embed.weight is both.src_embed.weight
+    assert untied.num_params() - both.num_params() == 2 * 40 * 32  # one (V, D) tensor instead of three
+    assert sum(p is both.tgt_embed.weight for p in both.parameters()) == 1
+
+
+def test_tied_embeddings_stay_tied_through_training_and_reload(tmp_path):
+    from streamnmt.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
+    from streamnmt.step import example_batch, make_step
+
+    torch.manual_seed(0)
+    model = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64, tie_embeddings="all")
+    step = make_step(model, torch.device("cpu"), d_model=32, warmup=10)
+    for _ in range(3):
+        loss = step.forward(example_batch((4, 8, 8), model.shape, 0))
+        step.backward(loss)
+        step.optimizer_step()
+    assert model.generator.weight is model.tgt_embed.weight is model.src_embed.weight
+    path = tmp_path / "tied.pt"
+    save_checkpoint(path, {"model": model.state_dict(), "model_shape": vars(model.shape)})
+    ckpt = load_checkpoint(path)
+    state = ckpt["model"]
+    assert state["generator.weight"].data_ptr() == state["tgt_embed.weight"].data_ptr()  # stored once
+    fresh = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64, tie_embeddings="all")
+    load_model_weights(fresh, ckpt, path)
+    assert fresh.generator.weight is fresh.tgt_embed.weight is fresh.src_embed.weight
+    assert torch.equal(fresh.generator.weight, model.generator.weight)
+
+
+def test_tying_mismatch_and_vocab_errors(tmp_path):
+    import pytest
+
+    from streamnmt.checkpoint import load_model_weights
+    from streamnmt.errors import InputError
+
+    tied = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64, tie_embeddings="decoder")
+    untied = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64)
+    ckpt = {"model": untied.state_dict(), "model_shape": vars(untied.shape)}
+    with pytest.raises(InputError, match="--tie-embeddings none"):
+        load_model_weights(tied, ckpt, "untied.pt")
+    with pytest.raises(ValueError, match="one vocabulary"):
+        make_model(30, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64, tie_embeddings="all")

@@ -8,8 +8,10 @@ the previous good checkpoint in place.
 
 from __future__ import annotations
 
+import os
 import pickle
 import random
+import shutil
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -77,8 +79,18 @@ def load_checkpoint(path: str | Path, flag: str = "--weights") -> dict[str, Any]
 
 def load_model_weights(model: torch.nn.Module, ckpt: dict[str, Any], path: str | Path,
                        flag: str = "--weights") -> None:
-    """Copy a checkpoint's weights into ``model``; a shape mismatch names the first bad tensor."""
+    """Copy a checkpoint's weights into ``model``; a shape mismatch names the first bad tensor.
+
+    Tied embeddings stay one tensor: the model re-ties after loading (``tie_weights``), and a
+    checkpoint whose tying differs from the model's is refused (loading untied weights into a tied
+    model would keep whichever of the two tensors came last).
+    """
     state = ckpt["model"]
+    want = getattr(getattr(model, "shape", None), "tie_embeddings", "none")
+    have = (ckpt.get("model_shape") or {}).get("tie_embeddings", "none")
+    if want != have:
+        raise InputError(f"{flag}: {path} was trained with --tie-embeddings {have}; this model has "
+                         f"--tie-embeddings {want} (use the same setting)")
     own = model.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
@@ -89,6 +101,27 @@ def load_model_weights(model: torch.nn.Module, ckpt: dict[str, Any], path: str |
             raise InputError(f"{flag}: {path} holds another model shape: {k} is {tuple(v.shape)}, "
                              f"this model has {tuple(own[k].shape)}")
     model.load_state_dict(state)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def keep_step_copy(last: Path, step: int, keep: int) -> Path:
+    """Keep ``last`` (just written) as ``step_NNNNNN.pt`` beside it, and only the ``keep`` newest.
+
+    The copy is a hard link where the file system allows one (no second write of a large file;
+    ``last.pt`` is later replaced by a rename, which leaves the linked file as it is), else a copy.
+    """
+    target = last.parent / f"step_{step:06d}.pt"
+    with atomic_path(target) as tmp:
+        tmp.unlink()
+        try:
+            os.link(last, tmp)
+        except OSError:
+            shutil.copyfile(last, tmp)
+    steps = sorted(last.parent.glob("step_*.pt"), key=lambda p: int(p.stem[5:]) if p.stem[5:].isdigit() else -1)
+    for old in steps[:-keep]:
+        old.unlink(missing_ok=True)
+    return target
 
 
 # -- safetensors ---------------------------------------------------------------------------------

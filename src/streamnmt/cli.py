@@ -22,11 +22,11 @@ def _train(args: dict) -> int:
     config_file = args.pop("config", None)
     resume = args.pop("resume", None)
     if resume is not None:
-        extra = sorted(set(args) - {"device"})
+        extra = sorted(set(args) - {"device", "time_limit"})
         if extra or config_file:
             raise ConfigError(f"--resume continues a run with the settings in its checkpoint; drop "
                               f"{', '.join('--' + k.replace('_', '-') for k in extra) or '--config'}")
-        trainer = Trainer.from_checkpoint(resume, device=args.get("device"))
+        trainer = Trainer.from_checkpoint(resume, device=args.get("device"), time_limit=args.get("time_limit"))
     else:
         trainer = Trainer(build_job(args, config_file))
     result = trainer.train()
@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     for command, module, cfg_name, fn_name, help_text in (
             ("translate", "translate", "TranslateConfig", "run_translate", "translate lines of text"),
             ("eval", "translate", "EvalConfig", "run_eval", "BLEU and chrF of a checkpoint on a split"),
-            ("bench", "bench", "BenchConfig", "run_bench", "benchmark the sync strategies side by side")):
+            ("bench", "bench", "BenchConfig", "run_bench", "benchmark the sync strategies side by side"),
+            ("average", "average", "AverageConfig", "run_average", "average the weights of checkpoints")):
         try:
             mod = __import__(f"streamnmt.{module}", fromlist=[cfg_name])
             cls = getattr(mod, cfg_name)

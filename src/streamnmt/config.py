@@ -18,6 +18,7 @@ from streamnmt.configbase import check, check_choice, from_dict, opt, to_dict
 from streamnmt.data.config import DataConfig
 from streamnmt.engine.config import EngineConfig
 from streamnmt.errors import ConfigError
+from streamnmt.stopping import check_recipe
 
 # Model presets: (d_model, n_layers, n_heads, d_ff). "base" is the original system's model.
 PRESETS = {
@@ -36,7 +37,11 @@ class ModelConfig:
     n_heads: int | None = opt(None, "attention heads (overrides the preset)")
     d_ff: int | None = opt(None, "feed-forward width (overrides the preset)")
     dropout: float = opt(0.1, "dropout probability")
-    label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy")
+    label_smoothing: float = opt(0.1, "label smoothing of the cross-entropy (the Transformer recipe's 0.1; "
+                                      "0 = plain cross-entropy)")
+    tie_embeddings: str = opt("none", "tie embeddings: decoder = the target embedding is the output projection; "
+                                      "all = the source embedding too (needs --shared-vocab)",
+                              choices=("none", "decoder", "all"))
 
     def __post_init__(self) -> None:
         check_choice(self.model, "model", ("auto", *PRESETS))
@@ -46,6 +51,7 @@ class ModelConfig:
         check(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1); got {self.dropout}")
         check(0.0 <= self.label_smoothing < 1.0, "label_smoothing",
               f"must be in [0, 1); got {self.label_smoothing}")
+        check_choice(self.tie_embeddings, "tie_embeddings", ("none", "decoder", "all"))
         if self.d_model and self.n_heads:
             check(self.d_model % self.n_heads == 0, "n_heads",
                   f"must divide --d-model ({self.d_model}); got {self.n_heads}")
@@ -89,6 +95,22 @@ class RunConfig:
                               "kept) or skip (the update is discarded on the device)", choices=("stop", "skip"))
     bleu_samples: int = opt(500, "dev sentences decoded for BLEU at each epoch end (0 = off)")
     beam_size: int = opt(3, "beam size of the epoch-end BLEU decoding")
+    eval_every: int = opt(0, "also evaluate (val loss, BLEU, best.pt, patience) every N optimizer steps "
+                             "(0 = at epoch ends only)")
+    best_metric: str = opt("auto", "what chooses best.pt and drives --patience: bleu (higher is better) or "
+                                   "val_loss; auto = bleu when --bleu-samples > 0",
+                           choices=("auto", "bleu", "val_loss"))
+    patience: int = opt(0, "stop when --best-metric has not improved for N evaluations in a row (0 = never)")
+    time_limit: str | None = opt(None, "stop cleanly after this much training time, e.g. 2h, 90m, 20s, 1h30m: "
+                                       "last.pt is saved, exit 0, --resume continues (none = no limit)")
+    keep_last: int = opt(0, "with --save-every S: also keep the last N step checkpoints as weights/step_NNNNNN.pt "
+                            "(for streamnmt average; 0 = none)")
+    ema: float = opt(0.0, "keep an exponential moving average of the weights on the device, updated in the "
+                          "step, with this decay, e.g. 0.9999 (warmed up as min(decay, (1+n)/(10+n)); 0 = off)")
+    eval_ema: bool = opt(False, "validate, score BLEU and write best.pt with the EMA weights (needs --ema)")
+    verbose: bool = opt(False, "print the host-sync table after every epoch (else once, at the end)")
+    tensorboard: bool = opt(False, "write TensorBoard scalars (loss, lr, tokens/s, BLEU, sync counts) to the "
+                                   "run directory (needs: pip install tensorboard)")
 
     def __post_init__(self) -> None:
         check(self.epochs is None or self.epochs >= 1, "epochs", f"must be at least 1; got {self.epochs}")
@@ -97,6 +119,7 @@ class RunConfig:
         check_choice(self.on_nan, "on_nan", ("stop", "skip"))
         check(self.bleu_samples >= 0, "bleu_samples", f"must be 0 or more; got {self.bleu_samples}")
         check(self.beam_size >= 1, "beam_size", f"must be at least 1; got {self.beam_size}")
+        check_recipe(self)
         if self.device is not None:
             import torch
             dev = self.device
@@ -120,6 +143,10 @@ class TrainJob:
     optim: OptimConfig
     engine: EngineConfig
     run: RunConfig
+
+    def __post_init__(self) -> None:
+        check(self.model.tie_embeddings != "all" or self.data.shared_vocab, "tie_embeddings",
+              "'all' ties the source embedding to the target one, which needs one vocabulary: add --shared-vocab")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: to_dict(getattr(self, name)) for name in SECTIONS}

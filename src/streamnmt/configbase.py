@@ -83,6 +83,11 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     if typ is str:
         check(isinstance(value, (str, int, float)), key, f"must be a string; got {value!r}")
         return str(value)
+    if typing.get_origin(typ) is list:  # list[str]: several values after one flag, or a YAML list
+        items = [value] if isinstance(value, str) else value
+        check(isinstance(items, (list, tuple)) and all(isinstance(v, (str, int, float)) for v in items), key,
+              f"must be a list of strings; got {value!r}")
+        return [str(v) for v in items]
     return value
 
 
@@ -114,7 +119,9 @@ def add_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: typ
             continue
         typ, _ = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        help_text = f.metadata.get("help", "")
+        if default is not None and "default" not in help_text:  # None: the help says what happens
+            help_text += f" (default: {default})"
         kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
         if typ is bool:
             parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **kw)
@@ -122,6 +129,8 @@ def add_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: typ
         # Values arrive as strings and are coerced (and validated) by from_dict, so that a bad
         # flag and a bad YAML value give the same message.
         kw["metavar"] = typ.__name__.upper() if typ in (int, float) else "VALUE"
+        if typing.get_origin(typ) is list:
+            kw["nargs"] = "+"
         if f.metadata.get("choices"):
             kw["metavar"] = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
         if f.metadata.get("const") is not None:

@@ -2,9 +2,9 @@
 
 Vaswani et al. (2017) as the original trainer built it: N encoder and N decoder layers, multi-head
 attention through ``F.scaled_dot_product_attention`` (fused kernels on the GPU), sinusoidal
-positions, separate source and target embeddings scaled by sqrt(d_model), and a generator to the
-target vocabulary. Layers are pre-norm with a final LayerNorm (the Annotated Transformer's layout),
-which trains stably without a long warm-up.
+positions, source and target embeddings scaled by sqrt(d_model), and a generator to the target
+vocabulary (optionally tied: ``ModelShape.tie_embeddings``). Layers are pre-norm with a final
+LayerNorm (the Annotated Transformer's layout), which trains stably without a long warm-up.
 
 Besides ``forward`` for training, the decoder supports incremental decoding: the encoder output's
 keys/values are projected once per layer and the self-attention keys/values of earlier positions
@@ -33,6 +33,7 @@ class ModelShape:
     d_ff: int = 2048
     dropout: float = 0.1
     max_positions: int = 1024
+    tie_embeddings: str = "none"  # none | decoder (target embedding = generator) | all (and source)
 
 
 class MultiHeadAttention(nn.Module):
@@ -161,9 +162,24 @@ class Transformer(nn.Module):
         self.enc_norm, self.dec_norm = nn.LayerNorm(s.d_model), nn.LayerNorm(s.d_model)
         self.generator = nn.Linear(s.d_model, s.tgt_vocab)
         self.scale = math.sqrt(s.d_model)
-        for p in self.parameters():
+        self.tie_weights()
+        for p in self.parameters():  # a shared tensor is listed (and initialised) once
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)
+
+    def tie_weights(self) -> None:
+        """Make the tied embeddings one Parameter (Press & Wolf 2017): the generator's (V, D) weight
+        is the target embedding; with ``all`` the source embedding is too (one shared vocabulary)."""
+        tie = self.shape.tie_embeddings
+        if tie not in ("none", "decoder", "all"):
+            raise ValueError(f"tie_embeddings must be none, decoder or all; got {tie!r}")
+        if tie == "all" and self.shape.src_vocab != self.shape.tgt_vocab:
+            raise ValueError(f"tie_embeddings 'all' needs one vocabulary for both sides; got "
+                             f"{self.shape.src_vocab} source and {self.shape.tgt_vocab} target pieces")
+        if tie in ("decoder", "all"):
+            self.generator.weight = self.tgt_embed.weight
+        if tie == "all":
+            self.src_embed.weight = self.tgt_embed.weight
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
         x = self.drop(self.pos(self.src_embed(src) * self.scale))  # (B, S, D)
@@ -206,5 +222,7 @@ class Transformer(nn.Module):
 
 
 def make_model(src_vocab: int, tgt_vocab: int, d_model: int = 512, n_layers: int = 6, n_heads: int = 8,
-               d_ff: int = 2048, dropout: float = 0.1, max_positions: int = 1024) -> Transformer:
-    return Transformer(ModelShape(src_vocab, tgt_vocab, d_model, n_layers, n_heads, d_ff, dropout, max_positions))
+               d_ff: int = 2048, dropout: float = 0.1, max_positions: int = 1024,
+               tie_embeddings: str = "none") -> Transformer:
+    return Transformer(ModelShape(src_vocab, tgt_vocab, d_model, n_layers, n_heads, d_ff, dropout, max_positions,
+                                  tie_embeddings))

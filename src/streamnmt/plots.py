@@ -1,4 +1,4 @@
-"""Pictures of runs and benchmarks: per-epoch results, strategy bars, kernel timelines.
+"""Pictures of runs and benchmarks: training curves, strategy bars, kernel timelines.
 
 Numbers in CSV files are exact but a curve or a bar chart shows at a glance whether training
 converged and which strategy is faster by more than the noise. Each function reads plain data
@@ -42,44 +42,77 @@ def _floats(rows: list[dict[str, str]], key: str) -> list[float | None]:
     return out
 
 
-def _line(ax: Any, x: list[float], y: list[float | None], label: str, **kw: Any) -> bool:
-    pts = [(a, b) for a, b in zip(x, y) if b is not None]
-    if not pts:
-        return False
-    ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=label, **kw)
-    return True
+def _read_rows(path: Path) -> list[dict[str, str]]:
+    if not path.is_file():
+        return []
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def _finite(x: list[float | None], y: list[float | None]) -> tuple[list[float], list[float]]:
+    pts = [(a, b) for a, b in zip(x, y) if a is not None and b is not None and b == b and abs(b) != float("inf")]
+    return [a for a, _ in pts], [b for _, b in pts]
+
+
+def results_series(run_dir: str | Path) -> tuple[str, dict[str, tuple[list[float], list[float]]]]:
+    """(x-axis name, curves of ``results.png`` as (x, y) lists), from the run's CSV files.
+
+    ``train_loss``: per optimizer step (``steps.csv``); ``val_loss`` and ``bleu``: per evaluation
+    on the same step axis (``evals.csv``); ``tokens_per_s`` and ``gpu_busy``: per epoch
+    (``results.csv``). A run directory with only ``results.csv`` (older runs) gets its per-epoch
+    losses and BLEU on the epoch axis instead (the x-axis name says which).
+    """
+    run_dir = Path(run_dir)
+    results, steps, evals = (_read_rows(run_dir / f"{name}.csv") for name in ("results", "steps", "evals"))
+    if not (results or steps or evals):
+        raise ValueError(f"{run_dir}: no results.csv, steps.csv or evals.csv rows to plot")
+    epochs = [float(e) if e is not None else float(i + 1) for i, e in enumerate(_floats(results, "epoch"))]
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    if steps or evals:
+        out["train_loss"] = _finite(_floats(steps, "step"), _floats(steps, "loss"))
+        out["val_loss"] = _finite(_floats(evals, "step"), _floats(evals, "val_loss"))
+        out["bleu"] = _finite(_floats(evals, "step"), _floats(evals, "bleu"))
+    else:  # per-epoch results only
+        out["train_loss"] = _finite(epochs, _floats(results, "train_loss"))
+        out["val_loss"] = _finite(epochs, _floats(results, "val_loss"))
+        out["bleu"] = _finite(epochs, _floats(results, "bleu"))
+    out["tokens_per_s"] = _finite(epochs, _floats(results, "tokens_per_s"))
+    busy = results and "gpu_busy" in results[0]
+    out["gpu_busy"] = _finite(epochs, _floats(results, "gpu_busy")) if busy else ([], [])
+    return ("optimizer step" if steps or evals else "epoch"), out
 
 
 def plot_results(run_dir: str | Path) -> Path:
-    """Draw ``run_dir/results.png`` from ``run_dir/results.csv``: losses, BLEU, throughput per epoch.
-
-    Columns used: ``epoch``, ``train_loss``, ``val_loss``, ``bleu`` (may be empty),
-    ``tokens_per_s`` and, if present, ``gpu_busy`` (%, on a second axis).
-    """
+    """Draw ``run_dir/results.png``: training loss per step with validation loss per evaluation,
+    dev BLEU per evaluation (both on the step axis), and throughput per epoch (see
+    :func:`results_series` for the files read)."""
     run_dir = Path(run_dir)
-    with open(run_dir / "results.csv", newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
-    if not rows:
-        raise ValueError(f"{run_dir / 'results.csv'}: no rows to plot")
-    epochs = [float(e) if e is not None else float(i + 1)
-              for i, e in enumerate(_floats(rows, "epoch"))]
+    x_label, series = results_series(run_dir)
     fig, axes = _figure(12, 3.6, 1, 3)
     ax = axes[0][0]
-    _line(ax, epochs, _floats(rows, "train_loss"), "train")
-    _line(ax, epochs, _floats(rows, "val_loss"), "validation")
-    ax.set(title="loss", xlabel="epoch")
+    x, y = series["train_loss"]
+    if x:
+        ax.plot(x, y, linewidth=0.8, alpha=0.8, label="train", marker="o" if len(x) < 30 else None)
+    x, y = series["val_loss"]
+    if x:
+        ax.plot(x, y, marker="o", label="validation")
+    ax.set(title="loss", xlabel=x_label)
     ax.legend()
     ax = axes[0][1]
-    if not _line(ax, epochs, _floats(rows, "bleu"), "BLEU", color="tab:green"):
+    x, y = series["bleu"]
+    if x:
+        ax.plot(x, y, marker="o", color="tab:green", label="BLEU")
+    else:
         ax.text(0.5, 0.5, "no BLEU recorded", ha="center", va="center", transform=ax.transAxes)
-    ax.set(title="BLEU", xlabel="epoch")
+    ax.set(title="dev BLEU", xlabel=x_label)
     ax = axes[0][2]
-    _line(ax, epochs, _floats(rows, "tokens_per_s"), "tokens/s", color="tab:purple")
+    x, y = series["tokens_per_s"]
+    ax.plot(x, y, marker="o", color="tab:purple", label="tokens/s")
     ax.set(title="throughput", xlabel="epoch", ylabel="target tokens/s")
-    busy = _floats(rows, "gpu_busy") if "gpu_busy" in rows[0] else []
-    if any(v is not None for v in busy):
+    x, y = series["gpu_busy"]
+    if x:
         twin = ax.twinx()
-        _line(twin, epochs, busy, "GPU busy %", color="tab:orange", linestyle="--")
+        twin.plot(x, y, marker="o", color="tab:orange", linestyle="--", label="GPU busy %")
         twin.set(ylabel="GPU busy %", ylim=(0, 105))
         handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
         ax.legend(handles=handles, loc="lower right")

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from streamnmt import masks
 from streamnmt.data import Batch
+from streamnmt.ema import EMA
 from streamnmt.model import ModelShape
 
 
@@ -68,6 +69,7 @@ class NMTStep:
         # Eager strategies only: graph mode's warm-up and capture calls count too.
         self.inject_inf_at = int(os.environ.get("STREAMNMT_INJECT_INF_STEP", "0"))
         self.calls = 0
+        self.ema: EMA | None = None  # set by make_step(ema=...): averaged weights, updated in the step
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor a step mutates (graph mode saves and restores them around its warm-up)."""
@@ -76,15 +78,19 @@ class NMTStep:
         out += [self.schedule.step_t, self.schedule.lr_t]
         if self.scaler is not None:
             out += [self.scaler._scale, self.scaler._growth_tracker]
+        if self.ema is not None:
+            out += self.ema.shadow
         return out
 
-    def loss_sum(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed token cross-entropy, target token count), both device scalars."""
+    def loss_sum(self, batch, label_smoothing: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed token cross-entropy, target token count), both device scalars; ``label_smoothing``
+        None = the training's (validation passes 0: its loss is the plain NLL whatever the smoothing)."""
+        ls = self.ls if label_smoothing is None else label_smoothing
         dev_type = batch.src.device.type
         with torch.autocast(dev_type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
             logits = self.model(batch.src, batch.tgt_in, masks.src_mask(batch.src))  # (B, T, V)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.tgt_out.flatten(),
-                                   ignore_index=masks.PAD, reduction="sum", label_smoothing=self.ls)
+                                   ignore_index=masks.PAD, reduction="sum", label_smoothing=ls)
         return loss, (batch.tgt_out != masks.PAD).sum()
 
     def forward(self, batch) -> torch.Tensor:
@@ -113,12 +119,14 @@ class NMTStep:
             # Discard a non-finite step on the device (the fused Adam skips when found_inf is 1).
             self.optimizer.found_inf = (~(torch.isfinite(norm) & torch.isfinite(self.loss))).float()
             self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update()  # device kernels after the update, so graph mode captures them too
         self.optimizer.zero_grad(set_to_none=True)
 
 
 def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr: float = 1.0,
               warmup: int = 4000, amp: str = "off", clip: float = 1.0, label_smoothing: float = 0.0,
-              compile: bool = False, shapes: int = 1) -> NMTStep:
+              compile: bool = False, shapes: int = 1, ema: float = 0.0) -> NMTStep:
     """The optimizer, schedule, grad scaler and step function for ``model`` (trainer and bench).
 
     With ``compile``, the model is compiled for each of its ``shapes`` batch shapes (static shapes:
@@ -134,8 +142,11 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
     if compile:
         _fit_compile_cache(shapes)
     step_model = torch.compile(model, dynamic=False) if compile else model
-    return NMTStep(step_model, optimizer, schedule, amp_dtype=amp_dtype, scaler=scaler, clip=clip,
+    step = NMTStep(step_model, optimizer, schedule, amp_dtype=amp_dtype, scaler=scaler, clip=clip,
                    label_smoothing=label_smoothing)
+    if ema > 0:
+        step.ema = EMA(step.params, ema, schedule.step_t)
+    return step
 
 
 def _fit_compile_cache(shapes: int) -> None:

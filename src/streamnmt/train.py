@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from streamnmt.checkpoint import (load_checkpoint, load_model_weights, rng_state, save_checkpoint, save_safetensors,
-                                  set_rng_state)
+from streamnmt.checkpoint import (keep_step_copy, load_checkpoint, load_model_weights, rng_state, save_checkpoint,
+                                  save_safetensors, set_rng_state)
 from streamnmt.config import TrainJob, job_from_dict
 from streamnmt.errors import InputError, NonFiniteLoss
 from streamnmt.fsutil import atomic_write
@@ -40,11 +40,14 @@ from streamnmt.model import ModelShape, Transformer
 from streamnmt.step import example_batch, make_step, noam_lr
 from streamnmt.monitor import NvmlSampler
 from streamnmt.plots import plot_results
+from streamnmt.reporting import Scalars, merge_sync_stats
 from streamnmt.runs import CsvLog, increment_path, write_json
+from streamnmt.stopping import EarlyStopping, TimeBudget, best_metric, parse_duration
 
 STEP_COLUMNS = ["step", "epoch", "loss", "lr", "tokens"]
 RESULT_COLUMNS = ["epoch", "train_loss", "val_loss", "bleu", "tokens_per_s", "padded_tokens_per_s", "epoch_s", "bleu_s",
                   "gpu_mem_gb", "gpu_busy", "sync_count", "sync_ms", "steps"]
+EVAL_COLUMNS = ["step", "epoch", "val_loss", "bleu", "bleu_s", "best"]
 
 
 def seed_everything(seed: int) -> None:
@@ -87,7 +90,7 @@ class Trainer:
         m = job.model
         self.shape = ModelShape(self.data.src_tok.vocab_size, self.data.tgt_tok.vocab_size, m.d_model,
                                 m.n_layers, m.n_heads, m.d_ff, m.dropout,
-                                max_positions=max(1024, job.data.max_len + 8))
+                                max_positions=max(1024, job.data.max_len + 8), tie_embeddings=m.tie_embeddings)
         self.model = Transformer(self.shape).to(self.device)
         if job.run.weights and resume is None:
             load_model_weights(self.model, load_checkpoint(job.run.weights), job.run.weights)
@@ -95,7 +98,7 @@ class Trainer:
         self.step_fn = make_step(self.model, self.device, d_model=m.d_model, lr=job.optim.lr,
                                  warmup=job.optim.warmup, amp=job.optim.amp, clip=job.optim.clip_grad,
                                  label_smoothing=m.label_smoothing, compile=job.engine.compile == "on",
-                                 shapes=len(batch_plan(self.data.train, job.data)[1]))
+                                 shapes=len(batch_plan(self.data.train, job.data)[1]), ema=job.run.ema)
         self.optimizer, self.schedule, self.scaler = (self.step_fn.optimizer, self.step_fn.schedule,
                                                       self.step_fn.scaler)
         # 3. engine: the strategy's streams are created once, here
@@ -111,6 +114,8 @@ class Trainer:
                                       seed=job.run.seed, pin_memory=pin)
         self.losses = DeferredLosses(self.device, job.engine.loss_interval)
         self.global_step, self.epoch, self.epoch_pos, self.best_val = 0, 0, 0, math.inf
+        self.stopper = EarlyStopping(best_metric(job.run), job.run.patience)  # best.pt and --patience
+        self.budget = TimeBudget(parse_duration(job.run.time_limit))
         if resume is not None:
             self._restore(resume)
         # Graph capture restores every state tensor and the RNG after its warm-up, so it is
@@ -125,33 +130,43 @@ class Trainer:
             self.save_dir = increment_path(r.project, r.name, r.exist_ok)
             (self.save_dir / "weights").mkdir(parents=True, exist_ok=True)
             atomic_write(self.save_dir / "config.yaml", job.to_yaml())
-            for stale in ("best.pt", "best.safetensors"):  # --exist-ok: an earlier run's best is not ours
-                (self.save_dir / "weights" / stale).unlink(missing_ok=True)
+            weights = self.save_dir / "weights"  # --exist-ok: an earlier run's best and step files are not ours
+            for stale in [weights / "best.pt", weights / "best.safetensors", *weights.glob("step_*.pt")]:
+                stale.unlink(missing_ok=True)
         # A new run in a reused directory starts its logs afresh; a resumed one keeps its past.
         self.steps_log = CsvLog(self.save_dir / "steps.csv", STEP_COLUMNS, truncate_after=self.global_step)
         self.results_log = CsvLog(self.save_dir / "results.csv", RESULT_COLUMNS, truncate_after=self.epoch)
+        self.evals_log = CsvLog(self.save_dir / "evals.csv", EVAL_COLUMNS, truncate_after=self.global_step)
+        self.scalars = Scalars(self.save_dir, job.run.tensorboard)
         stats_path = self.save_dir / "sync_stats.json"
         self.sync_stats: list[dict[str, Any]] = []
         if resume is not None and stats_path.is_file():
             self.sync_stats = [e for e in json.loads(stats_path.read_text()) if e["epoch"] <= self.epoch]
         self.pending_rows: dict[int, dict[str, Any]] = {}  # step -> row waiting for its loss
         self.last_loss: float | None = None
-        self.stop_requested = False
+        self.stop_requested, self.stop_reason = False, ""
         self.nonfinite_steps: list[int] = []
         log(f"run dir: {self.save_dir}" + (f" (resumed at step {self.global_step})" if resume else ""))
         log(f"model: {m.model} ({m.n_layers}+{m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
             f"d_ff {m.d_ff}), {self.model.num_params() / 1e6:.1f}M parameters; device {self.device}; "
-            f"amp {job.optim.amp}; strategy {self.strategy.name}")
+            f"amp {job.optim.amp}; strategy {self.strategy.name}"
+            + (f"; tied embeddings: {m.tie_embeddings}" if m.tie_embeddings != "none" else "")
+            + (f"; EMA {job.run.ema}" if job.run.ema else ""))
         log(f"data: {len(self.train_loader)} batches per epoch in {len(self.train_loader.shapes())} shape(s); "
             f"padding {100 * padding_share(self.data.train, job.data):.1f} % of the target positions")
 
     @classmethod
     def from_checkpoint(cls, path: str, log: Callable[[str], None] = print,
-                        device: str | None = None) -> Trainer:
+                        device: str | None = None, time_limit: str | None = None) -> Trainer:
         ckpt = load_checkpoint(path, flag="--resume")
+        if "optimizer" not in ckpt:
+            raise InputError(f"--resume: {path} holds weights only (e.g. an averaged checkpoint); "
+                             f"start from it with --weights instead")
         config = {**ckpt["config"], "run": {**ckpt["config"].get("run", {})}}
         if device is not None:  # validated here, not the device the checkpoint was written on
             config["run"]["device"] = device
+        if time_limit is not None:  # a new time slot for the resumed run
+            config["run"]["time_limit"] = time_limit
         job = job_from_dict(config)
         run = dataclasses.replace(job.run, resume=str(path))
         return cls(dataclasses.replace(job, run=run), log=log, resume=ckpt)
@@ -163,8 +178,10 @@ class Trainer:
         if preset == "auto":
             preset = "base" if cuda else "small"
             if not cuda:
-                self.log("no GPU: using the 'small' model preset and a 16000-pair built-in corpus so a CPU "
-                         "run finishes in minutes (--model base for the original size)")
+                pairs = job.data.builtin_size or 16000
+                corpus = f" and a {pairs}-pair built-in corpus" if job.data.data is None else ""  # not with --data
+                self.log(f"no GPU: using the 'small' model preset{corpus} so a CPU run finishes in minutes "
+                         "(--model base for the original size)")
         model = job.model.resolve(preset)
         optim, run, data = job.optim, job.run, job.data
         if optim.warmup is None:
@@ -213,12 +230,16 @@ class Trainer:
         self.global_step, self.best_val = ckpt["step"], ckpt["best_val"]
         self.epoch, self.epoch_pos = ckpt["sampler"]["epoch"], ckpt["sampler"]["position"]
         self.train_loader.load_state_dict(ckpt["sampler"])
+        self.stopper.load_state_dict(ckpt.get("stopping"))
+        if self.step_fn.ema is not None and ckpt.get("ema"):
+            self.step_fn.ema.load_state_dict(ckpt["ema"])
         set_rng_state(ckpt["rng"])
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         r = self.job.run
         row: dict[str, Any] = {}
+        self.budget.start()
         with _signals(self):
             self.log(f"{'Epoch':>7}{'GPU_mem':>9}{'batches':>9}{'tokens/s':>10}{'train_loss':>12}"
                      f"{'val_loss':>10}{'BLEU':>7}{'time':>8}")
@@ -228,19 +249,26 @@ class Trainer:
                     self.log(f"{row['epoch']:>3}/{r.epochs:<3}{row['gpu_mem_gb']:>8.2f}G{row['steps']:>9}"
                              f"{row['tokens_per_s']:>10.0f}{row['train_loss']:>12.4f}{row['val_loss']:>10.4f}"
                              f"{row['bleu'] if row['bleu'] != '' else '-':>7}{row['epoch_s']:>7.1f}s")
-                    self.log(self.sync_table)
-        self.steps_log.close()
-        self.results_log.close()
+                    if r.verbose:
+                        self.log(self.sync_table)
+        if self.sync_stats:  # the whole run's host waits once, instead of a table per epoch
+            self.log(f"training host syncs over {len(self.sync_stats)} epoch(s):\n"
+                     + format_table(merge_sync_stats([e["train"] for e in self.sync_stats])))
+        for log in (self.steps_log, self.results_log, self.evals_log, self.scalars):
+            log.close()
         self._export_best()
-        if (self.save_dir / "results.csv").stat().st_size > 0 and self.epoch > 0:
+        if (self.save_dir / "steps.csv").stat().st_size > 0 and self.global_step > 0:
             plot_results(self.save_dir)
         if self.stop_requested:
-            self.log(f"stopped by signal after step {self.global_step}; saved {self.save_dir / 'weights' / 'last.pt'}")
+            self.log(f"{self.stop_reason or f'stopped by signal after step {self.global_step}'}; "
+                     f"saved {self.save_dir / 'weights' / 'last.pt'}")
         return {"save_dir": self.save_dir, "best_val": self.best_val, "steps": self.global_step,
                 "last": row, "stopped": self.stop_requested}
 
     def _done(self) -> bool:
         r = self.job.run
+        if not self.stop_requested and self.budget.expired():  # e.g. after a long epoch-end evaluation
+            self._request_stop(self.budget.reason(self.global_step))
         return self.stop_requested or bool(r.max_steps and self.global_step >= r.max_steps)
 
     def run_epoch(self, epoch: int) -> dict[str, Any]:
@@ -250,7 +278,7 @@ class Trainer:
         STATS.reset()
         nvml = NvmlSampler(self.device).start()  # GPU utilisation sampled in a thread; no device sync
         t0 = time.perf_counter()
-        tokens, padded, losses = 0, 0, []
+        tokens, padded, losses, eval_s, eval_stats = 0, 0, [], 0.0, []
         n_batches = len(self.train_loader) - self.epoch_pos
         if r.max_steps:
             n_batches = min(n_batches, r.max_steps - self.global_step)
@@ -271,13 +299,23 @@ class Trainer:
                 bar.set_postfix_str(f"loss {self.last_loss:.4f} (as of last extraction)", refresh=False)
             # 3. mid-epoch checkpoint, kill test hook, signals (host-side flags only)
             if r.save_every and self.global_step % r.save_every == 0:
-                losses += self._save_mid_epoch("save")
+                losses += self._save_mid_epoch("save", keep=r.keep_last)
+            if r.eval_every and self.global_step % r.eval_every == 0 and self.epoch_pos < len(self.train_loader):
+                te = time.perf_counter()  # a mid-epoch evaluation (the epoch's last batch has its own)
+                losses += self._drain("eval")
+                held, STATS.sites = STATS.sites, {}  # the evaluation's host waits are not training's
+                self._evaluate(epoch)
+                eval_stats.append(STATS.reset())
+                STATS.sites = held
+                eval_s += time.perf_counter() - te
+            if not self.stop_requested and self.budget.expired():
+                self._request_stop(self.budget.reason(self.global_step))
             if self.global_step == int(os.environ.get("STREAMNMT_TEST_KILL_AT_STEP", "0")):
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.stop_requested:
                 break
         if self.stop_requested:  # finish cleanly: drain, keep every loss, save where we are
-            losses += self._save_mid_epoch("signal")
+            losses += self._save_mid_epoch("stop")
             bar.close()
             nvml.stop()
             return {}
@@ -286,12 +324,12 @@ class Trainer:
         self.strategy.drain("epoch.drain")
         losses += self._write_steps(self.losses.flush("epoch.losses"))
         bar.close()
-        epoch_s = time.perf_counter() - t0
+        epoch_s = time.perf_counter() - t0 - eval_s
         gpu_busy = nvml.stop().get("util_mean_pct")
         train_stats = STATS.reset()
-        # 5. validation loss and BLEU (timed separately from training)
-        val_loss = self.validate()
-        bleu, bleu_s = self.bleu()
+        # 5. validation loss and BLEU (timed separately from training); best.pt as of the epoch's end
+        self.epoch, self.epoch_pos = epoch + 1, 0
+        val_loss, bleu, bleu_s = self._evaluate(epoch)
         finite = [v for v in losses if math.isfinite(v)]
         row = {"epoch": epoch + 1, "train_loss": sum(finite) / max(len(finite), 1), "val_loss": val_loss,
                "bleu": "" if bleu is None else round(bleu, 2), "tokens_per_s": tokens / epoch_s,
@@ -304,22 +342,44 @@ class Trainer:
                "steps": self.global_step}
         self.results_log.write(row)
         self.sync_stats.append({"epoch": epoch + 1, "strategy": self.strategy.name, "train": train_stats,
-                                "eval": STATS.reset()})
+                                "eval": merge_sync_stats([*eval_stats, STATS.reset()])})
         write_json(self.save_dir / "sync_stats.json", self.sync_stats)
         self.sync_table = format_table(train_stats)
-        # 6. checkpoints: the next epoch starts from its first batch
-        self.epoch, self.epoch_pos = epoch + 1, 0
+        self.scalars.add(self.global_step, {"epoch/train_loss": row["train_loss"],
+                                            "epoch/tokens_per_s": row["tokens_per_s"],
+                                            "sync/count": row["sync_count"], "sync/ms": row["sync_ms"]})
+        # 6. checkpoint: the next epoch starts from its first batch
         self.save(self.save_dir / "weights" / "last.pt")
-        if val_loss < self.best_val:
-            self.best_val = val_loss
-            self.save(self.save_dir / "weights" / "best.pt")
         return row
+
+    def _evaluate(self, epoch: int) -> tuple[float, float | None, float]:
+        """Validation loss and BLEU (of the EMA weights with --eval-ema); best.pt when --best-metric
+        improved; a stop request when --patience ran out. Returns (val_loss, bleu, bleu seconds)."""
+        ema = self.step_fn.ema if self.job.run.eval_ema else None
+        with ema.swapped() if ema is not None else contextlib.nullcontext():
+            val_loss = self.validate()
+            bleu, bleu_s = self.bleu()
+            self.best_val = min(self.best_val, val_loss)
+            better = self.stopper.update(bleu if self.stopper.metric == "bleu" else val_loss, self.global_step)
+            if better:
+                self.save(self.save_dir / "weights" / "best.pt")
+        self.evals_log.write({"step": self.global_step, "epoch": epoch + 1, "val_loss": val_loss,
+                              "bleu": "" if bleu is None else round(bleu, 2), "bleu_s": round(bleu_s, 3),
+                              "best": int(better)})
+        self.scalars.add(self.global_step, {"dev/val_loss": val_loss, "dev/bleu": bleu})
+        if self.stopper.should_stop:
+            self._request_stop(self.stopper.reason())
+        return val_loss, bleu, bleu_s
+
+    def _request_stop(self, reason: str) -> None:
+        self.stop_requested, self.stop_reason = True, reason  # said once, when the run ends
 
     def _write_steps(self, pairs: list[tuple[int, float]]) -> list[float]:
         for step, loss in pairs:
             row = self.pending_rows.pop(step)
             row["loss"] = loss
             self.steps_log.write(row)
+            self.scalars.add(step, {"train/loss": loss, "train/lr": row["lr"]})
             self.last_loss = loss
             if not math.isfinite(loss):
                 self.nonfinite_steps.append(step)
@@ -329,22 +389,29 @@ class Trainer:
                 self.log(f"warning: non-finite loss at step {step}; the update was skipped (--on-nan skip)")
         return [loss for _, loss in pairs]
 
-    def _save_mid_epoch(self, why: str) -> list[float]:
-        # Needed: a checkpoint holds finished work only, and every loss up to it is logged first.
+    def _drain(self, why: str) -> list[float]:
+        # Needed: a checkpoint or an evaluation sees finished work only, and every loss up to it is logged first.
         self.strategy.drain(f"{why}.drain")
-        losses = self._write_steps(self.losses.flush(f"{why}.losses"))
-        self.save(self.save_dir / "weights" / "last.pt")
+        return self._write_steps(self.losses.flush(f"{why}.losses"))
+
+    def _save_mid_epoch(self, why: str, keep: int = 0) -> list[float]:
+        losses = self._drain(why)
+        last = self.save_dir / "weights" / "last.pt"
+        self.save(last)
+        if keep:  # --keep-last: this checkpoint also as weights/step_NNNNNN.pt, the newest N kept
+            keep_step_copy(last, self.global_step, keep)
         return losses
 
     @torch.no_grad()
     def validate(self) -> float:
-        """Token-level validation loss; sums stay on the device, one counted sync at the end."""
+        """Token-level validation loss (plain NLL, no label smoothing); sums stay on the device, one
+        counted sync at the end."""
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         ntok = torch.zeros((), dtype=torch.int64, device=self.device)
         for batch in self.dev_loader:
             b = batch.to(self.device, non_blocking=True)
-            loss, n = self.step_fn.loss_sum(b)
+            loss, n = self.step_fn.loss_sum(b, label_smoothing=0.0)
             total += loss.double()
             ntok += n
         self.model.train()
@@ -374,6 +441,8 @@ class Trainer:
             "step": self.global_step, "best_val": self.best_val,
             "sampler": {**self.train_loader.state_dict(), "epoch": self.epoch, "position": self.epoch_pos},
             "rng": rng_state(),
+            "stopping": self.stopper.state_dict(),
+            "ema": self.step_fn.ema.state_dict() if self.step_fn.ema is not None else None,
         }
 
     def save(self, path: Path) -> None:
@@ -400,7 +469,7 @@ def _signals(trainer: Trainer):
     def request_stop(signum, frame):
         if trainer.stop_requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        trainer.stop_requested = True
+        trainer.stop_requested, trainer.stop_reason = True, ""
         trainer.log(f"\n{signal.Signals(signum).name}: finishing the current step, then saving "
                     "(Ctrl-C again to abort)")
 

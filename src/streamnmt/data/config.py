@@ -15,6 +15,8 @@ class DataConfig:
     tgt_lang: str = opt("ch", "target-language key in JSON records / file extension")
     tokenizer_eng: str | None = opt(None, "existing SentencePiece model for the source side")
     tokenizer_chn: str | None = opt(None, "existing SentencePiece model for the target side")
+    shared_vocab: bool = opt(False, "one SentencePiece model for both sides, trained on both sides' text "
+                                    "(DIR/tokenizer/shared.model; needed by --tie-embeddings all)")
     src_vocab: int = opt(32000, "source SentencePiece vocabulary size when training one "
                                 "(capped for small corpora)")
     tgt_vocab: int = opt(32000, "target SentencePiece vocabulary size when training one "
@@ -46,6 +48,10 @@ class DataConfig:
         check(self.prefetch_factor >= 1, "prefetch_factor", f"must be at least 1; got {self.prefetch_factor}")
         check(self.builtin_size is None or self.builtin_size >= 100, "builtin_size",
               f"must be at least 100; got {self.builtin_size}")
+        check(not (self.shared_vocab and self.tokenizer_eng and self.tokenizer_chn
+                   and self.tokenizer_eng != self.tokenizer_chn), "shared_vocab",
+              "uses one SentencePiece model for both sides, but --tokenizer-eng and --tokenizer-chn name two "
+              "files: give the shared model once (--tokenizer-eng) or drop --shared-vocab")
         check(self.tokenizer_sample >= 100, "tokenizer_sample",
               f"must be at least 100; got {self.tokenizer_sample}")
 

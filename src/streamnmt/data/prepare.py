@@ -24,7 +24,7 @@ from streamnmt.data.cache import cache_key, entry_dir, load_entry, save_entry
 from streamnmt.data.config import DataConfig
 from streamnmt.data.corpus import BuildStats, TokenizedCorpus, tokenize_pairs
 from streamnmt.data.readers import ReadStats, SplitSource, find_split, iter_pairs, require_split
-from streamnmt.data.tokenizer import Tokenizer, cpu_threads, train_tokenizer
+from streamnmt.data.tokenizer import Tokenizer, cpu_threads, train_shared_tokenizer, train_tokenizer
 from streamnmt.errors import InputError
 
 Log = Callable[[str], None]
@@ -106,6 +106,9 @@ def prepare_data(cfg: DataConfig, log: Log = print) -> DataBundle:
 def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],
                 log: Log) -> tuple[Tokenizer, Tokenizer]:
     """Given models as they are; else ``DIR/tokenizer/{eng,chn}.model``, trained when absent."""
+    if cfg.shared_vocab:
+        tok = _shared_tokenizer(cfg, directory, sources, log)
+        return tok, tok
     sides = [  # (given?, path, vocab size, language, name)
         (cfg.tokenizer_eng is not None, Path(cfg.tokenizer_eng or directory / "tokenizer" / "eng.model"),
          cfg.src_vocab, cfg.src_lang, "source tokenizer"),
@@ -131,6 +134,28 @@ def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource
         log(f"data: trained {' and '.join(sides[k][4] for k in missing)} on {len(samples[0])} sampled "
             f"pairs in {time.perf_counter() - t0:.1f}s -> {directory / 'tokenizer'}")
     return loaded[0], loaded[1]
+
+
+def _shared_tokenizer(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],
+                      log: Log) -> Tokenizer:
+    """``--shared-vocab``: the given model, else ``DIR/tokenizer/shared.model``, trained on both sides."""
+    given = cfg.tokenizer_eng or cfg.tokenizer_chn
+    path = Path(given or directory / "tokenizer" / "shared.model")
+    if given or path.is_file():
+        tok = Tokenizer(path)
+        log(f"data: shared tokenizer: {tok.path} (vocab {tok.vocab_size})")
+        return tok
+    t0 = time.perf_counter()
+    samples = _sample_train(cfg, sources["train"])
+    for split in ("dev", "test"):  # check the other splits before writing anything
+        if sources[split] is not None:
+            for _ in iter_pairs(sources[split], cfg.src_lang, cfg.tgt_lang):
+                pass
+    tok = train_shared_tokenizer(samples[0], samples[1], path, max(cfg.src_vocab, cfg.tgt_vocab), cfg.src_lang,
+                                 cfg.tgt_lang, log=log)
+    log(f"data: trained the shared tokenizer on both sides of {len(samples[0])} sampled pairs in "
+        f"{time.perf_counter() - t0:.1f}s -> {path}")
+    return tok
 
 
 def _sample_train(cfg: DataConfig, source: SplitSource) -> tuple[list[str], list[str]]:

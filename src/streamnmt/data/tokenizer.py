@@ -4,7 +4,8 @@ The trainer, the decoder and BLEU all need the same two things from a tokenizer:
 ids back to text, with the special ids fixed by :mod:`streamnmt.masks` (pad 0, unk 1, bos 2,
 eos 3). :class:`Tokenizer` wraps one SentencePiece model file and refuses a model whose special
 ids differ; :func:`train_tokenizer` builds one quietly from a sample of sentences, capping the
-vocabulary for small corpora, and writes it atomically.
+vocabulary for small corpora, and writes it atomically; :func:`train_shared_tokenizer` builds one
+model for both sides (``--shared-vocab``, for tied source/target embeddings).
 """
 
 from __future__ import annotations
@@ -111,11 +112,32 @@ def train_tokenizer(sentences: Sequence[str], target: Path, vocab_size: int, lan
     (``hard_vocab_limit=False``): a small corpus gets a smaller vocabulary, reported in one log line.
     """
     cjk = lang.lower() in CJK
+    return _train(sentences, target, vocab_size, vocab_cap(sentences, vocab_size, cjk), cjk,
+                  threads=threads, log=log, name=name)
+
+
+def train_shared_tokenizer(src: Sequence[str], tgt: Sequence[str], target: Path, vocab_size: int,
+                           src_lang: str, tgt_lang: str, *, threads: int = 0,
+                           log: Callable[[str], None] = print) -> Tokenizer:
+    """One model for both sides (``--shared-vocab``), trained on both sides' sentences.
+
+    The cap is the sum of each side's :func:`vocab_cap`; when either side is written without
+    spaces, the CJK settings apply (no NFKC folding, character coverage 0.9995), so that the
+    target's full-width punctuation survives as it does with a target-only model.
+    """
+    src_cjk, tgt_cjk = src_lang.lower() in CJK, tgt_lang.lower() in CJK
+    cap = min(vocab_size, vocab_cap(src, vocab_size, src_cjk) + vocab_cap(tgt, vocab_size, tgt_cjk))
+    return _train([*src, *tgt], target, vocab_size, cap, src_cjk or tgt_cjk, threads=threads, log=log,
+                  name="shared tokenizer")
+
+
+def _train(sentences: Sequence[str], target: Path, vocab_size: int, cap: int, cjk: bool, *,
+           threads: int, log: Callable[[str], None], name: str) -> Tokenizer:
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(sentences), model_writer=model,
-            model_type="unigram", vocab_size=vocab_cap(sentences, vocab_size, cjk), hard_vocab_limit=False,
+            model_type="unigram", vocab_size=cap, hard_vocab_limit=False,
             character_coverage=0.9995 if cjk else 1.0,
             normalization_rule_name="identity" if cjk else "nmt_nfkc",
             pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,

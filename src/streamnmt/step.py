@@ -4,6 +4,13 @@
 (forward, backward, optimizer step) and does all of it without a host sync: the token count
 that normalises the loss stays on the device, the learning rate is a device tensor the fused Adam
 reads, and a non-finite step is discarded on the device. Graph mode captures the same object.
+
+Global steps: a batch from the loader carries ``norm`` (a device scalar, 1 / the target tokens
+of its whole global step: every accumulation micro-batch on every rank), so the step's loss is
+``loss_sum * norm`` and the gradients summed over micro-batches and ranks are those of the global
+batch's token-mean loss, as if it were one batch. On several ranks the model is wrapped in
+DistributedDataParallel, which averages gradients over the N ranks, so the backward loss is
+multiplied by N; ``begin_micro`` turns DDP's all-reduce off for all but a step's last micro-batch.
 """
 
 from __future__ import annotations
@@ -57,13 +64,16 @@ class NMTStep:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: NoamSchedule,
                  *, amp_dtype: torch.dtype | None, scaler: torch.amp.GradScaler | None, clip: float,
-                 label_smoothing: float):
+                 label_smoothing: float, ddp: torch.nn.Module | None = None):
         self.model, self.optimizer, self.schedule = model, optimizer, schedule
         self.amp_dtype, self.scaler, self.clip, self.ls = amp_dtype, scaler, clip, label_smoothing
         self.params = [p for p in model.parameters() if p.requires_grad]
         if scaler is not None:  # create the scaler's device state now (it is lazy), before any capture
             scaler.scale(torch.zeros((), device=self.params[0].device))
         self.loss: torch.Tensor | None = None
+        self.ddp = ddp  # the DistributedDataParallel wrapper inside ``model`` (compiled or not), if any
+        self.world = self.ddp.process_group.size() if self.ddp is not None else 1  # DDP averages: x N
+        self.grads_to_none = True  # graph mode with accumulation keeps the .grad tensors in place
         # Test hook: make the loss of this (1-based) call non-finite, to exercise the NaN policy.
         # Eager strategies only: graph mode's warm-up and capture calls count too.
         self.inject_inf_at = int(os.environ.get("STREAMNMT_INJECT_INF_STEP", "0"))
@@ -87,16 +97,26 @@ class NMTStep:
                                    ignore_index=masks.PAD, reduction="sum", label_smoothing=self.ls)
         return loss, (batch.tgt_out != masks.PAD).sum()
 
+    def begin_micro(self, last: bool) -> None:
+        """The next forward's backward all-reduces gradients across ranks only if ``last``."""
+        if self.ddp is not None:
+            self.ddp.require_backward_grad_sync = last  # what DDP's no_sync() toggles
+
     def forward(self, batch) -> torch.Tensor:
         self.calls += 1
         loss, ntok = self.loss_sum(batch)
-        loss = loss / ntok.clamp(min=1)  # token-level mean; the count stays on the device
+        if getattr(batch, "norm", None) is not None:
+            loss = loss * batch.norm  # this micro-batch's share of the global step's token mean
+        else:
+            loss = loss / ntok.clamp(min=1)  # token-level mean; the count stays on the device
         if self.calls == self.inject_inf_at:
             loss = loss * float("inf")
         self.loss = loss.detach()  # for the finiteness check; keeps no autograd graph alive
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
+        if self.world > 1:
+            loss = loss * self.world  # DDP averages the ranks' gradients; the global loss is their sum
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def optimizer_step(self) -> None:
@@ -113,13 +133,15 @@ class NMTStep:
             # Discard a non-finite step on the device (the fused Adam skips when found_inf is 1).
             self.optimizer.found_inf = (~(torch.isfinite(norm) & torch.isfinite(self.loss))).float()
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.grads_to_none)
 
 
 def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr: float = 1.0,
               warmup: int = 4000, amp: str = "off", clip: float = 1.0, label_smoothing: float = 0.0,
-              compile: bool = False) -> NMTStep:
-    """The optimizer, schedule, grad scaler and step function for ``model`` (trainer and bench)."""
+              compile: bool = False, ddp: bool = False) -> NMTStep:
+    """The optimizer, schedule, grad scaler and step function for ``model`` (trainer and bench).
+
+    ``ddp``: wrap the model in DistributedDataParallel (the process group is initialised)."""
     schedule = NoamSchedule(d_model, warmup, lr, device)
     # Fused Adam reading the learning rate from a device tensor; capturable so that graph mode
     # can put the step inside a CUDA graph (used by every strategy, so all compute the same).
@@ -127,9 +149,31 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
                                  fused=True, capturable=device.type == "cuda")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
-    step_model = torch.compile(model) if compile else model
+    wrapped = _wrap_ddp(model, device) if ddp else None
+    step_model = wrapped if wrapped is not None else model
+    step_model = torch.compile(step_model) if compile else step_model
     return NMTStep(step_model, optimizer, schedule, amp_dtype=amp_dtype, scaler=scaler, clip=clip,
-                   label_smoothing=label_smoothing)
+                   label_smoothing=label_smoothing, ddp=wrapped)
+
+
+def _wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """DDP with gradient buckets all-reduced while the backward runs. Built on a side stream, as
+    PyTorch requires for capturing DDP's backward in a CUDA graph; buffers are not broadcast each
+    forward (the model's are constants), so a forward launches no collective."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    # torch >= 2.13 renames the switch; older versions know only broadcast_buffers.
+    no_sync_bufs = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                    else {"broadcast_buffers": False})
+    if device.type != "cuda":
+        return DDP(model, **no_sync_bufs)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        wrapped = DDP(model, device_ids=[device.index], **no_sync_bufs)
+    torch.cuda.current_stream(device).wait_stream(side)
+    return wrapped
 
 
 def example_batch(shape: tuple[int, int, int], model: ModelShape, seed: int) -> Batch:

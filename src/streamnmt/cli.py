@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -55,8 +56,10 @@ def _run_trainer(args: dict, config_file: str | None, resume: str | None) -> int
 
 
 def _exec_torchrun(nproc: str, args: dict, config_file: str | None) -> int:
-    """``streamnmt train --nproc N``: check the flags, then become torchrun on this host
-    (``torch.distributed.run --standalone``), which starts N trainer processes."""
+    """``streamnmt train --nproc N``: check the flags, then run torchrun (``torch.distributed.run``'s
+    own entry point, ``--standalone``) in this process, which starts N trainer processes. A stop
+    by SIGTERM/SIGINT, which torchrun forwards to the ranks (they finish the step, rank 0 saves),
+    exits 0; a failed rank exits non-zero with one line naming it."""
     import torch
 
     from streamnmt.config import build_job
@@ -80,12 +83,23 @@ def _exec_torchrun(nproc: str, args: dict, config_file: str | None) -> int:
         check(n <= torch.cuda.device_count(), "nproc",
               f"{n} processes but only {torch.cuda.device_count()} CUDA device(s); one GPU per process")
     argv = _argv_without_nproc(sys.argv[1:] if _ARGV is None else list(_ARGV))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-           "-m", "streamnmt", *argv]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(sys.executable, cmd)
-    return 0  # not reached
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:  # torchrun's own entry point, in this process: as `torchrun --standalone --nproc-per-node N`
+        torchrun(["--standalone", f"--nproc-per-node={n}", "-m", "streamnmt", *argv])
+    except SignalException as e:  # torchrun passed the signal on; the ranks finished their step and saved
+        print(f"streamnmt: stopped by {signal.Signals(e.sigval).name}", file=sys.stderr)
+        return 0
+    except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        rank, first = e.get_first_failure()
+        how = (f"killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0 and
+               -first.exitcode in signal.valid_signals() else f"exit code {first.exitcode}")
+        print(f"streamnmt: error: rank {rank} failed ({how}); see its error above", file=sys.stderr)
+        return 2 if codes == {2} else 1
+    return 0
 
 
 def _argv_without_nproc(argv: list[str]) -> list[str]:

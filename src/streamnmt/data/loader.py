@@ -46,7 +46,13 @@ class _PlannedBatches(Dataset):
 
 def _die_with_parent(worker_id: int) -> None:
     """Workers end when the trainer process dies, even by SIGKILL. (Their own watchdog notices a
-    dead parent, but a worker with results still queued then blocks forever flushing its pipe.)"""
+    dead parent, but a worker with results still queued then blocks forever flushing its pipe.)
+
+    They ignore SIGTERM and SIGINT: those ask the trainer to finish its step and save, and reach
+    the workers too when sent to the whole process group (Ctrl-C in a terminal, torchrun stopping
+    its workers); a worker that died of them would fail the trainer's next batch instead."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         import ctypes
 

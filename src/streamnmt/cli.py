@@ -93,12 +93,11 @@ def _exec_torchrun(nproc: str, args: dict, config_file: str | None) -> int:
         print(f"streamnmt: stopped by {signal.Signals(e.sigval).name}", file=sys.stderr)
         return 0
     except ChildFailedError as e:
-        codes = {f.exitcode for f in e.failures.values()}
-        rank, first = e.get_first_failure()
+        rank, first = e.get_first_failure()  # the earliest: the others may have been stopped by torchrun
         how = (f"killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0 and
                -first.exitcode in signal.valid_signals() else f"exit code {first.exitcode}")
         print(f"streamnmt: error: rank {rank} failed ({how}); see its error above", file=sys.stderr)
-        return 2 if codes == {2} else 1
+        return 2 if first.exitcode == 2 else 1
     return 0
 
 

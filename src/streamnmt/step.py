@@ -177,10 +177,12 @@ def _wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 
 
 def example_batch(shape: tuple[int, int, int], model: ModelShape, seed: int) -> Batch:
-    """A batch of random tokens of ``shape`` (B, S, T), e.g. to capture a graph for that shape."""
+    """A batch of random tokens of ``shape`` (B, S, T), e.g. to capture a graph for that shape. It
+    carries a loss normaliser as the loader's batches do (graph mode keys graphs on every tensor)."""
     b, s, t = shape
     g = torch.Generator().manual_seed(seed)
     src = torch.randint(4, model.src_vocab, (b, s), generator=g)
     tgt = torch.randint(4, model.tgt_vocab, (b, t + 1), generator=g)
     return Batch(src=src, tgt_in=tgt[:, :-1].contiguous(), tgt_out=tgt[:, 1:].contiguous(),
-                 ntokens=b * t, src_tokens=b * s)
+                 ntokens=b * t, src_tokens=b * s, norm=torch.tensor(1.0 / (b * t), dtype=torch.float32),
+                 norm_tokens=b * t)

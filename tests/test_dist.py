@@ -144,7 +144,8 @@ def test_kill_launcher_then_resume_is_exact(two_ranks, tmp_path, home):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_sigterm_to_one_rank_stops_all_and_rank0_saves(tmp_path, home):
+@pytest.mark.parametrize("target", ["rank 1", "launcher"])
+def test_sigterm_stops_all_ranks_and_rank0_saves(tmp_path, home, target):
     args = [*TINY, "--epochs", "50", "--batch-size", "8", "--loss-interval", "1", "--sync-interval", "2",
             "--project", str(tmp_path), "--name", "t"]
     proc = streamnmt(["--nproc", "2", *args], home, wait=False)
@@ -152,7 +153,7 @@ def test_sigterm_to_one_rank_stops_all_and_rank0_saves(tmp_path, home):
         wait_for_rows(tmp_path / "t" / "steps.csv", 6, proc)
         ranks = rank_processes(proc)
         assert sorted(ranks) == [0, 1]
-        ranks[1].send_signal(signal.SIGTERM)
+        (ranks[1] if target == "rank 1" else psutil.Process(proc.pid)).send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
         with contextlib.suppress(ProcessLookupError):

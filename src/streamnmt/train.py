@@ -425,8 +425,8 @@ def _signals(trainer: Trainer):
         return
 
     def request_stop(signum, frame):
-        if trainer.stop_requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        if trainer.stop_requested and signum == signal.SIGINT and not trainer.dist.active:
+            raise KeyboardInterrupt  # (several ranks: Ctrl-C reaches a rank from the terminal and from torchrun)
         trainer.stop_requested = True
         trainer.log(f"\n{signal.Signals(signum).name}: finishing the current step, then saving "
                     "(Ctrl-C again to abort)")

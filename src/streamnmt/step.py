@@ -74,6 +74,8 @@ class NMTStep:
         self.ddp = ddp  # the DistributedDataParallel wrapper inside ``model`` (compiled or not), if any
         self.world = self.ddp.process_group.size() if self.ddp is not None else 1  # DDP averages: x N
         self.grads_to_none = True  # graph mode with accumulation keeps the .grad tensors in place
+        # Every micro-batch loss of the step so far was finite (in place: graph mode captures it).
+        self.loss_ok = torch.ones((), dtype=torch.bool, device=self.params[0].device)
         # Test hook: make the loss of this (1-based) call non-finite, to exercise the NaN policy.
         # Eager strategies only: graph mode's warm-up and capture calls count too.
         self.inject_inf_at = int(os.environ.get("STREAMNMT_INJECT_INF_STEP", "0"))
@@ -83,7 +85,7 @@ class NMTStep:
         """Every tensor a step mutates (graph mode saves and restores them around its warm-up)."""
         out = list(self.params)
         out += [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-        out += [self.schedule.step_t, self.schedule.lr_t]
+        out += [self.schedule.step_t, self.schedule.lr_t, self.loss_ok]
         if self.scaler is not None:
             out += [self.scaler._scale, self.scaler._growth_tracker]
         return out
@@ -111,7 +113,8 @@ class NMTStep:
             loss = loss / ntok.clamp(min=1)  # token-level mean; the count stays on the device
         if self.calls == self.inject_inf_at:
             loss = loss * float("inf")
-        self.loss = loss.detach()  # for the finiteness check; keeps no autograd graph alive
+        self.loss = loss.detach()  # keeps no autograd graph alive
+        self.loss_ok.logical_and_(torch.isfinite(self.loss))  # for the finiteness check of the step
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -131,8 +134,9 @@ class NMTStep:
             self.scaler.update()
         else:
             # Discard a non-finite step on the device (the fused Adam skips when found_inf is 1).
-            self.optimizer.found_inf = (~(torch.isfinite(norm) & torch.isfinite(self.loss))).float()
+            self.optimizer.found_inf = (~(torch.isfinite(norm) & self.loss_ok)).float()
             self.optimizer.step()
+        self.loss_ok.fill_(True)
         self.optimizer.zero_grad(set_to_none=self.grads_to_none)
 
 

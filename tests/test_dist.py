@@ -120,6 +120,13 @@ def test_two_ranks_equal_one_rank_double_batch_graph(tmp_path, home, monkeypatch
     assert_same_training(tmp_path / "two", one_rank(tmp_path, home, "graph", monkeypatch), steps=STEPS)
 
 
+def test_two_ranks_with_accumulation_equal_one_rank(tmp_path, home, monkeypatch, one_thread):
+    """2 ranks x 2 micro-batches of 4 (DDP all-reduces on the second only) == 1 rank x 16."""
+    res = torchrun([*common(tmp_path), "--batch-size", "4", "--accum-steps", "2", "--name", "two"], home)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert_same_training(tmp_path / "two", one_rank(tmp_path, home, "full", monkeypatch), steps=STEPS)
+
+
 def test_kill_launcher_then_resume_is_exact(two_ranks, tmp_path, home):
     args = [*common(tmp_path), "--batch-size", "8", "--save-every", "10", "--name", "killed"]
     killed = torchrun(args, home, env={"STREAMNMT_TEST_KILL_AT_STEP": "25"})

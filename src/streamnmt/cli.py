@@ -8,19 +8,37 @@ non-zero (2 for a bad flag or config value, 1 for a bad input file); no tracebac
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
 from streamnmt.configbase import add_args, from_dict
+from streamnmt.dist import PeerLost
 from streamnmt.errors import ConfigError, InputError, NonFiniteLoss
 
 
 def _train(args: dict) -> int:
+    from streamnmt import dist
+
+    config_file = args.pop("config", None)
+    nproc = args.pop("nproc", None)
+    if nproc is not None:
+        return _exec_torchrun(nproc, args, config_file)
+    resume = args.pop("resume", None)
+    try:
+        return _run_trainer(args, config_file, resume)
+    except Exception as e:
+        d = dist.Dist(*dist.world_from_env()[:2])
+        if d.active and dist.is_collective_error(e):
+            raise dist.peer_lost(d, e) from None
+        raise
+
+
+def _run_trainer(args: dict, config_file: str | None, resume: str | None) -> int:
     from streamnmt.config import build_job
     from streamnmt.train import Trainer
 
-    config_file = args.pop("config", None)
-    resume = args.pop("resume", None)
     if resume is not None:
         extra = sorted(set(args) - {"device", "time_limit"})
         if extra or config_file:
@@ -30,10 +48,72 @@ def _train(args: dict) -> int:
     else:
         trainer = Trainer(build_job(args, config_file))
     result = trainer.train()
-    if not result["stopped"]:
+    trainer.dist.close()
+    if not result["stopped"] and trainer.dist.main:
         print(f"done: {result['steps']} steps, best val_loss {result['best_val']:.4f}; "
               f"results in {result['save_dir']}")
     return 0
+
+
+def _exec_torchrun(nproc: str, args: dict, config_file: str | None) -> int:
+    """``streamnmt train --nproc N``: check the flags, then run torchrun (``torch.distributed.run``'s
+    own entry point, ``--standalone``) in this process, which starts N trainer processes. A stop
+    by SIGTERM/SIGINT, which torchrun forwards to the ranks (they finish the step, rank 0 saves),
+    exits 0; a failed rank exits non-zero with one line naming it."""
+    import torch
+
+    from streamnmt.config import build_job
+    from streamnmt.configbase import check
+
+    try:
+        n = int(nproc)
+    except ValueError:
+        raise ConfigError(f"--nproc: must be an integer; got {nproc!r}") from None
+    check(n >= 1, "nproc", f"must be at least 1; got {n}")
+    check(int(os.environ.get("WORLD_SIZE", "1")) <= 1, "nproc", "this process already runs under torchrun; drop --nproc")
+    if args.get("resume") is None:
+        job = build_job({k: v for k, v in args.items()}, config_file)  # bad flags: exit 2 before starting
+        device, backend = job.run.device, job.engine.dist_backend
+    else:
+        device, backend = args.get("device"), args.get("dist_backend", "auto")
+    cuda = device.startswith("cuda") if device else torch.cuda.is_available()
+    check(backend != "nccl" or cuda, "dist_backend", "nccl needs CUDA devices but the run is on the CPU; "
+                                                     "use --dist-backend gloo or auto")
+    if cuda:
+        check(n <= torch.cuda.device_count(), "nproc",
+              f"{n} processes but only {torch.cuda.device_count()} CUDA device(s); one GPU per process")
+    argv = _argv_without_nproc(sys.argv[1:] if _ARGV is None else list(_ARGV))
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:  # torchrun's own entry point, in this process: as `torchrun --standalone --nproc-per-node N`
+        torchrun(["--standalone", f"--nproc-per-node={n}", "-m", "streamnmt", *argv])
+    except SignalException as e:  # torchrun passed the signal on; the ranks finished their step and saved
+        print(f"streamnmt: stopped by {signal.Signals(e.sigval).name}", file=sys.stderr)
+        return 0
+    except ChildFailedError as e:
+        rank, first = e.get_first_failure()  # the earliest: the others may have been stopped by torchrun
+        how = (f"killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0 and
+               -first.exitcode in signal.valid_signals() else f"exit code {first.exitcode}")
+        print(f"streamnmt: error: rank {rank} failed ({how}); see its error above", file=sys.stderr)
+        return 2 if first.exitcode == 2 else 1
+    return 0
+
+
+def _argv_without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+_ARGV: Sequence[str] | None = None  # main()'s argv, for --nproc's re-exec
 
 
 def _sub(module: str, cfg_name: str, fn_name: str) -> Callable[[dict], int]:
@@ -50,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a model (built-in English->Chinese corpus without --data)")
     p.add_argument("--config", default=argparse.SUPPRESS, help="YAML config file; flags override it")
+    p.add_argument("--nproc", default=argparse.SUPPRESS, metavar="N",
+                   help="train on N processes of this host (one per GPU): starts torchrun for you")
     for name, cls in SECTIONS.items():
         add_args(p.add_argument_group(name), cls)
     p.set_defaults(_run=_train)
@@ -70,14 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    global _ARGV
+    _ARGV = argv
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     run = args.pop("_run")
     args.pop("command")
     try:
         return run(args)
-    except (ConfigError, InputError, NonFiniteLoss) as e:
-        print(f"streamnmt: error: {e}", file=sys.stderr)
+    except (ConfigError, InputError, NonFiniteLoss, PeerLost) as e:
+        if int(os.environ.get("RANK", "0")) == 0 or isinstance(e, PeerLost):  # the same line on every rank
+            print(f"streamnmt: error: {e}", file=sys.stderr)
         return e.exit_code
     except OSError as e:  # e.g. a run directory that cannot be written, a full disk
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""

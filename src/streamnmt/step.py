@@ -4,6 +4,13 @@
 (forward, backward, optimizer step) and does all of it without a host sync: the token count
 that normalises the loss stays on the device, the learning rate is a device tensor the fused Adam
 reads, and a non-finite step is discarded on the device. Graph mode captures the same object.
+
+Global steps: a batch from the loader carries ``norm`` (a device scalar, 1 / the target tokens
+of its whole global step: every accumulation micro-batch on every rank), so the step's loss is
+``loss_sum * norm`` and the gradients summed over micro-batches and ranks are those of the global
+batch's token-mean loss, as if it were one batch. On several ranks the model is wrapped in
+DistributedDataParallel, which averages gradients over the N ranks, so the backward loss is
+multiplied by N; ``begin_micro`` turns DDP's all-reduce off for all but a step's last micro-batch.
 """
 
 from __future__ import annotations
@@ -58,13 +65,18 @@ class NMTStep:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: NoamSchedule,
                  *, amp_dtype: torch.dtype | None, scaler: torch.amp.GradScaler | None, clip: float,
-                 label_smoothing: float):
+                 label_smoothing: float, ddp: torch.nn.Module | None = None):
         self.model, self.optimizer, self.schedule = model, optimizer, schedule
         self.amp_dtype, self.scaler, self.clip, self.ls = amp_dtype, scaler, clip, label_smoothing
         self.params = [p for p in model.parameters() if p.requires_grad]
         if scaler is not None:  # create the scaler's device state now (it is lazy), before any capture
             scaler.scale(torch.zeros((), device=self.params[0].device))
         self.loss: torch.Tensor | None = None
+        self.ddp = ddp  # the DistributedDataParallel wrapper inside ``model`` (compiled or not), if any
+        self.world = self.ddp.process_group.size() if self.ddp is not None else 1  # DDP averages: x N
+        self.grads_to_none = True  # graph mode with accumulation keeps the .grad tensors in place
+        # Every micro-batch loss of the step so far was finite (in place: graph mode captures it).
+        self.loss_ok = torch.ones((), dtype=torch.bool, device=self.params[0].device)
         # Test hook: make the loss of this (1-based) call non-finite, to exercise the NaN policy.
         # Eager strategies only: graph mode's warm-up and capture calls count too.
         self.inject_inf_at = int(os.environ.get("STREAMNMT_INJECT_INF_STEP", "0"))
@@ -75,7 +87,7 @@ class NMTStep:
         """Every tensor a step mutates (graph mode saves and restores them around its warm-up)."""
         out = list(self.params)
         out += [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-        out += [self.schedule.step_t, self.schedule.lr_t]
+        out += [self.schedule.step_t, self.schedule.lr_t, self.loss_ok]
         if self.scaler is not None:
             out += [self.scaler._scale, self.scaler._growth_tracker]
         if self.ema is not None:
@@ -93,16 +105,27 @@ class NMTStep:
                                    ignore_index=masks.PAD, reduction="sum", label_smoothing=ls)
         return loss, (batch.tgt_out != masks.PAD).sum()
 
+    def begin_micro(self, last: bool) -> None:
+        """The next forward's backward all-reduces gradients across ranks only if ``last``."""
+        if self.ddp is not None:
+            self.ddp.require_backward_grad_sync = last  # what DDP's no_sync() toggles
+
     def forward(self, batch) -> torch.Tensor:
         self.calls += 1
         loss, ntok = self.loss_sum(batch)
-        loss = loss / ntok.clamp(min=1)  # token-level mean; the count stays on the device
+        if getattr(batch, "norm", None) is not None:
+            loss = loss * batch.norm  # this micro-batch's share of the global step's token mean
+        else:
+            loss = loss / ntok.clamp(min=1)  # token-level mean; the count stays on the device
         if self.calls == self.inject_inf_at:
             loss = loss * float("inf")
-        self.loss = loss.detach()  # for the finiteness check; keeps no autograd graph alive
+        self.loss = loss.detach()  # keeps no autograd graph alive
+        self.loss_ok.logical_and_(torch.isfinite(self.loss))  # for the finiteness check of the step
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
+        if self.world > 1:
+            loss = loss * self.world  # DDP averages the ranks' gradients; the global loss is their sum
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def optimizer_step(self) -> None:
@@ -117,20 +140,22 @@ class NMTStep:
             self.scaler.update()
         else:
             # Discard a non-finite step on the device (the fused Adam skips when found_inf is 1).
-            self.optimizer.found_inf = (~(torch.isfinite(norm) & torch.isfinite(self.loss))).float()
+            self.optimizer.found_inf = (~(torch.isfinite(norm) & self.loss_ok)).float()
             self.optimizer.step()
         if self.ema is not None:
             self.ema.update()  # device kernels after the update, so graph mode captures them too
-        self.optimizer.zero_grad(set_to_none=True)
+        self.loss_ok.fill_(True)
+        self.optimizer.zero_grad(set_to_none=self.grads_to_none)
 
 
 def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr: float = 1.0,
               warmup: int = 4000, amp: str = "off", clip: float = 1.0, label_smoothing: float = 0.0,
-              compile: bool = False, shapes: int = 1, ema: float = 0.0) -> NMTStep:
+              compile: bool = False, shapes: int = 1, ema: float = 0.0, ddp: bool = False) -> NMTStep:
     """The optimizer, schedule, grad scaler and step function for ``model`` (trainer and bench).
 
     With ``compile``, the model is compiled for each of its ``shapes`` batch shapes (static shapes:
     what CUDA graph capture needs); the compile cache is made large enough to hold all of them.
+    ``ddp``: wrap the model in DistributedDataParallel (the process group is initialised).
     """
     schedule = NoamSchedule(d_model, warmup, lr, device)
     # Fused Adam reading the learning rate from a device tensor; capturable so that graph mode
@@ -139,11 +164,13 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
                                  fused=True, capturable=device.type == "cuda")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
+    wrapped = _wrap_ddp(model, device) if ddp else None
+    step_model = wrapped if wrapped is not None else model
     if compile:
         _fit_compile_cache(shapes)
-    step_model = torch.compile(model, dynamic=False) if compile else model
+        step_model = torch.compile(step_model, dynamic=False)
     step = NMTStep(step_model, optimizer, schedule, amp_dtype=amp_dtype, scaler=scaler, clip=clip,
-                   label_smoothing=label_smoothing)
+                   label_smoothing=label_smoothing, ddp=wrapped)
     if ema > 0:
         step.ema = EMA(step.params, ema, schedule.step_t)
     return step
@@ -159,11 +186,33 @@ def _fit_compile_cache(shapes: int) -> None:
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), shapes + 2))
 
 
+def _wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """DDP with gradient buckets all-reduced while the backward runs. Built on a side stream, as
+    PyTorch requires for capturing DDP's backward in a CUDA graph; buffers are not broadcast each
+    forward (the model's are constants), so a forward launches no collective."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    # torch >= 2.13 renames the switch; older versions know only broadcast_buffers.
+    no_sync_bufs = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                    else {"broadcast_buffers": False})
+    if device.type != "cuda":
+        return DDP(model, **no_sync_bufs)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        wrapped = DDP(model, device_ids=[device.index], **no_sync_bufs)
+    torch.cuda.current_stream(device).wait_stream(side)
+    return wrapped
+
+
 def example_batch(shape: tuple[int, int, int], model: ModelShape, seed: int) -> Batch:
-    """A batch of random tokens of ``shape`` (B, S, T), e.g. to capture a graph for that shape."""
+    """A batch of random tokens of ``shape`` (B, S, T), e.g. to capture a graph for that shape. It
+    carries a loss normaliser as the loader's batches do (graph mode keys graphs on every tensor)."""
     b, s, t = shape
     g = torch.Generator().manual_seed(seed)
     src = torch.randint(4, model.src_vocab, (b, s), generator=g)
     tgt = torch.randint(4, model.tgt_vocab, (b, t + 1), generator=g)
     return Batch(src=src, tgt_in=tgt[:, :-1].contiguous(), tgt_out=tgt[:, 1:].contiguous(),
-                 ntokens=b * t, src_tokens=b * s)
+                 ntokens=b * t, src_tokens=b * s, norm=torch.tensor(1.0 / (b * t), dtype=torch.float32),
+                 norm_tokens=b * t)

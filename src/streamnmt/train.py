@@ -4,7 +4,8 @@ The engine (``streamnmt.engine``) knows nothing of translation; it drives the st
 ``streamnmt.step`` (loss, backward, clipped Adam on the Noam schedule, without a host sync). The
 Trainer owns everything around it: run directory, data, model, epochs, validation, BLEU,
 checkpoints, resume, signals, logs. The training loop reads top to bottom in
-:meth:`Trainer.run_epoch`.
+:meth:`Trainer.run_epoch`. On several processes (torchrun; ``streamnmt.dist``) every rank runs
+this Trainer on its share of each global step; rank 0 alone writes the run directory.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import torch
 from streamnmt.checkpoint import (keep_step_copy, load_checkpoint, load_model_weights, rng_state, save_checkpoint,
                                   save_safetensors, set_rng_state)
 from streamnmt.config import TrainJob, job_from_dict
-from streamnmt.errors import InputError, NonFiniteLoss
+from streamnmt import dist as distributed
+from streamnmt.errors import ConfigError, InputError, NonFiniteLoss
 from streamnmt.fsutil import atomic_write
 from streamnmt.data import batch_plan, make_loader, padding_share, prepare_data, read_pairs
 from streamnmt.engine import STATS, DeferredLosses, host_sync, make_strategy
@@ -70,8 +72,9 @@ class Trainer:
     """
 
     def __init__(self, job: TrainJob, log: Callable[[str], None] = print, resume: dict[str, Any] | None = None):
-        self.log = log
-        self.device = resolve_device(job.run.device)
+        self.dist = distributed.init(job.engine.dist_backend, job.run.device, job.engine.dist_timeout)
+        self.log = log = log if self.dist.main else distributed.quiet  # other ranks: errors only
+        self.device = self.dist.device or resolve_device(job.run.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # so that streams, events and graphs default to it
         self.job = job = self._resolve(job) if resume is None else job
@@ -95,10 +98,13 @@ class Trainer:
         if job.run.weights and resume is None:
             load_model_weights(self.model, load_checkpoint(job.run.weights), job.run.weights)
             log(f"weights: started from {job.run.weights}")
+        if self.dist.rank > 0:  # same initial weights on every rank, its own dropout stream after
+            torch.manual_seed(job.run.seed + 1_000_003 * self.dist.rank)
         self.step_fn = make_step(self.model, self.device, d_model=m.d_model, lr=job.optim.lr,
                                  warmup=job.optim.warmup, amp=job.optim.amp, clip=job.optim.clip_grad,
                                  label_smoothing=m.label_smoothing, compile=job.engine.compile == "on",
-                                 shapes=len(batch_plan(self.data.train, job.data)[1]), ema=job.run.ema)
+                                 shapes=len(batch_plan(self.data.train, job.data)[1]), ema=job.run.ema,
+                                 ddp=self.dist.active)
         self.optimizer, self.schedule, self.scaler = (self.step_fn.optimizer, self.step_fn.schedule,
                                                       self.step_fn.scaler)
         # 3. engine: the strategy's streams are created once, here
@@ -108,11 +114,18 @@ class Trainer:
             workers = min(4, os.cpu_count() or 1)
             log(f"engine: '{self.strategy.name}' loads in worker processes: --workers {workers}")
         pin = self.device.type == "cuda"
+        k, d = job.engine.accum_steps, self.dist
         self.train_loader = make_loader(self.data.train, dataclasses.replace(job.data, workers=workers),
-                                        train=True, seed=job.run.seed, pin_memory=pin)
+                                        train=True, seed=job.run.seed, pin_memory=pin, accum=k, world=d.world,
+                                        rank=d.rank)
+        if d.active and (empty := self.train_loader.sampler.empty_rank()) is not None:
+            raise ConfigError(f"--nproc: {d.world} processes leave rank {empty} without a single training pair "
+                              f"({len(self.data.train)} pairs, batches of {job.data.batch_size} x --accum-steps {k}"
+                              f" per rank); use fewer processes or a smaller --batch-size")
         self.dev_loader = make_loader(self.data.dev, dataclasses.replace(job.data, workers=0), train=False,
                                       seed=job.run.seed, pin_memory=pin)
-        self.losses = DeferredLosses(self.device, job.engine.loss_interval)
+        self.losses = DeferredLosses(self.device, job.engine.loss_interval, group=k,
+                                     reduce=d.reduce_sum_ if d.active else None)
         self.global_step, self.epoch, self.epoch_pos, self.best_val = 0, 0, 0, math.inf
         self.stopper = EarlyStopping(best_metric(job.run), job.run.patience)  # best.pt and --patience
         self.budget = TimeBudget(parse_duration(job.run.time_limit))
@@ -126,6 +139,8 @@ class Trainer:
         r = job.run
         if resume is not None:
             self.save_dir = Path(r.resume).resolve().parent.parent
+        elif not self.dist.main:
+            self.save_dir = Path(self.dist.broadcast(None, "dist.setup"))  # rank 0's choice
         else:
             self.save_dir = increment_path(r.project, r.name, r.exist_ok)
             (self.save_dir / "weights").mkdir(parents=True, exist_ok=True)
@@ -133,25 +148,33 @@ class Trainer:
             weights = self.save_dir / "weights"  # --exist-ok: an earlier run's best and step files are not ours
             for stale in [weights / "best.pt", weights / "best.safetensors", *weights.glob("step_*.pt")]:
                 stale.unlink(missing_ok=True)
+            self.dist.broadcast(str(self.save_dir), "dist.setup")
         # A new run in a reused directory starts its logs afresh; a resumed one keeps its past.
-        self.steps_log = CsvLog(self.save_dir / "steps.csv", STEP_COLUMNS, truncate_after=self.global_step)
-        self.results_log = CsvLog(self.save_dir / "results.csv", RESULT_COLUMNS, truncate_after=self.epoch)
-        self.evals_log = CsvLog(self.save_dir / "evals.csv", EVAL_COLUMNS, truncate_after=self.global_step)
-        self.scalars = Scalars(self.save_dir, job.run.tensorboard)
+        main = self.dist.main
+        self.steps_log = CsvLog(self.save_dir / "steps.csv", STEP_COLUMNS, truncate_after=self.global_step) \
+            if main else distributed.NullLog()
+        self.results_log = CsvLog(self.save_dir / "results.csv", RESULT_COLUMNS, truncate_after=self.epoch) \
+            if main else distributed.NullLog()
+        self.evals_log = CsvLog(self.save_dir / "evals.csv", EVAL_COLUMNS, truncate_after=self.global_step) \
+            if main else distributed.NullLog()
+        self.scalars = Scalars(self.save_dir, job.run.tensorboard and main)
         stats_path = self.save_dir / "sync_stats.json"
         self.sync_stats: list[dict[str, Any]] = []
         if resume is not None and stats_path.is_file():
             self.sync_stats = [e for e in json.loads(stats_path.read_text()) if e["epoch"] <= self.epoch]
         self.pending_rows: dict[int, dict[str, Any]] = {}  # step -> row waiting for its loss
         self.last_loss: float | None = None
-        self.stop_requested, self.stop_reason = False, ""
+        self.stop_requested, self.stop_reason = False, ""  # this rank: a signal, --time-limit or --patience
+        self.stopped = False  # the ranks agreed to stop
         self.nonfinite_steps: list[int] = []
         log(f"run dir: {self.save_dir}" + (f" (resumed at step {self.global_step})" if resume else ""))
         log(f"model: {m.model} ({m.n_layers}+{m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
             f"d_ff {m.d_ff}), {self.model.num_params() / 1e6:.1f}M parameters; device {self.device}; "
             f"amp {job.optim.amp}; strategy {self.strategy.name}"
             + (f"; tied embeddings: {m.tie_embeddings}" if m.tie_embeddings != "none" else "")
-            + (f"; EMA {job.run.ema}" if job.run.ema else ""))
+            + (f"; EMA {job.run.ema}" if job.run.ema else "")
+            + (f"; {d.world} processes ({d.backend}) x --accum-steps {k}" if d.active else
+               f"; --accum-steps {k}" if k > 1 else ""))
         log(f"data: {len(self.train_loader)} batches per epoch in {len(self.train_loader.shapes())} shape(s); "
             f"padding {100 * padding_share(self.data.train, job.data):.1f} % of the target positions")
 
@@ -233,7 +256,12 @@ class Trainer:
         self.stopper.load_state_dict(ckpt.get("stopping"))
         if self.step_fn.ema is not None and ckpt.get("ema"):
             self.step_fn.ema.load_state_dict(ckpt["ema"])
-        set_rng_state(ckpt["rng"])
+        ranks = ckpt.get("rng_ranks") or [ckpt["rng"]]
+        saved = (ckpt["sampler"].get("world", 1), ckpt["sampler"].get("accum", 1))
+        if saved != (self.dist.world, self.job.engine.accum_steps) or len(ranks) != self.dist.world:
+            self.log(f"resume: saved with {saved[0]} process(es) x --accum-steps {saved[1]}, now {self.dist.world} x "
+                     f"{self.job.engine.accum_steps}: training continues from step {ckpt['step']}, not bit-exactly")
+        set_rng_state(ranks[self.dist.rank] if self.dist.rank < len(ranks) else ckpt["rng"])
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -256,20 +284,33 @@ class Trainer:
                      + format_table(merge_sync_stats([e["train"] for e in self.sync_stats])))
         for log in (self.steps_log, self.results_log, self.evals_log, self.scalars):
             log.close()
+        if not self.dist.main:
+            return {"save_dir": self.save_dir, "best_val": self.best_val, "steps": self.global_step,
+                    "last": row, "stopped": self.stopped}
         self._export_best()
         if (self.save_dir / "steps.csv").stat().st_size > 0 and self.global_step > 0:
             plot_results(self.save_dir)
-        if self.stop_requested:
+        if self.stopped:
             self.log(f"{self.stop_reason or f'stopped by signal after step {self.global_step}'}; "
                      f"saved {self.save_dir / 'weights' / 'last.pt'}")
         return {"save_dir": self.save_dir, "best_val": self.best_val, "steps": self.global_step,
-                "last": row, "stopped": self.stop_requested}
+                "last": row, "stopped": self.stopped}
 
     def _done(self) -> bool:
         r = self.job.run
         if not self.stop_requested and self.budget.expired():  # e.g. after a long epoch-end evaluation
             self._request_stop(self.budget.reason(self.global_step))
-        return self.stop_requested or bool(r.max_steps and self.global_step >= r.max_steps)
+        return self._stop_agreed() or bool(r.max_steps and self.global_step >= r.max_steps)
+
+    def _stop_agreed(self, every: int = 1) -> bool:
+        """Stop after this step? One process: a signal, --time-limit or --patience asked for it.
+        Several: the ranks agree, every ``every`` steps (one host-side all-reduce), so that they all
+        stop after the same step."""
+        if not self.dist.active:
+            self.stopped = self.stop_requested
+        elif self.global_step % every == 0:
+            self.stopped = self.dist.agree(self.stop_requested)
+        return self.stopped
 
     def run_epoch(self, epoch: int) -> dict[str, Any]:
         r = self.job.run
@@ -279,22 +320,26 @@ class Trainer:
         nvml = NvmlSampler(self.device).start()  # GPU utilisation sampled in a thread; no device sync
         t0 = time.perf_counter()
         tokens, padded, losses, eval_s, eval_stats = 0, 0, [], 0.0, []
-        n_batches = len(self.train_loader) - self.epoch_pos
+        n_batches = len(self.train_loader) - self.epoch_pos  # micro-batches: --accum-steps per step
         if r.max_steps:
-            n_batches = min(n_batches, r.max_steps - self.global_step)
-        bar = _progress(n_batches, f"epoch {epoch + 1}/{r.epochs}")
+            n_batches = min(n_batches, (r.max_steps - self.global_step) * self.job.engine.accum_steps)
+        bar = _progress(n_batches, f"epoch {epoch + 1}/{r.epochs}", quiet=not self.dist.main)
         for info in self.strategy.run(itertools.islice(self.train_loader, n_batches), self.step_fn, self.losses,
                                       start_step=self.global_step):
             # 1. bookkeeping on the host only: no device value is read here
-            self.global_step, self.epoch_pos = info.step, self.epoch_pos + 1
-            tokens += info.batch.ntokens  # real (non-PAD) target tokens, counted on the host
-            padded += info.batch.tgt_out.numel()  # a shape: no device access
-            self.pending_rows[info.step] = {"step": info.step, "epoch": epoch + 1, "tokens": info.batch.ntokens,
+            self.epoch_pos += 1
+            padded += info.batch.tgt_out.numel() * self.dist.world  # a shape: no device access
+            bar.update(1)
+            if not info.ends_step:  # an accumulation micro-batch: the step goes on
+                continue
+            self.global_step = info.step
+            ntok = info.batch.norm_tokens or info.batch.ntokens  # real target tokens of the global step (all ranks)
+            tokens += ntok
+            self.pending_rows[info.step] = {"step": info.step, "epoch": epoch + 1, "tokens": ntok,
                                             "lr": noam_lr(info.step, self.shape.d_model, self.job.optim.warmup,
                                                           self.job.optim.lr)}
             # 2. losses whose copies to the host have completed (never blocks)
             losses += self._write_steps(self.losses.poll())
-            bar.update(1)
             if self.last_loss is not None:
                 bar.set_postfix_str(f"loss {self.last_loss:.4f} (as of last extraction)", refresh=False)
             # 3. mid-epoch checkpoint, kill test hook, signals (host-side flags only)
@@ -311,10 +356,12 @@ class Trainer:
             if not self.stop_requested and self.budget.expired():
                 self._request_stop(self.budget.reason(self.global_step))
             if self.global_step == int(os.environ.get("STREAMNMT_TEST_KILL_AT_STEP", "0")):
+                if self.dist.active:
+                    self.dist.kill_launcher()
                 os.kill(os.getpid(), signal.SIGKILL)
-            if self.stop_requested:
+            if self._stop_agreed(self.job.engine.sync_interval):
                 break
-        if self.stop_requested:  # finish cleanly: drain, keep every loss, save where we are
+        if self.stopped:  # finish cleanly: drain, keep every loss, save where we are
             losses += self._save_mid_epoch("stop")
             bar.close()
             nvml.stop()
@@ -343,7 +390,8 @@ class Trainer:
         self.results_log.write(row)
         self.sync_stats.append({"epoch": epoch + 1, "strategy": self.strategy.name, "train": train_stats,
                                 "eval": merge_sync_stats([*eval_stats, STATS.reset()])})
-        write_json(self.save_dir / "sync_stats.json", self.sync_stats)
+        if self.dist.main:
+            write_json(self.save_dir / "sync_stats.json", self.sync_stats)
         self.sync_table = format_table(train_stats)
         self.scalars.add(self.global_step, {"epoch/train_loss": row["train_loss"],
                                             "epoch/tokens_per_s": row["tokens_per_s"],
@@ -357,8 +405,13 @@ class Trainer:
         improved; a stop request when --patience ran out. Returns (val_loss, bleu, bleu seconds)."""
         ema = self.step_fn.ema if self.job.run.eval_ema else None
         with ema.swapped() if ema is not None else contextlib.nullcontext():
-            val_loss = self.validate()
-            bleu, bleu_s = self.bleu()
+            if self.dist.main:
+                val_loss = self.validate()
+                bleu, bleu_s = self.bleu()
+            else:
+                val_loss, bleu, bleu_s = math.nan, None, 0.0
+            # every rank learns rank 0's results (best.pt and --patience decide alike everywhere)
+            val_loss, bleu, bleu_s = self.dist.broadcast((val_loss, bleu, bleu_s), "dist.evaluate")
             self.best_val = min(self.best_val, val_loss)
             better = self.stopper.update(bleu if self.stopper.metric == "bleu" else val_loss, self.global_step)
             if better:
@@ -446,9 +499,12 @@ class Trainer:
         }
 
     def save(self, path: Path) -> None:
+        rngs = self.dist.gather(rng_state()) if self.dist.active else None  # every rank calls save
+        if not self.dist.main:
+            return
         # Needed: torch.save copies every device tensor to the host (callers drained the streams
         # first, so this waits for nothing queued, but it is a host-device sync all the same).
-        host_sync("checkpoint.save", lambda: save_checkpoint(path, self.checkpoint_state()))
+        host_sync("checkpoint.save", lambda: save_checkpoint(path, {**self.checkpoint_state(), "rng_ranks": rngs}))
 
     def _export_best(self) -> None:
         best = self.save_dir / "weights" / "best.pt"
@@ -467,8 +523,8 @@ def _signals(trainer: Trainer):
         return
 
     def request_stop(signum, frame):
-        if trainer.stop_requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        if trainer.stop_requested and signum == signal.SIGINT and not trainer.dist.active:
+            raise KeyboardInterrupt  # (several ranks: Ctrl-C reaches a rank from the terminal and from torchrun)
         trainer.stop_requested, trainer.stop_reason = True, ""
         trainer.log(f"\n{signal.Signals(signum).name}: finishing the current step, then saving "
                     "(Ctrl-C again to abort)")
@@ -481,7 +537,7 @@ def _signals(trainer: Trainer):
             signal.signal(s, h)
 
 
-def _progress(total: int, desc: str):
+def _progress(total: int, desc: str, quiet: bool = False):
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, mininterval=0.5, dynamic_ncols=True,
-                disable=None)
+                disable=True if quiet else None)

@@ -174,7 +174,7 @@ def test_sampler_pads_short_last_batch_per_bucket() -> None:
     assert buckets.tolist() == [8, 8, 16, 16, 16, 32]
     sampler = BucketSampler(buckets, batch_size=2, shuffle=False)
     assert sampler.shapes() == [(2, 8, 8), (2, 16, 16), (2, 32, 32)]
-    plan = [(length, rows.tolist()) for length, rows in sampler]
+    plan = [(length, rows.tolist()) for length, rows, _ in sampler]
     assert plan == [(8, [0, 1]), (16, [2, 3]), (16, [4, -1]), (32, [5, -1])]
     assert len(sampler) == 4
 

@@ -17,6 +17,11 @@ class Regression:
         torch.manual_seed(seed)
         self.model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 1)).to(device)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-2)
+        self.micro: list[bool] = []  # begin_micro's flags, in order
+        self.opt_steps = 0
+
+    def begin_micro(self, last):
+        self.micro.append(last)
 
     def forward(self, batch):
         x, y = batch
@@ -26,6 +31,7 @@ class Regression:
         loss.backward()
 
     def optimizer_step(self):
+        self.opt_steps += 1
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
@@ -57,13 +63,16 @@ def run_without_host_syncs(strat, batches, step, losses) -> list[tuple[int, floa
         torch.cuda.set_sync_debug_mode(0)
 
 
-def train(strategy: str, device: str, n: int = 23, interval: int = 10, seed: int = 0):
+def train(strategy: str, device: str, n: int = 23, interval: int = 10, seed: int = 0, accum: int = 1,
+          step_out: list | None = None):
     dev = torch.device(device)
     step = Regression(dev, seed)
-    losses = DeferredLosses(dev, interval)
+    losses = DeferredLosses(dev, interval, group=accum)
     strat = make_strategy(strategy, dev, EngineConfig(sync_strategy=strategy, sync_interval=interval,
-                                                      loss_interval=interval))
+                                                      loss_interval=interval, accum_steps=accum), log=lambda s: None)
     got = run_collect(strat, make_batches(n), step, losses)
+    if step_out is not None:
+        step_out.append(step)
     return got, [p.detach().cpu().clone() for p in step.model.parameters()]
 
 
@@ -141,3 +150,35 @@ def test_run_stops_early_without_losing_losses():
             break
     got += losses.flush()
     assert [s for s, _ in got] == list(range(1, 14))
+
+
+@pytest.mark.parametrize("strategy", SEED_STRATEGIES + ["graph"])  # graph: its CPU fallback
+def test_accumulation_in_every_strategy(strategy):
+    """23 micro-batches, 3 per optimizer step: 8 steps (the last of 2), one loss each (the sum of
+    its micro-batches'), the same in every strategy; gradients all-reduce only on a step's last."""
+    ref, ref_params = train("baseline", "cpu", accum=3)
+    steps: list = []
+    got, params = train(strategy, "cpu", accum=3, step_out=steps)
+    assert [s for s, _ in got] == list(range(1, 9))
+    assert got == ref and all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    assert steps[0].opt_steps == 8
+    assert steps[0].micro == [False, False, True] * 7 + [False, True]
+    fresh = Regression(torch.device("cpu"))  # step 1 = the sum of 3 micro losses at the initial weights
+    assert got[0][1] == pytest.approx(sum(fresh.forward(b).item() for b in make_batches(3)), rel=1e-6)
+    plain, _ = train("baseline", "cpu")
+    assert got[1][1] != pytest.approx(sum(v for _, v in plain[3:6]), rel=1e-3)  # later steps: fewer updates
+
+
+def test_engine_imports_run_one_way():
+    """base <- strategies <- graphs: no module imports one above it."""
+    import ast
+    import importlib
+
+    def engine_imports(name):
+        tree = ast.parse(open(importlib.import_module(f"streamnmt.engine.{name}").__file__).read())
+        return {n.module.rsplit(".", 1)[-1] for n in ast.walk(tree)
+                if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("streamnmt.engine.")}
+
+    assert engine_imports("base") <= {"config", "losses", "streams", "syncstats"}
+    assert "graphs" not in engine_imports("strategies")
+    assert "base" in engine_imports("graphs") and "base" in engine_imports("strategies")

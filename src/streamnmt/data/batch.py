@@ -32,6 +32,11 @@ class Batch:
         src_tokens: non-PAD tokens in ``src``, a host int.
         index: (B,) int64 NumPy array of each row's position in its corpus, -1 for filler rows.
             Stays on the host (``to`` does not move it), e.g. to match hypotheses to references.
+        norm_tokens: target tokens of the whole global step this batch belongs to (all its
+            accumulation micro-batches on all ranks), a host int; ``ntokens`` when it is alone.
+        norm: () float32 tensor ``1 / norm_tokens``, travelling with the batch to the device: the
+            step multiplies its summed loss by it (a static input of graph mode). None: the step
+            normalises by the batch's own tokens.
     """
 
     src: torch.Tensor
@@ -40,6 +45,8 @@ class Batch:
     ntokens: int
     src_tokens: int
     index: np.ndarray | None = None
+    norm: torch.Tensor | None = None
+    norm_tokens: int = 0
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -61,15 +68,18 @@ class Batch:
         return dataclasses.replace(
             self, src=self.src.to(device, non_blocking=non_blocking),
             tgt_in=self.tgt_in.to(device, non_blocking=non_blocking),
-            tgt_out=self.tgt_out.to(device, non_blocking=non_blocking))
+            tgt_out=self.tgt_out.to(device, non_blocking=non_blocking),
+            norm=None if self.norm is None else self.norm.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> Batch:
         """Page-locked copies of the tensors (called by DataLoader's pin-memory thread)."""
         return dataclasses.replace(self, src=self.src.pin_memory(), tgt_in=self.tgt_in.pin_memory(),
-                                   tgt_out=self.tgt_out.pin_memory())
+                                   tgt_out=self.tgt_out.pin_memory(),
+                                   norm=None if self.norm is None else self.norm.pin_memory())
 
     def is_pinned(self) -> bool:
-        return all(t.is_pinned() for t in (self.src, self.tgt_in, self.tgt_out))
+        return all(t.is_pinned() for t in (self.src, self.tgt_in, self.tgt_out)
+                   if t is not None) and (self.norm is None or self.norm.is_pinned())
 
 
 @dataclass
@@ -86,24 +96,33 @@ class HostBatch:
     ntokens: int
     src_tokens: int
     index: np.ndarray
+    norm_tokens: int = 0  # target tokens of the global step (0: this batch's own)
 
     def to_batch(self) -> Batch:
-        return self._wrap(torch.from_numpy(self.tokens))
+        return self._wrap(torch.from_numpy(self.tokens), self._norm())
 
     def pin_memory(self) -> Batch:
-        return self._wrap(torch.from_numpy(self.tokens).pin_memory())
+        return self._wrap(torch.from_numpy(self.tokens).pin_memory(), self._norm().pin_memory())
 
-    def _wrap(self, t: torch.Tensor) -> Batch:
+    def _norm(self) -> torch.Tensor:
+        n = self.norm_tokens or self.ntokens
+        return torch.tensor(1.0 / max(n, 1), dtype=torch.float32)  # ()
+
+    def _wrap(self, t: torch.Tensor, norm: torch.Tensor) -> Batch:
         # t[k] are contiguous (B, L) views of one buffer (pinned or not).
-        return Batch(t[0], t[1], t[2], ntokens=self.ntokens, src_tokens=self.src_tokens, index=self.index)
+        return Batch(t[0], t[1], t[2], ntokens=self.ntokens, src_tokens=self.src_tokens, index=self.index,
+                     norm=norm, norm_tokens=self.norm_tokens or self.ntokens)
 
 
-def collate(corpus: TokenizedCorpus, rows: np.ndarray, length: int) -> Batch:
-    """Build the batch of corpus pairs ``rows`` (-1 = filler row) padded to ``length``."""
-    return collate_host(corpus, rows, length).to_batch()
+def collate(corpus: TokenizedCorpus, rows: np.ndarray, length: int, group: np.ndarray | None = None) -> Batch:
+    """Build the batch of corpus pairs ``rows`` (-1 = filler row) padded to ``length``; ``group``:
+    the rows of its whole global step (all micro-batches, all ranks), whose target tokens
+    normalise the loss (default: ``rows``)."""
+    return collate_host(corpus, rows, length, group).to_batch()
 
 
-def collate_host(corpus: TokenizedCorpus, rows: np.ndarray, length: int) -> HostBatch:
+def collate_host(corpus: TokenizedCorpus, rows: np.ndarray, length: int,
+                 group: np.ndarray | None = None) -> HostBatch:
     """:func:`collate` as a :class:`HostBatch`. Vectorised: one gather per side, no loop over rows."""
     b = len(rows)
     tokens = np.full((3, b, length), PAD, np.int64)
@@ -116,7 +135,13 @@ def collate_host(corpus: TokenizedCorpus, rows: np.ndarray, length: int) -> Host
     tgt_in[:, 1:] = tgt_out[:, :-1]
     inside = m + 1 < length
     tgt_in[r[inside], m[inside] + 1] = PAD  # tgt_in stops before the EOS that tgt_out ends with
-    return HostBatch(tokens, ntokens=int(m.sum()) + len(r), src_tokens=int(n.sum()) + len(r), index=rows)
+    ntokens = int(m.sum()) + len(r)
+    norm_tokens = ntokens
+    if group is not None and group is not rows:
+        g = group[group >= 0]
+        norm_tokens = int(corpus.tgt_lengths[g].sum()) + len(g)  # + EOS each, as ``ntokens``
+    return HostBatch(tokens, ntokens=ntokens, src_tokens=int(n.sum()) + len(r), index=rows,
+                     norm_tokens=norm_tokens)
 
 
 def _fill(out: np.ndarray, r: np.ndarray, i: np.ndarray, tokens: np.ndarray,

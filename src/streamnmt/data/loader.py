@@ -40,13 +40,19 @@ class _PlannedBatches(Dataset):
         self.corpus = corpus
 
     def __getitem__(self, item: PlannedBatch) -> HostBatch:
-        length, rows = item
-        return collate_host(self.corpus, rows, length)
+        length, rows, group = item
+        return collate_host(self.corpus, rows, length, group)
 
 
 def _die_with_parent(worker_id: int) -> None:
     """Workers end when the trainer process dies, even by SIGKILL. (Their own watchdog notices a
-    dead parent, but a worker with results still queued then blocks forever flushing its pipe.)"""
+    dead parent, but a worker with results still queued then blocks forever flushing its pipe.)
+
+    They ignore SIGTERM and SIGINT: those ask the trainer to finish its step and save, and reach
+    the workers too when sent to the whole process group (Ctrl-C in a terminal, torchrun stopping
+    its workers); a worker that died of them would fail the trainer's next batch instead."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -62,12 +68,12 @@ class BatchLoader:
     """Iterates :class:`Batch` objects of one corpus; see the module docstring."""
 
     def __init__(self, corpus: TokenizedCorpus, cfg: DataConfig, *, train: bool, seed: int,
-                 pin_memory: bool) -> None:
+                 pin_memory: bool, accum: int = 1, world: int = 1, rank: int = 0) -> None:
         self.corpus = corpus
         self.train = train
         buckets = bucket_lengths(corpus.src_lengths, corpus.tgt_lengths, cfg.pad_multiple)
         self.sampler = BucketSampler(buckets, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens,
-                                     shuffle=train, seed=seed)
+                                     shuffle=train, seed=seed, accum=accum, world=world, rank=rank)
         # Pinning needs a CUDA driver; on a machine without one it is not attempted.
         self.pin_memory = bool(pin_memory and torch.cuda.is_available())
         extra: dict[str, Any] = {}
@@ -137,7 +143,11 @@ class BatchLoader:
 
 
 def make_loader(corpus: TokenizedCorpus, cfg: DataConfig, *, train: bool, seed: int,
-                pin_memory: bool) -> BatchLoader:
-    """A shuffled, resumable loader (``train=True``) or a fixed-order evaluation loader."""
-    return BatchLoader(corpus, cfg, train=train, seed=seed, pin_memory=pin_memory)
+                pin_memory: bool, accum: int = 1, world: int = 1, rank: int = 0) -> BatchLoader:
+    """A shuffled, resumable loader (``train=True``) or a fixed-order evaluation loader.
+
+    ``accum`` micro-batches per optimizer step on each of ``world`` ranks; this is rank ``rank``'s
+    share (see :mod:`streamnmt.data.sampler`)."""
+    return BatchLoader(corpus, cfg, train=train, seed=seed, pin_memory=pin_memory, accum=accum, world=world,
+                       rank=rank)
 

@@ -1,4 +1,5 @@
-"""Engine settings: which synchronisation strategy drives the steps, and how often the host waits."""
+"""Engine settings: which synchronisation strategy drives the steps, how often the host waits, how
+many micro-batches make an optimizer step, and how ranks talk when training runs on several."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from streamnmt.configbase import check, check_choice, opt
 
 STRATEGY_NAMES = ("baseline", "event", "interval", "deep", "full", "graph")
+DIST_BACKENDS = ("auto", "nccl", "gloo")
 
 
 @dataclass(kw_only=True)
@@ -18,6 +20,12 @@ class EngineConfig:
     compile: str = opt("auto", "torch.compile the model (fused kernels): on, off, or auto = on in graph mode "
                                "when the run is long enough to win the compile time back",
                        choices=("auto", "on", "off"), const="on")
+    accum_steps: int = opt(1, "gradient accumulation: batches per optimizer step (the loss is normalised by "
+                              "the target tokens of all of them, on all ranks)")
+    dist_backend: str = opt("auto", "several processes (torchrun): torch.distributed backend; auto = nccl on "
+                                    "CUDA, gloo on CPU", choices=DIST_BACKENDS)
+    dist_timeout: int = opt(60, "several processes: seconds a collective may wait for another rank before "
+                                "the run stops with an error (a dead or hung rank)")
 
     def __post_init__(self) -> None:
         check_choice(self.sync_strategy, "sync_strategy", ("auto", *STRATEGY_NAMES))
@@ -26,3 +34,6 @@ class EngineConfig:
         check_choice(self.compile, "compile", ("auto", "on", "off"))
         check(self.sync_interval >= 1, "sync_interval", f"must be at least 1; got {self.sync_interval}")
         check(self.loss_interval >= 1, "loss_interval", f"must be at least 1; got {self.loss_interval}")
+        check(self.accum_steps >= 1, "accum_steps", f"must be at least 1; got {self.accum_steps}")
+        check_choice(self.dist_backend, "dist_backend", DIST_BACKENDS)
+        check(self.dist_timeout >= 5, "dist_timeout", f"must be at least 5 seconds; got {self.dist_timeout}")

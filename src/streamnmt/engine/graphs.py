@@ -20,6 +20,20 @@ How it fits the engine:
 * the step function must be capturable: no host syncs, learning rate as a device tensor,
   ``Adam(capturable=True)``. It provides ``state_tensors()`` listing what a step mutates.
 
+Gradient accumulation (``accum_steps`` K > 1): one micro-step graph per shape (forward and
+backward, accumulating into the ``.grad`` tensors; the loss normaliser is a tensor of the batch,
+so it is one of the static inputs) and one optimizer graph (clipping, learning rate, Adam, zeroing
+the gradients in place). A global step is K micro replays and one optimizer replay, no host sync.
+On several ranks the micro graph of a step's last micro-batch is a second variant whose backward
+all-reduces the gradients (DDP inside the capture: NCCL collectives can be captured); the other
+micro-batches' variant skips the all-reduce (DDP's ``no_sync``).
+
+Several ranks (DistributedDataParallel): the all-reduce runs inside the captured backward. As
+PyTorch's CUDA-graph notes require, DDP is built on a side stream (``streamnmt.step``) and the
+warm-up runs at least 11 DDP iterations before capture (DDP rebuilds its buckets on the host in
+its first iterations); the process group is made with NCCL's asynchronous error handling off
+(``streamnmt.dist``).
+
 Where capture is impossible (no CUDA, an error during capture) the strategy says so in one line
 and runs the ``full`` strategy instead.
 """
@@ -32,11 +46,18 @@ from typing import Any
 
 import torch
 
+from streamnmt.engine.base import StepFunction, StepInfo, Strategy, begin_micro, lookahead, move, register, tensors
 from streamnmt.engine.config import EngineConfig
 from streamnmt.engine.losses import DeferredLosses
+from streamnmt.engine.strategies import FullPipeline
 from streamnmt.engine.syncstats import host_sync
-from streamnmt.engine.strategies import (STRATEGIES, FullPipeline, StepFunction, StepInfo, Strategy, lookahead,
-                                         move, tensors)
+
+DDP_WARMUP_STEPS = 11  # PyTorch's notes on DDP with CUDA graphs: at least 11 eager iterations first
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def shape_key(batch: Any) -> tuple:
@@ -59,7 +80,8 @@ class GraphStrategy(Strategy):
         self.cfg = cfg
         self.warmup_steps = warmup_steps
         self.fallback: Strategy | None = None
-        self.graphs: dict[tuple, _Captured] = {}
+        self.graphs: dict[tuple, _Captured] = {}  # K == 1: whole steps; K > 1: (key, ends) -> micro steps
+        self.opt_graph: torch.cuda.CUDAGraph | None = None  # K > 1: the optimizer step
         self.report: dict[str, Any] = {}
         dev = torch.device(device)
         if dev.type != "cuda":
@@ -91,7 +113,8 @@ class GraphStrategy(Strategy):
             msg = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             self._fall_back(self.device, self.cfg, f"capture failed: {msg}")
             return
-        self.report = {"shapes": len(self.graphs), "capture_s": round(time.perf_counter() - t0, 2),
+        shapes = {key if self.accum == 1 else key[0] for key in self.graphs}
+        self.report = {"shapes": len(shapes), "capture_s": round(time.perf_counter() - t0, 2),
                        "pool_mb": round((torch.cuda.memory_reserved(self.device) - mem0) / 2**20, 1)}
         self.log(f"engine: graph mode captured {self.report['shapes']} shape(s) in {self.report['capture_s']} s, "
                  f"memory pool +{self.report['pool_mb']} MiB")
@@ -110,25 +133,47 @@ class GraphStrategy(Strategy):
         side = torch.cuda.Stream(self.device)
         # Capture on a stream of our device (torch.cuda.graph's own default is the current device's).
         capture_stream = torch.cuda.Stream(self.device)
+        k = self.accum
+        warmup = max(self.warmup_steps, DDP_WARMUP_STEPS) if _distributed() else self.warmup_steps
+        if k > 1 and hasattr(step, "grads_to_none"):
+            step.grads_to_none = False  # the micro graphs accumulate into .grad tensors that stay put
+        # Variants of the micro graph: without and with the cross-rank all-reduce (DDP).
+        variants = (False, True) if _distributed() else (True,)
         for example in examples:
             key = shape_key(example)
-            if key in self.graphs:
+            if key in self.graphs or (key, True) in self.graphs:
                 continue
             static = move(example, self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))  # the copy into ``static`` first
             with torch.cuda.stream(side):
-                for _ in range(self.warmup_steps):
-                    loss = step.forward(static)
-                    step.backward(loss)
+                for _ in range(warmup):
+                    for m in range(k):
+                        begin_micro(step, m == k - 1)
+                        loss = step.forward(static)
+                        step.backward(loss)
                     step.optimizer_step()
                 del loss  # an autograd graph kept alive would tie its AccumulateGrad nodes to this stream
             torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
-                static_loss = step.forward(static)
-                step.backward(static_loss)
+            if k == 1:
+                graph = torch.cuda.CUDAGraph()
+                begin_micro(step, True)
+                with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
+                    static_loss = step.forward(static)
+                    step.backward(static_loss)
+                    step.optimizer_step()
+                self.graphs[key] = _Captured(graph, static, static_loss.detach())
+                continue
+            for ends in variants:  # K > 1: forward + backward only
+                graph = torch.cuda.CUDAGraph()
+                begin_micro(step, ends)
+                with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
+                    static_loss = step.forward(static)
+                    step.backward(static_loss)
+                self.graphs[(key, ends)] = _Captured(graph, static, static_loss.detach())
+        if k > 1 and self.opt_graph is None:
+            self.opt_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.opt_graph, pool=pool, stream=capture_stream):
                 step.optimizer_step()
-            self.graphs[key] = _Captured(graph, static, static_loss.detach())
 
     def _restore(self, step: StepFunction, saved: dict[int, torch.Tensor], rng: torch.Tensor) -> None:
         """Undo the warm-up steps: restore in place (the graphs hold these addresses)."""
@@ -165,25 +210,31 @@ class GraphStrategy(Strategy):
             nxt = None if last else next(it)
             if nxt is not None:
                 b_next = self._copy_in(nxt[0], ev_t, self.T)  # copies while this step replays
+            ends, gstep = self.ends_step(i, last), self.gstep(start_step, i)
             with sm.use(self.C):
-                cap = self.graphs.get(shape_key(b))
+                cap = self._graph_for(b, ends)
                 if cap is None:
                     self._warn_uncaptured(b)
-                    loss = step.forward(b)
-                    step.backward(loss)
-                    step.optimizer_step()
+                    loss = self._compute(b, step, losses, gstep, ends)
                 else:
                     for dst, src in zip(tensors(cap.static_batch), tensors(b)):
                         dst.copy_(src)  # after the previous replay on this stream read them
                     cap.graph.replay()
-                    loss = cap.static_loss
-                losses.push(start_step + i + 1, loss)
+                    if ends and self.opt_graph is not None:
+                        self.opt_graph.replay()  # K > 1: the optimizer step after the last micro-batch
+                    losses.push(gstep, cap.static_loss)
                 sm.record(ev_c, self.C)
             if (i + 1) % k == 0 or last:
                 # Bound how far the host runs ahead of the GPU, as the interval strategy does.
                 sm.block(ev_c, "graph.compute")
-            yield StepInfo(i, start_step + i + 1, batch)
+            yield StepInfo(i, gstep, batch, ends)
             i += 1
+
+    def _graph_for(self, b: Any, ends: bool) -> _Captured | None:
+        if self.accum == 1:
+            return self.graphs.get(shape_key(b))
+        key = shape_key(b)
+        return self.graphs.get((key, ends)) or self.graphs.get((key, True))  # one variant on one rank
 
     def _warn_uncaptured(self, b: Any) -> None:
         key = shape_key(b)
@@ -198,4 +249,4 @@ class GraphStrategy(Strategy):
             super().drain(site)
 
 
-STRATEGIES[GraphStrategy.name] = GraphStrategy
+register(GraphStrategy)

@@ -7,12 +7,16 @@ slot of a device buffer; every ``interval`` steps the filled slots are copied in
 host reads those values only once the event has completed: :meth:`poll` never blocks, and
 :meth:`flush` (epoch end, before a checkpoint) blocks once, counted, for what is still in flight.
 
-Every pushed step comes out exactly once, in push order.
+Every pushed step comes out exactly once, in push order. Consecutive pushes for the same step
+(the micro-batches of one optimizer step under gradient accumulation) are added into its slot.
+With several ranks, ``reduce`` (an in-place all-reduce sum across ranks) runs on the filled slots
+once per extraction, on the device, just before the copy: never once per step.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +32,14 @@ class _Pending:
 
 
 class DeferredLosses:
-    def __init__(self, device: torch.device | str, interval: int = 10):
+    def __init__(self, device: torch.device | str, interval: int = 10, *, group: int = 1,
+                 reduce: Callable[[torch.Tensor], None] | None = None):
+        """``group``: pushes per step (accumulation micro-batches); a full buffer is extracted
+        after the last push of its last step. ``reduce``: in-place cross-rank sum of a slice."""
         if interval < 1:
             raise ValueError(f"loss interval must be at least 1; got {interval}")
+        self.group, self.reduce = group, reduce
+        self._pushes = 0  # pushes into the newest slot
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.interval = interval
@@ -40,16 +49,26 @@ class DeferredLosses:
         self.free_host: list[torch.Tensor] = []  # pinned buffers whose copy has been read
 
     def push(self, step: int, loss: torch.Tensor) -> None:
-        """Queue ``loss`` (a device scalar) of ``step``. Call on the stream that produced it."""
-        self.buf[len(self.steps)].copy_(loss.detach())
-        self.steps.append(step)
-        if len(self.steps) == self.interval:
+        """Queue ``loss`` (a device scalar) of ``step``; a repeated ``step`` adds to its slot.
+        Call on the stream that produced it."""
+        if self.steps and self.steps[-1] == step:
+            self.buf[len(self.steps) - 1].add_(loss.detach())
+            self._pushes += 1
+        else:
+            if len(self.steps) == self.interval:  # a step of fewer than ``group`` pushes came before
+                self._extract()
+            self.buf[len(self.steps)].copy_(loss.detach())
+            self.steps.append(step)
+            self._pushes = 1
+        if len(self.steps) == self.interval and self._pushes >= self.group:
             self._extract()
 
     def _extract(self) -> None:
         n = len(self.steps)
         if n == 0:
             return
+        if self.reduce is not None:
+            self.reduce(self.buf[:n])  # every rank extracts at the same steps: one collective each
         if not self.cuda:
             self.pending.append(_Pending(self.steps, self.buf[:n].clone(), None))
         else:

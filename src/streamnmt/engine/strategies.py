@@ -16,127 +16,19 @@ only where and when the host waits differs. Stream rules followed everywhere:
 * autograd runs each backward kernel on the stream of its forward op, so the ``deep`` strategy's
   "backward on stream 2" moves only the gradient seed and the optimizer step there (shown by the
   profiler in docs/PERFORMANCE.md); it is implemented as the seed describes all the same.
+
+With ``accum_steps`` K > 1 every strategy runs forward and backward on each micro-batch and the
+optimizer step after every K-th (see :mod:`streamnmt.engine.base`); host waits keep counting
+micro-batches.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from collections.abc import Callable
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar
 
-import torch
-
-from streamnmt.engine.config import EngineConfig
-from streamnmt.engine.losses import DeferredLosses
-from streamnmt.engine.streams import StreamManager
-
-
-class StepFunction(Protocol):
-    """What the application supplies: one training step split in its three phases."""
-
-    def forward(self, batch: Any) -> torch.Tensor: ...   # device scalar loss, graph attached
-    def backward(self, loss: torch.Tensor) -> None: ...
-    def optimizer_step(self) -> None: ...
-
-
-@dataclass
-class StepInfo:
-    index: int   # batch index within this run
-    step: int    # global optimizer step (1-based) whose loss was pushed
-    batch: Any   # the host batch (for token counts); never touched on the device
-
-
-def move(obj: Any, device: torch.device) -> Any:
-    """Copy a batch to ``device`` without blocking (tensors, tuples/lists/dicts, or ``.to``)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(move(x, device) for x in obj)
-    if isinstance(obj, dict):
-        return {k: move(v, device) for k, v in obj.items()}
-    return obj.to(device, non_blocking=True)
-
-
-def tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside a batch, for ``record_stream``."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from tensors(x)
-    elif dataclasses.is_dataclass(obj):
-        for f in dataclasses.fields(obj):
-            yield from tensors(getattr(obj, f.name))
-
-
-def lookahead(items: Iterable) -> Iterator[tuple[Any, bool]]:
-    """Yield (item, is_last)."""
-    it = iter(items)
-    try:
-        prev = next(it)
-    except StopIteration:
-        return
-    for item in it:
-        yield prev, False
-        prev = item
-    yield prev, True
-
-
-class Strategy:
-    name: ClassVar[str]
-    n_streams: ClassVar[int]
-    wants_workers: ClassVar[bool] = False  # full: loading in worker processes is part of the plan
-
-    def __init__(self, device: torch.device | str, cfg: EngineConfig, log: Callable[[str], None] = print):
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is not None:
-            # Streams, events and graph captures made without a device argument use the current one.
-            torch.cuda.set_device(self.device)
-        self.cfg = cfg
-        self.log = log
-        self.sm = StreamManager(self.device, self.n_streams)  # created once per trainer
-        self.report: dict[str, Any] = {}
-
-    def prepare(self, step: StepFunction, examples: Iterable[Any]) -> None:
-        """Set-up before training, given one example host batch per batch shape (graph capture)."""
-
-    def run(self, batches: Iterable, step: StepFunction, losses: DeferredLosses,
-            start_step: int = 0) -> Iterator[StepInfo]:
-        """Drive ``step`` over ``batches``; yields once per batch. The caller's earlier work on the
-        current stream is ordered before the run, and its later work after it (device-side)."""
-        self.sm.fork()
-        try:
-            yield from self._run(batches, step, losses, start_step)
-        finally:
-            self.sm.join()
-
-    def _run(self, batches: Iterable, step: StepFunction, losses: DeferredLosses,
-             start_step: int) -> Iterator[StepInfo]:
-        raise NotImplementedError
-
-    def drain(self, site: str) -> None:
-        """Block until all work this strategy queued is done (epoch end, before a save)."""
-        self.sm.drain(site)
-
-    def _copy_in(self, host_batch: Any, event, i: int) -> Any:
-        """Start the host->device copy of a batch on stream ``i``; ``event`` completes with it."""
-        with self.sm.use(i):
-            b = move(host_batch, self.device)
-            self.sm.record(event, i)
-        return b
-
-    def _compute(self, b: Any, step: StepFunction, losses: DeferredLosses, gstep: int) -> torch.Tensor:
-        loss = step.forward(b)
-        step.backward(loss)
-        step.optimizer_step()
-        losses.push(gstep, loss)
-        return loss
+from streamnmt.engine.base import (STRATEGIES, StepFunction, StepInfo, Strategy, begin_micro, lookahead,  # noqa: F401
+                                   make_strategy, move, register, tensors)
 
 
 class Baseline(Strategy):
@@ -147,7 +39,7 @@ class Baseline(Strategy):
 
     def _run(self, batches, step, losses, start_step):
         sm, ev_t = self.sm, self.sm.event()
-        for i, batch in enumerate(batches):
+        for i, (batch, last) in enumerate(lookahead(batches)):
             b = self._copy_in(batch, ev_t, self.T)
             if i == 0:
                 # Seed design: the first batch waits for its transfer on the host.
@@ -160,8 +52,8 @@ class Baseline(Strategy):
             sm.wait(ev_t, self.C)
             sm.guard(tensors(b), self.C)
             with sm.use(self.C):
-                self._compute(b, step, losses, start_step + i + 1)
-            yield StepInfo(i, start_step + i + 1, batch)
+                self._compute(b, step, losses, self.gstep(start_step, i), self.ends_step(i, last))
+            yield StepInfo(i, self.gstep(start_step, i), batch, self.ends_step(i, last))
 
 
 class EventSync(Strategy):
@@ -174,15 +66,16 @@ class EventSync(Strategy):
         sm = self.sm
         ev_t, ev_c = sm.event(), sm.event()
         self.not_ready = 0  # how often the host was ahead of the GPU when it looked
-        for i, batch in enumerate(batches):
+        for i, (batch, last) in enumerate(lookahead(batches)):
             b = self._copy_in(batch, ev_t, self.T)
             sm.wait(ev_t, self.C)
             sm.guard(tensors(b), self.C)
+            ends = self.ends_step(i, last)
             with sm.use(self.C):
-                self._compute(b, step, losses, start_step + i + 1)
+                self._compute(b, step, losses, self.gstep(start_step, i), ends)
                 sm.record(ev_c, self.C)
             self.not_ready += not sm.query(ev_c)  # non-blocking look, as the seed does
-            yield StepInfo(i, start_step + i + 1, batch)
+            yield StepInfo(i, self.gstep(start_step, i), batch, ends)
 
 
 class IntervalSync(Strategy):
@@ -208,12 +101,13 @@ class IntervalSync(Strategy):
                 queue.clear()
             sm.wait(ev_t, self.C)
             sm.guard(tensors(b), self.C)
+            ends = self.ends_step(i, last)
             with sm.use(self.C):
-                self._compute(b, step, losses, start_step + i + 1)
+                self._compute(b, step, losses, self.gstep(start_step, i), ends)
                 ev = ring[i % len(ring)]
                 sm.record(ev, self.C)
                 queue.append(ev)
-            yield StepInfo(i, start_step + i + 1, batch)
+            yield StepInfo(i, self.gstep(start_step, i), batch, ends)
 
 
 class DeepPipeline(Strategy):
@@ -241,14 +135,17 @@ class DeepPipeline(Strategy):
             nxt = None if last else next(it)
             if self.prefetch_early and nxt is not None:
                 b_next = self._copy_in(nxt[0], ev_t, self.T1)  # overlaps this batch's compute
+            ends, gstep = self.ends_step(i, last), self.gstep(start_step, i)
             with sm.use(self.F):
+                begin_micro(step, ends)
                 loss = step.forward(b)
                 sm.record(ev_f, self.F)
             sm.wait(ev_f, self.B)  # backward N waits forward N
             with sm.use(self.B):
                 step.backward(loss)  # kernels run on F (autograd keeps the forward stream)
-                step.optimizer_step()
-                losses.push(start_step + i + 1, loss)
+                if ends:
+                    step.optimizer_step()
+                losses.push(gstep, loss)
                 sm.record(ev_b, self.B)
             sm.wait(ev_b, self.F)  # forward N+1 must see the updated weights
             if not self.prefetch_early and nxt is not None:
@@ -257,7 +154,7 @@ class DeepPipeline(Strategy):
             if (i + 1) % k == 0 or last:
                 # Bound how far the host runs ahead of the GPU (seed: every SYNC_INTERVAL batches).
                 sm.block(ev_b, f"{self.name}.backward")
-            yield StepInfo(i, start_step + i + 1, batch)
+            yield StepInfo(i, gstep, batch, ends)
             i += 1
 
 
@@ -269,14 +166,5 @@ class FullPipeline(DeepPipeline):
     prefetch_early = True
 
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Baseline, EventSync, IntervalSync, DeepPipeline, FullPipeline)}
-
-
-def make_strategy(name: str, device: torch.device | str, cfg: EngineConfig,
-                  log: Callable[[str], None] = print) -> Strategy:
-    if name == "graph":
-        from streamnmt.engine.graphs import GraphStrategy  # registers itself
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
-    return STRATEGIES[name](device, cfg, log=log)
+for _cls in (Baseline, EventSync, IntervalSync, DeepPipeline, FullPipeline):
+    register(_cls)

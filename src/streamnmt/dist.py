@@ -1,0 +1,188 @@
+"""Data-parallel training on several processes: torch.distributed set-up and the few collectives
+the trainer needs beside DistributedDataParallel's own.
+
+A run on N processes is started by ``torchrun`` (``torchrun --nproc-per-node N -m streamnmt train``
+or ``streamnmt train --nproc N``, which execs torchrun), which sets ``RANK``, ``WORLD_SIZE`` and
+``LOCAL_RANK``. :func:`init` reads them, checks the set-up (one GPU per local rank, a backend the
+device can use), makes the process group (NCCL on CUDA, gloo on CPU) with a timeout, so a dead or
+hung rank ends the run instead of hanging it, and a second, gloo, group for host-side agreement:
+the stop flag after a signal, the epoch-end wait for rank 0's evaluation, gathering RNG states
+for a checkpoint. Those block the host on the other ranks (not on the GPU); they go through
+``host_sync`` all the same, so every wait of the loop is counted.
+
+Without ``WORLD_SIZE`` > 1 everything here is a no-op and the trainer runs as one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from streamnmt.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where it is used, so that the CLI starts fast
+    import torch
+
+CONTROL_TIMEOUT_S = 3 * 3600  # the epoch-end wait covers rank 0's validation and BLEU
+
+
+class PeerLost(Exception):
+    """A collective failed: another rank died, hung or lost its connection (exit code 1)."""
+
+    exit_code = 1
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+    device: torch.device | None = None  # this rank's device (None: the caller resolves --device)
+    control: Any = field(default=None, repr=False)  # gloo group for host-side agreement
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def reduce_sum_(self, t: torch.Tensor) -> None:
+        """In-place sum across ranks, queued on the current stream (no host wait with NCCL)."""
+        import torch.distributed as dist
+        dist.all_reduce(t)
+
+    def agree(self, flag: bool, site: str = "dist.stop") -> bool:
+        """True on every rank if ``flag`` is True on any (e.g. a signal reached one rank)."""
+        if not self.active:
+            return flag
+        import torch
+        import torch.distributed as dist
+
+        from streamnmt.engine import host_sync
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        # Needed: all ranks must stop after the same step; host-side (gloo), not a GPU wait.
+        host_sync(site, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control))
+        return bool(t[0])
+
+    def broadcast(self, obj: Any, site: str = "dist.broadcast") -> Any:
+        """Rank 0's ``obj`` on every rank (the others wait for rank 0 to get there)."""
+        if not self.active:
+            return obj
+        import torch.distributed as dist
+
+        from streamnmt.engine import host_sync
+        box = [obj]
+        # Needed: the other ranks wait for rank 0's value (run directory, evaluation results).
+        host_sync(site, lambda: dist.broadcast_object_list(box, src=0, group=self.control))
+        return box[0]
+
+    def gather(self, obj: Any, site: str = "dist.gather") -> list[Any]:
+        """Every rank's ``obj``, on every rank, in rank order."""
+        if not self.active:
+            return [obj]
+        import torch.distributed as dist
+
+        from streamnmt.engine import host_sync
+        out: list[Any] = [None] * self.world
+        # Needed: rank 0's checkpoint holds every rank's RNG state (exact resume).
+        host_sync(site, lambda: dist.all_gather_object(out, obj, group=self.control))
+        return out
+
+    def kill_launcher(self) -> None:
+        """Test hook: SIGKILL the launcher (torchrun) and this process, as ``kill -9`` would."""
+        if self.main:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def close(self) -> None:
+        if self.active:
+            import torch.distributed as dist
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun sets them; (0, 1, 0) outside torchrun."""
+    env = os.environ
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+
+
+def init(backend: str, device: str | None, timeout_s: int) -> Dist:
+    """Join the process group torchrun describes; a no-op for one process.
+
+    Args:
+        backend: ``auto`` (nccl on CUDA, gloo on CPU), ``nccl`` or ``gloo`` (``--dist-backend``).
+        device: the ``--device`` flag (None: CUDA if present); each rank takes ``cuda:LOCAL_RANK``.
+        timeout_s: ``--dist-timeout``: how long a collective waits for a missing rank.
+    """
+    import torch
+
+    rank, world, local = world_from_env()
+    if world <= 1:
+        return Dist()
+    cuda = device.startswith("cuda") if device else torch.cuda.is_available()
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    if backend == "nccl" and not cuda:
+        raise ConfigError("--dist-backend (config key 'dist_backend'): nccl needs CUDA devices but the run is on "
+                          "the CPU (--device cpu or no GPU); use --dist-backend gloo or auto")
+    dev = torch.device("cpu")
+    if cuda:
+        n = torch.cuda.device_count()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if local_world > n:
+            raise ConfigError(f"--nproc: {local_world} processes on this host but only {n} CUDA device(s); "
+                              f"use --nproc {n} or fewer (one GPU per process)")
+        dev = torch.device("cuda", local)
+        torch.cuda.set_device(dev)
+    _die_with_launcher()
+    import torch.distributed as dist
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
+    return Dist(rank=rank, world=world, local_rank=local, backend=backend, device=dev, control=control)
+
+
+def _die_with_launcher() -> None:
+    """This rank ends when torchrun dies, even by SIGKILL (no orphan keeps training)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def peer_lost(d: Dist, e: BaseException) -> PeerLost:
+    """The one-line error for a failed collective on rank ``d.rank``."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    return PeerLost(f"rank {d.rank} of {d.world}: a collective failed, another rank died or stopped "
+                    f"responding (the launcher names it); the last checkpoint is intact ({first})")
+
+
+def is_collective_error(e: BaseException) -> bool:
+    import torch.distributed as dist
+    kinds = tuple(k for k in (getattr(dist, "DistError", None),) if k is not None)
+    text = str(e)
+    return isinstance(e, kinds) or any(s in text for s in ("Connection closed by peer", "Connection reset",
+                                                           "Gloo", "NCCL", "ProcessGroup", "Timed out"))
+
+
+class NullLog:
+    """Stands in for a CSV log on ranks other than 0 (rank 0 alone writes the run directory)."""
+
+    def write(self, row: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def quiet(_: str) -> None:
+    """The log of ranks other than 0: they print nothing but errors."""

@@ -1,0 +1,206 @@
+"""Data parallel on CPU (gloo, 2 processes under torchrun): 2 ranks x batch B train the same model
+as 1 rank x batch 2B; rank 0 alone writes; kill -9 of the launcher then --resume is exact; a
+signal to one rank stops all cleanly; a dead rank ends the run; bad set-ups exit 2 writing nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from streamnmt.cli import main
+from streamnmt.runs import read_csv
+from tests.test_accum import TINY, assert_same_training
+
+STEPS = 30
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("home"))
+
+
+def env_for(home: str, **extra: str) -> dict[str, str]:
+    return dict(os.environ, STREAMNMT_HOME=home, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1",
+                **extra)
+
+
+def torchrun(args: list[str], home: str, env: dict | None = None, wait: bool = True):
+    """``python -m torch.distributed.run --nproc-per-node 2 -m streamnmt train ARGS`` on a free port."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "-m", "streamnmt", "train", *args]
+    return launch(cmd, home, env, wait)
+
+
+def streamnmt(args: list[str], home: str, env: dict | None = None, wait: bool = True):
+    return launch([sys.executable, "-m", "streamnmt", "train", *args], home, env, wait)
+
+
+def launch(cmd: list[str], home: str, env: dict | None, wait: bool):
+    proc = subprocess.Popen(cmd, env=env_for(home, **(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    if not wait:
+        return proc
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:  # nothing it started outlives the test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def common(tmp: Path, strategy: str = "full") -> list[str]:
+    return [*TINY, "--max-steps", str(STEPS), "--sync-strategy", strategy, "--project", str(tmp)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, home) -> Path:
+    """The reference 2-rank run (full strategy, batch 8 per rank, a checkpoint every 10 steps)."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    res = torchrun([*common(tmp), "--batch-size", "8", "--save-every", "10", "--name", "ref"], home)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return tmp / "ref"
+
+
+def one_rank(tmp: Path, home: str, strategy: str, monkeypatch) -> Path:
+    monkeypatch.setenv("STREAMNMT_HOME", home)
+    assert main(["train", *common(tmp, strategy), "--batch-size", "16", "--name", "one"]) == 0
+    return tmp / "one"
+
+
+def rank_processes(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
+    out = {}
+    for p in psutil.Process(launcher.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "streamnmt" in " ".join(p.cmdline()) and "RANK" in p.environ() and p.parent().pid != p.pid:
+                if "torch.distributed.run" not in " ".join(p.cmdline()):
+                    out.setdefault(int(p.environ()["RANK"]), p)
+    return out
+
+
+def wait_for_rows(steps: Path, n: int, proc: subprocess.Popen) -> None:
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if steps.is_file() and len(steps.read_text().splitlines()) > n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{steps}: fewer than {n} rows in time")
+
+
+def test_two_ranks_equal_one_rank_double_batch_full(two_ranks, tmp_path, home, monkeypatch, one_thread):
+    ref = one_rank(tmp_path, home, "full", monkeypatch)
+    assert_same_training(two_ranks, ref, steps=STEPS)
+    rows, ref_rows = read_csv(two_ranks / "steps.csv"), read_csv(ref / "steps.csv")
+    assert [r["tokens"] for r in rows] == [r["tokens"] for r in ref_rows]  # global tokens per step
+    # Rank 0 alone wrote: one run directory, no second one made by rank 1.
+    assert sorted(p.name for p in two_ranks.parent.iterdir()) == ["ref"]
+
+
+def test_two_ranks_equal_one_rank_double_batch_graph(tmp_path, home, monkeypatch, one_thread):
+    res = torchrun([*common(tmp_path, "graph"), "--batch-size", "8", "--name", "two"], home)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.count("graph mode unavailable") + res.stdout.count("graph mode unavailable") == 1  # rank 0
+    assert_same_training(tmp_path / "two", one_rank(tmp_path, home, "graph", monkeypatch), steps=STEPS)
+
+
+def test_two_ranks_with_accumulation_equal_one_rank(tmp_path, home, monkeypatch, one_thread):
+    """2 ranks x 2 micro-batches of 4 (DDP all-reduces on the second only) == 1 rank x 16."""
+    res = torchrun([*common(tmp_path), "--batch-size", "4", "--accum-steps", "2", "--name", "two"], home)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert_same_training(tmp_path / "two", one_rank(tmp_path, home, "full", monkeypatch), steps=STEPS)
+
+
+def test_kill_launcher_then_resume_is_exact(two_ranks, tmp_path, home):
+    args = [*common(tmp_path), "--batch-size", "8", "--save-every", "10", "--name", "killed"]
+    killed = torchrun(args, home, env={"STREAMNMT_TEST_KILL_AT_STEP": "25"})
+    assert killed.returncode == -signal.SIGKILL
+    run = tmp_path / "killed"
+    last = run / "weights" / "last.pt"
+    assert torch.load(last, weights_only=True)["step"] == 20
+    # Another world size: it resumes, says in one line that it is not bit-exact, and finishes.
+    other = tmp_path / "other"
+    shutil.copytree(run, other)
+    res = streamnmt(["--resume", str(other / "weights" / "last.pt")], home)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "not bit-exactly" in res.stdout + res.stderr
+    assert [int(r["step"]) for r in read_csv(other / "steps.csv")] == list(range(1, STEPS + 1))
+    # The same world size: exact.
+    res = torchrun(["--resume", str(last)], home)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "not bit-exactly" not in res.stdout + res.stderr
+    assert read_csv(run / "steps.csv") == read_csv(two_ranks / "steps.csv")
+    a = torch.load(two_ranks / "weights" / "last.pt", weights_only=True)["model"]
+    b = torch.load(last, weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("target", ["rank 1", "launcher"])
+def test_sigterm_stops_all_ranks_and_rank0_saves(tmp_path, home, target):
+    args = [*TINY, "--epochs", "50", "--batch-size", "8", "--loss-interval", "1", "--sync-interval", "2",
+            "--project", str(tmp_path), "--name", "t"]
+    proc = streamnmt(["--nproc", "2", *args], home, wait=False)
+    try:
+        wait_for_rows(tmp_path / "t" / "steps.csv", 6, proc)
+        ranks = rank_processes(proc)
+        assert sorted(ranks) == [0, 1]
+        (ranks[1] if target == "rank 1" else psutil.Process(proc.pid)).send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped by signal" in out + err
+    ckpt = torch.load(tmp_path / "t" / "weights" / "last.pt", weights_only=True)
+    assert ckpt["step"] == len(read_csv(tmp_path / "t" / "steps.csv")) >= 6
+    assert ckpt["step"] % 2 == 0  # the ranks agree to stop every --sync-interval steps
+    assert len(ckpt["rng_ranks"]) == 2
+
+
+def test_dead_rank_ends_the_run_with_one_line(tmp_path, home):
+    args = [*TINY, "--epochs", "50", "--batch-size", "8", "--loss-interval", "1", "--project", str(tmp_path),
+            "--name", "d"]
+    proc = streamnmt(["--nproc", "2", *args], home, wait=False)
+    try:
+        wait_for_rows(tmp_path / "d" / "steps.csv", 4, proc)
+        rank_processes(proc)[1].kill()
+        t0 = time.time()
+        out, err = proc.communicate(timeout=90)
+        took = time.time() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode not in (0, None) and took < 60
+    assert "streamnmt: error: rank 1 failed (killed by SIGKILL)" in err
+    assert not list((tmp_path / "d" / "weights").glob("*.tmp*"))  # no half-written checkpoint
+
+
+@pytest.mark.parametrize("flags,names", [
+    (["--device", "cpu", "--dist-backend", "nccl"], "--dist-backend"),
+    (["--nproc", "0"], "--nproc"),
+    (["--builtin-size", "100", "--batch-size", "64"], "--nproc"),  # rank 1 would get no pair at all
+])
+def test_bad_set_ups_exit_2_and_write_nothing(tmp_path, home, flags, names):
+    args = [*TINY, "--max-steps", "3", "--project", str(tmp_path / "runs"), "--name", "bad"]
+    nproc = [] if "--nproc" in flags else ["--nproc", "2"]
+    res = streamnmt([*nproc, *args, *flags], home)
+    assert res.returncode == 2, res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("streamnmt: error:")]
+    assert errors and names in errors[0]
+    assert not (tmp_path / "runs").exists()

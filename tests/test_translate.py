@@ -304,3 +304,11 @@ def test_train_and_translate_do_not_import_each_other():
     for module, other in (("streamnmt.translate", "streamnmt.train"), ("streamnmt.train", "streamnmt.translate")):
         out = subprocess.run([sys.executable, "-c", code, module], capture_output=True, text=True, env=env, check=True)
         assert out.stdout.strip() == repr([module]), (module, other, out.stdout)
+
+
+def test_graph_decoding_is_the_default_and_no_graph_turns_it_off():
+    args = vars(cli.build_parser().parse_args(["translate", "--weights", "w.pt", "--no-graph"]))
+    assert args["graph"] is False
+    assert from_dict(TranslateConfig, {"weights": "w.pt"}).search_options().graph is True
+    assert from_dict(EvalConfig, {"weights": "w.pt", "graph": False}).search_options().graph is False
+    assert from_dict(TranslateConfig, {"weights": "w.pt", "cached": False}).search_options().graph is False

@@ -20,7 +20,8 @@ import torch
 
 from streamnmt import masks
 from streamnmt.data import Tokenizer
-from streamnmt.decode import SearchOptions, translate_ids
+from streamnmt.decode import SearchOptions
+from streamnmt.decode_graph import translate_ids
 from streamnmt.model import Transformer
 
 CHINESE = {"ch", "zh"}  # target languages scored with sacrebleu's "zh" tokenizer

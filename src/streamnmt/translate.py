@@ -63,6 +63,9 @@ class InferenceConfig:
                              "decoder over the whole prefix at each step (slow; for checking)")
     sync_every: int = opt(0, "look for finished sentences every N decoding steps, one host-GPU sync "
                              "each; 0 = every step on CPU, every 4th on CUDA")
+    graph: bool = opt(True, "on CUDA, decode with a preallocated cache and each step replayed from a CUDA "
+                            "graph (same results, faster); --no-graph runs the eager cached search. The CPU "
+                            "always runs the eager search")
 
     def __post_init__(self) -> None:
         check(bool(self.weights), "weights", "is required: the checkpoint to use, "
@@ -79,7 +82,8 @@ class InferenceConfig:
 
     def search_options(self) -> SearchOptions:
         return SearchOptions(beam_size=self.beam_size, len_penalty=self.len_penalty, max_len_a=self.max_len_a,
-                             max_len_b=self.max_len_b, cached=self.cached, sync_every=self.sync_every)
+                             max_len_b=self.max_len_b, cached=self.cached, sync_every=self.sync_every,
+                             graph=self.graph and self.cached)
 
 
 @dataclass(kw_only=True)

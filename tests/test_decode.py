@@ -248,16 +248,17 @@ def test_graph_decoder_stops_when_all_finished_and_reuses_buckets(model, sources
     from streamnmt.decode_graph import GraphDecoder
 
     calls = []
-    gd = GraphDecoder(model, SearchOptions(beam_size=3, max_len_b=5, sync_every=1), batch_size=8, max_graphs=2)
+    gd = GraphDecoder(model, SearchOptions(beam_size=3, max_len_b=5, sync_every=1), batch_size=8, max_buckets=2)
     src = pad_batch(sources, "cpu")
     gd.search(src)
     bucket = next(iter(gd.buckets.values()))
     step = bucket.step
-    bucket.step = lambda: (calls.append(1), step())[1]
+    bucket.step = lambda span: (calls.append(span), step(span))[1]
     gd.search(src)
     max_steps = limit(src.size(1), SearchOptions(max_len_b=5))
     assert 0 < len(calls) < max_steps + 1  # stopped before the loop bound: every sentence had finished
+    assert calls == [bucket.span(t) for t in range(len(calls))] and calls[0] == 16 < calls[-1]  # keys read grow
     assert len(gd.buckets) == 1  # the same shape reused its bucket
-    for n in (1, 2, 3):  # other row counts and widths: new buckets, at most max_graphs kept
+    for n in (1, 2, 3):  # other row counts and widths: new buckets, at most max_buckets kept
         gd.search(pad_batch([s + [5] * 9 * n for s in sources[:n]], "cpu"))
     assert len(gd.buckets) == 2

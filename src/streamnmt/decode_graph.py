@@ -16,9 +16,11 @@ What makes the step capturable:
   fixed-shape tensors; the steps of ``decode.greedy_search`` / ``decode.beam_search`` are written
   again with fixed shapes. Rows are never removed: a finished sentence keeps running, its result
   frozen (as the eager search freezes it), so results do not depend on when the host looks.
-* One graph per bucket (rows, beam, source width): rows round up to a power of two (at most the
-  batch size), source widths to a multiple of 8; padding rows start finished. Graphs share one
-  memory pool; the least recently used is dropped beyond ``max_graphs``.
+* One bucket per (rows, beam, source width): rows round up to a power of two (at most the batch
+  size), source widths to a multiple of 8; padding rows start finished. A bucket holds one graph
+  per key span: the step at position t reads and reorders only the first t + 1 key slots rounded
+  up to 16, so early steps do not pay for the full width. Graphs share one memory pool; the least
+  recently used bucket is dropped beyond ``max_buckets``.
 * Whether every sentence has finished is a device flag. Every few steps the host queues a copy of
   it to pinned memory and waits (``host_sync``) on the copy queued at the previous check, so the
   GPU always has an interval of replays queued; at most two intervals of steps are wasted.
@@ -48,6 +50,7 @@ from streamnmt.engine.syncstats import host_sync
 from streamnmt.model import Transformer
 
 SRC_MULTIPLE = 8  # source widths round up to this (fewer graphs; padding keys are masked)
+SPAN = 16  # self-attention keys read per step round up to this (one graph per span; see StaticCache)
 WARMUP_STEPS = 2  # eager steps on a side stream before a capture (lazy initialisations)
 
 
@@ -57,7 +60,12 @@ def _log(message: str) -> None:
 
 class StaticCache:
     """Fixed-width decoder cache of ``n`` rows: self-attention K/V written at the device position
-    ``pos``, cross-attention K/V of a source ``src_width`` wide. Same methods as DecoderCache."""
+    ``pos``, cross-attention K/V of a source ``src_width`` wide. Same methods as DecoderCache.
+
+    ``span`` (a host value, fixed per captured graph) is how many leading key slots a step reads
+    and reorders: the step at position t needs t + 1, so steps use the buffers' first 16, 32, ...
+    slots, and the early steps of a long output do not pay for its full width.
+    """
 
     def __init__(self, model: Transformer, n: int, src_width: int, width: int, dtype: torch.dtype,
                  device: torch.device):
@@ -71,6 +79,7 @@ class StaticCache:
         self.src_mask = torch.zeros(n, 1, 1, src_width, dtype=torch.bool, device=device)  # (N, 1, 1, S)
         self.pos = torch.zeros((), dtype=torch.long, device=device)  # positions decoded so far
         self.keys = torch.arange(width, device=device)  # (W,) position of each key slot
+        self.span = width  # key slots the next step reads (must exceed pos)
 
     def load(self, model: Transformer, mem: Tensor, src_mask: Tensor, index: Tensor) -> None:
         """Cross-attention K/V of ``mem`` (B, S, D) for rows ``index`` (n,): row r is sentence
@@ -90,9 +99,10 @@ class StaticCache:
 
     # -- DecoderCache's interface ------------------------------------------------------------
     def append(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        self.k[i].index_copy_(2, self.pos.view(1), k)  # (N, h, 1, dk) into slot pos
-        self.v[i].index_copy_(2, self.pos.view(1), v)
-        return self.k[i], self.v[i], (self.keys <= self.pos)[None, None, None]  # mask (1, 1, 1, W)
+        ks, vs = self.k[i][:, :, :self.span], self.v[i][:, :, :self.span]  # views (N, h, span, dk)
+        ks.index_copy_(2, self.pos.view(1), k)  # (N, h, 1, dk) into slot pos
+        vs.index_copy_(2, self.pos.view(1), v)
+        return ks, vs, (self.keys[:self.span] <= self.pos)[None, None, None]  # mask (1, 1, 1, span)
 
     def memory(self, i: int) -> tuple[Tensor, Tensor]:
         return self.mk[i], self.mv[i]
@@ -104,7 +114,8 @@ class StaticCache:
         """Beam reordering of the self-attention K/V (the cross-attention K/V are the same for
         every hypothesis of a sentence, and hypotheses never move to another sentence)."""
         for buf in (*self.k, *self.v):
-            buf.copy_(buf.index_select(0, index))
+            used = buf[:, :, :self.span]
+            used.copy_(used.index_select(0, index))
 
 
 @dataclass(frozen=True)
@@ -121,7 +132,9 @@ class _Bucket:
     def __init__(self, model: Transformer, key: BucketKey, opts: SearchOptions, dtype: torch.dtype,
                  device: torch.device):
         r, k, w, v = key.rows, key.beam, key.width, model.shape.tgt_vocab
-        self.key, self.model, self.graph = key, model, None
+        self.key, self.model = key, model
+        self.spans = list(range(SPAN, key.width, SPAN)) + [key.width]  # key slots read per step
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # span -> captured step
         self.cache = StaticCache(model, r * k, key.src_width, w, dtype, device)
         dev = dict(device=device)
         self.t = torch.zeros((), dtype=torch.long, **dev)  # the step being decoded
@@ -170,8 +183,13 @@ class _Bucket:
         self.pool_tok.fill_(masks.PAD)
         self.pool_n.zero_()
 
-    def step(self) -> None:
-        """One token for every row; all shapes fixed, no host sync (capturable)."""
+    def span(self, t: int) -> int:
+        """Key slots the step at position ``t`` reads: t + 1 rounded up to a multiple of SPAN."""
+        return min(-(-(t + 1) // SPAN) * SPAN, self.key.width)
+
+    def step(self, span: int) -> None:
+        """One token for every row, reading ``span`` key slots; fixed shapes, no host sync (capturable)."""
+        self.cache.span = span
         (self._greedy_step if self.key.beam == 1 else self._beam_step)()
         self.t.add_(1)
 
@@ -243,8 +261,8 @@ class GraphDecoder:
     """
 
     def __init__(self, model: Transformer, opts: SearchOptions = SearchOptions(), *, batch_size: int = 64,
-                 max_graphs: int = 8, use_graphs: bool = True, log: Callable[[str], None] = _log):
-        self.model, self.opts, self.batch_size, self.max_graphs, self.log = model, opts, batch_size, max_graphs, log
+                 max_buckets: int = 8, use_graphs: bool = True, log: Callable[[str], None] = _log):
+        self.model, self.opts, self.batch_size, self.max_buckets, self.log = model, opts, batch_size, max_buckets, log
         self.buckets: OrderedDict[BucketKey, _Bucket] = OrderedDict()
         self.use_graphs = use_graphs
         self.pool = None
@@ -310,43 +328,48 @@ class GraphDecoder:
                 host_sync("decode.capture", lambda: torch.cuda.synchronize(device))
                 return None
         self.buckets[key] = bucket
-        while len(self.buckets) > self.max_graphs:
+        while len(self.buckets) > self.max_buckets:
             self.buckets.popitem(last=False)
         return bucket
 
     def _capture(self, bucket: _Bucket, device: torch.device) -> None:
+        """Warm up, then capture the step once per span; all graphs share one memory pool."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        # The warm-up steps run on zeroed buffers; each batch's load() resets the state anyway.
+        # Warm-up steps run on zeroed buffers (each batch's load() resets the state anyway).
         bucket.cache.src_mask[..., 0] = True
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(WARMUP_STEPS):
-                bucket.cache.pos.zero_()
-                bucket.t.zero_()
-                bucket.step()
+            for span in bucket.spans:
+                for _ in range(WARMUP_STEPS):
+                    bucket.cache.pos.zero_()
+                    bucket.t.zero_()
+                    bucket.step(span)
             bucket.cache.pos.zero_()
             bucket.t.zero_()
         torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=torch.cuda.Stream(device)):
-            bucket.step()
-        bucket.graph = graph
+        stream = torch.cuda.Stream(device)
+        for span in bucket.spans:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                bucket.step(span)
+            bucket.graphs[span] = graph
         self.captures += 1
 
     def _run(self, bucket: _Bucket, max_steps: int, every: int) -> None:
         """Steps 0..max_steps, stopping early once every sentence has finished."""
-        on_cuda = bucket.graph is not None
+        on_cuda = bool(bucket.graphs)
         pending: tuple[torch.cuda.Event, Tensor] | None = None
         if on_cuda and not self._flags:
             self._flags = [torch.zeros((), dtype=torch.bool, pin_memory=True) for _ in range(2)]
         flags = self._flags
         for t in range(max_steps + 1):
+            span = bucket.span(t)
             if on_cuda:
-                bucket.graph.replay()
+                bucket.graphs[span].replay()
             else:
-                bucket.step()
+                bucket.step(span)
             if (t + 1) % every or t == max_steps:
                 continue
             if not on_cuda:

@@ -161,6 +161,13 @@ def _tokenizer(ckpt: dict[str, Any], path: str | Path, side: str, override: str 
     return tok
 
 
+def _mode(cfg: InferenceConfig, device: torch.device) -> str:
+    """The device and, on CUDA, how the search ran (for the summary line)."""
+    if device.type != "cuda":
+        return str(device)
+    return f"{device} ({'CUDA graphs' if cfg.search_options().graph else 'eager'})"
+
+
 def _check_beam(beam_size: int, tgt_tok: Tokenizer) -> None:
     check(2 * beam_size <= tgt_tok.vocab_size, "beam_size",
           f"must be at most half the target vocabulary ({tgt_tok.vocab_size // 2}); got {beam_size}")
@@ -226,7 +233,7 @@ def run_translate(cfg: TranslateConfig) -> int:
             raise InputError(f"--output: cannot write {cfg.output}: {e.strerror}") from None
     rate = len(todo) / seconds if seconds > 0 else 0.0
     print(f"translated {len(lines)} lines ({len(todo)} non-empty) in {seconds:.2f} s, {rate:.1f} sentences/s "
-          f"on {device}", file=sys.stderr)
+          f"on {_mode(cfg, device)}", file=sys.stderr)
     return 0
 
 
@@ -251,7 +258,7 @@ def run_eval(cfg: EvalConfig) -> int:
                         options=cfg.search_options())
     rate = res["n"] / res["seconds"] if res["seconds"] > 0 else 0.0
     print(f"{cfg.split}: {res['n']} sentences, beam {cfg.beam_size}, {res['seconds']:.2f} s, "
-          f"{rate:.1f} sentences/s on {device}")
+          f"{rate:.1f} sentences/s on {_mode(cfg, device)}")
     print(f"BLEU = {res['bleu']:.2f}  chrF = {res['chrf']:.2f}")
     print(f"sacrebleu: {res['signature']}")
     return 0

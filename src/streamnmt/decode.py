@@ -16,7 +16,9 @@ row, and row re-selection), with two implementations:
   step. It is slower, and the tests and ``scripts/bench_decode.py`` compare it with the cached one.
 
 Both search functions use either stepper unchanged, so cached and uncached decoding differ only in
-how the next-token log-probabilities are computed.
+how the next-token log-probabilities are computed. :mod:`streamnmt.decode_graph` runs the same
+searches with fixed shapes on a preallocated cache, one CUDA graph replay per token; this module is
+the eager reference it is tested against, and what the CPU runs.
 """
 
 from __future__ import annotations

@@ -87,3 +87,21 @@ def test_bf16_graph_decoding_runs_and_agrees_on_first_tokens(beam):
     assert all(len(h) <= n for h, n in zip(graph, limits))
     if beam == 1:
         assert sum(a[:1] == b[:1] for a, b in zip(graph, eager)) >= 0.8 * len(srcs)
+
+
+def test_failed_capture_says_so_once_and_decodes_eagerly(monkeypatch):
+    dev = torch.device("cuda")
+    model = tiny_model().to(dev)
+    srcs = sentences(64)
+    opts = SearchOptions(beam_size=3, graph=True)
+    lines: list[str] = []
+    gd = GraphDecoder(model, opts, batch_size=16, log=lines.append)
+
+    def fail(bucket, device):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(gd, "_capture", fail)
+    got = translate_ids(model, srcs, opts, batch_size=16, device=dev, search_fn=gd.search)
+    assert got == translate_ids(model, srcs, opts, batch_size=16, device=dev)
+    assert len(lines) == len(gd.failed) >= 1 and not gd.buckets
+    assert "capture failed (operation not permitted when stream is capturing)" in lines[0]

@@ -268,6 +268,7 @@ class GraphDecoder:
         self.pool = None
         self.captures = 0
         self._flags: list[Tensor] = []  # pinned host copies of the all-finished flag
+        self.failed: set[BucketKey] = set()  # buckets whose capture failed: decoded eagerly
         self._weights: tuple[int, ...] = ()
 
     def search(self, src: Tensor) -> list[list[int]]:
@@ -317,6 +318,8 @@ class GraphDecoder:
         if key in self.buckets:
             self.buckets.move_to_end(key)
             return self.buckets[key]
+        if key in self.failed:
+            return None
         bucket = _Bucket(self.model, key, self.opts, dtype, device)
         if device.type == "cuda" and self.use_graphs:
             try:
@@ -324,6 +327,7 @@ class GraphDecoder:
             except (RuntimeError, NotImplementedError) as e:
                 msg = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
                 self.log(f"decode: CUDA graph capture failed ({msg}); decoding this batch shape eagerly")
+                self.failed.add(key)
                 # Needed: the failed capture's work must be finished before eager decoding starts.
                 host_sync("decode.capture", lambda: torch.cuda.synchronize(device))
                 return None

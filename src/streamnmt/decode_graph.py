@@ -54,10 +54,6 @@ SPAN = 16  # self-attention keys read per step round up to this (one graph per s
 WARMUP_STEPS = 2  # eager steps on a side stream before a capture (lazy initialisations)
 
 
-def _log(message: str) -> None:
-    print(message, file=sys.stderr)
-
-
 class StaticCache:
     """Fixed-width decoder cache of ``n`` rows: self-attention K/V written at the device position
     ``pos``, cross-attention K/V of a source ``src_width`` wide. Same methods as DecoderCache.
@@ -261,10 +257,10 @@ class GraphDecoder:
     """
 
     def __init__(self, model: Transformer, opts: SearchOptions = SearchOptions(), *, batch_size: int = 64,
-                 max_buckets: int = 8, use_graphs: bool = True, log: Callable[[str], None] = _log):
-        self.model, self.opts, self.batch_size, self.max_buckets, self.log = model, opts, batch_size, max_buckets, log
+                 max_buckets: int = 8, log: Callable[[str], None] | None = None):
+        self.model, self.opts, self.batch_size, self.max_buckets = model, opts, batch_size, max_buckets
+        self.log = log or (lambda message: print(message, file=sys.stderr))
         self.buckets: OrderedDict[BucketKey, _Bucket] = OrderedDict()
-        self.use_graphs = use_graphs
         self.pool = None
         self.captures = 0
         self._flags: list[Tensor] = []  # pinned host copies of the all-finished flag
@@ -272,8 +268,7 @@ class GraphDecoder:
         self._weights: tuple[int, ...] = ()
 
     def search(self, src: Tensor) -> list[list[int]]:
-        """(B, S) padded source ids -> B output id lists (no BOS/EOS)."""
-        return self.search_scored(src)[0]
+        return self.search_scored(src)[0]  # (B, S) padded source ids -> B output id lists
 
     @torch.inference_mode()
     @sdpa_kernel(DECODE_ATTENTION)
@@ -321,7 +316,7 @@ class GraphDecoder:
         if key in self.failed:
             return None
         bucket = _Bucket(self.model, key, self.opts, dtype, device)
-        if device.type == "cuda" and self.use_graphs:
+        if device.type == "cuda":
             try:
                 self._capture(bucket, device)
             except (RuntimeError, NotImplementedError) as e:

@@ -1,9 +1,8 @@
 """Decoding at serving speed: a preallocated key/value cache and the search step in CUDA graphs.
 
-The eager cached search (:mod:`streamnmt.decode`) launches about a hundred small kernels per
-token; at serving batch sizes, in bf16 above all, the GPU spends most of each step waiting for the
-host to launch them. Here the whole per-token step -- the decoder over one new position and the
-search's bookkeeping -- is captured once in a CUDA graph and replayed, one launch per token.
+The eager cached search (:mod:`streamnmt.decode`) launches about a hundred small kernels per token
+and the GPU, in bf16 above all, mostly waits for them. Here the whole per-token step (decoder and
+search bookkeeping) is captured once in a CUDA graph and replayed: one launch per token.
 
 What makes the step capturable:
 
@@ -25,10 +24,9 @@ What makes the step capturable:
   it to pinned memory and waits (``host_sync``) on the copy queued at the previous check, so the
   GPU always has an interval of replays queued; at most two intervals of steps are wasted.
 
-The encoder runs eagerly once per batch. On the CPU there are no graphs: :class:`GraphDecoder`
-runs the same static step eagerly (the tests compare it with today's decoder there), while
-``streamnmt translate`` on the CPU keeps the eager cached search. If a capture fails on CUDA the
-decoder says so in one line and decodes that batch eagerly with :mod:`streamnmt.decode`.
+The encoder runs eagerly once per batch. On the CPU :class:`GraphDecoder` runs the same static
+step eagerly (tested against today's decoder there); ``streamnmt translate`` on the CPU keeps the
+eager search. A failed capture is reported in one line and that batch shape decoded eagerly.
 """
 
 from __future__ import annotations

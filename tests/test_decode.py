@@ -205,3 +205,60 @@ def test_gpu_cached_equals_uncached_without_unlabelled_syncs(beam):
         torch.cuda.set_sync_debug_mode(0)
     assert cached == uncached
     assert retires <= math.ceil(limit(max(LENGTHS) + 1, SearchOptions(max_len_b=5)) / decode.sync_interval(dev))
+
+
+# -- graph decoding's static step (run eagerly on the CPU) -------------------------------------
+
+@pytest.mark.parametrize("beam,alpha", [(1, 0.6), (3, 0.6), (4, 0.0), (2, 1.0), (3, 2.0)])
+def test_graph_decoder_cpu_fallback_equals_todays_decoder(model, sources, beam, alpha):
+    from streamnmt.decode_graph import GraphDecoder
+
+    opts = SearchOptions(beam_size=beam, len_penalty=alpha, max_len_b=5)
+    gd = GraphDecoder(model, opts, batch_size=3)  # 8 sentences: the last batch has a padding row
+    assert translate_ids(model, sources, opts, batch_size=3, search_fn=gd.search) == \
+        translate_ids(model, sources, opts, batch_size=3)
+    if beam > 1:
+        src = pad_batch(sources, "cpu")
+        (ref, ref_scores), (got, scores) = decode.beam_search_scored(model, src, opts), gd.search_scored(src)
+        assert got == ref
+        assert scores == pytest.approx(ref_scores, abs=1e-4)
+        assert all(math.isfinite(x) for x in scores)
+
+
+def test_static_cache_step_equals_growing_cache_step(model, sources):
+    from streamnmt.decode_graph import StaticCache
+
+    src = pad_batch(sources, "cpu")
+    with torch.no_grad():
+        mask = masks.src_mask(src)
+        mem = model.encode(src, mask)
+        grow = model.init_cache(mem)
+        static = StaticCache(model, src.size(0) + 2, src.size(1) + 5, 12, torch.float32, torch.device("cpu"))
+        static.load(model, mem, mask, torch.arange(src.size(0)))
+        g = torch.Generator().manual_seed(3)
+        for t in range(12):
+            y = torch.randint(4, VOCAB, (src.size(0),), generator=g)
+            ref = model.decode_step(y, mask, grow)
+            got = model.decode_step(torch.cat([y, y[:2]]), static.src_mask, static)[:src.size(0)]
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+            assert int(static.pos) == grow.pos == t + 1
+
+
+def test_graph_decoder_stops_when_all_finished_and_reuses_buckets(model, sources):
+    from streamnmt.decode_graph import GraphDecoder
+
+    calls = []
+    gd = GraphDecoder(model, SearchOptions(beam_size=3, max_len_b=5, sync_every=1), batch_size=8, max_buckets=2)
+    src = pad_batch(sources, "cpu")
+    gd.search(src)
+    bucket = next(iter(gd.buckets.values()))
+    step = bucket.step
+    bucket.step = lambda span: (calls.append(span), step(span))[1]
+    gd.search(src)
+    max_steps = limit(src.size(1), SearchOptions(max_len_b=5))
+    assert 0 < len(calls) < max_steps + 1  # stopped before the loop bound: every sentence had finished
+    assert calls == [bucket.span(t) for t in range(len(calls))] and calls[0] == 16 < calls[-1]  # keys read grow
+    assert len(gd.buckets) == 1  # the same shape reused its bucket
+    for n in (1, 2, 3):  # other row counts and widths: new buckets, at most max_buckets kept
+        gd.search(pad_batch([s + [5] * 9 * n for s in sources[:n]], "cpu"))
+    assert len(gd.buckets) == 2

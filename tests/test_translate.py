@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -294,3 +295,20 @@ def test_eval_config_errors_name_the_flag():
 def test_beam_larger_than_half_the_vocabulary(env):
     with pytest.raises(ConfigError, match="--beam-size"):
         _translate(env, beam_size=1000, input=os.devnull)
+
+
+def test_train_and_translate_do_not_import_each_other():
+    code = ("import sys, importlib; importlib.import_module(sys.argv[1]); "
+            "print(sorted(m for m in ('streamnmt.train', 'streamnmt.translate') if m in sys.modules))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    for module, other in (("streamnmt.translate", "streamnmt.train"), ("streamnmt.train", "streamnmt.translate")):
+        out = subprocess.run([sys.executable, "-c", code, module], capture_output=True, text=True, env=env, check=True)
+        assert out.stdout.strip() == repr([module]), (module, other, out.stdout)
+
+
+def test_graph_decoding_is_the_default_and_no_graph_turns_it_off():
+    args = vars(cli.build_parser().parse_args(["translate", "--weights", "w.pt", "--no-graph"]))
+    assert args["graph"] is False
+    assert from_dict(TranslateConfig, {"weights": "w.pt"}).search_options().graph is True
+    assert from_dict(EvalConfig, {"weights": "w.pt", "graph": False}).search_options().graph is False
+    assert from_dict(TranslateConfig, {"weights": "w.pt", "cached": False}).search_options().graph is False

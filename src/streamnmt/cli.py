@@ -1,4 +1,4 @@
-"""Command line: parse flags, build the config, call train / translate / eval / bench.
+"""Command line: parse flags, build the config, call train / translate / eval / bench / export.
 
 Flags are generated from the config dataclasses (see ``configbase.add_args``), so defaults,
 validation, YAML keys and flags have one source. Errors the user can fix print one line and exit
@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
             ("translate", "translate", "TranslateConfig", "run_translate", "translate lines of text"),
             ("eval", "translate", "EvalConfig", "run_eval", "BLEU and chrF of a checkpoint on a split"),
             ("bench", "bench", "BenchConfig", "run_bench", "benchmark the sync strategies side by side"),
-            ("average", "average", "AverageConfig", "run_average", "average the weights of checkpoints")):
+            ("average", "average", "AverageConfig", "run_average", "average the weights of checkpoints"),
+            ("export", "export", "ExportConfig", "run_export", "write a checkpoint as a CTranslate2 model")):
         try:
             mod = __import__(f"streamnmt.{module}", fromlist=[cfg_name])
             cls = getattr(mod, cfg_name)

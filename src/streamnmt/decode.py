@@ -16,11 +16,14 @@ row, and row re-selection), with two implementations:
   step. It is slower, and the tests and ``scripts/bench_decode.py`` compare it with the cached one.
 
 Both search functions use either stepper unchanged, so cached and uncached decoding differ only in
-how the next-token log-probabilities are computed.
+how the next-token log-probabilities are computed. :mod:`streamnmt.decode_graph` runs the same
+searches with fixed shapes on a preallocated cache, one CUDA graph replay per token; this module is
+the eager reference it is tested against, and what the CPU runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,6 +54,7 @@ class SearchOptions:
     max_len_b: int = 10  # ... capped by the model's max_positions - 1
     cached: bool = True  # False = FullStepper (re-run the decoder over the prefix each step)
     sync_every: int = 0  # check for finished sentences every N steps; 0 = auto (sync_interval)
+    graph: bool = False  # on CUDA, decode through CUDA graphs (decode_graph.translate_ids); CPU: ignored
 
 
 def sync_interval(device: torch.device) -> int:
@@ -179,10 +183,16 @@ def length_penalty(length: int, alpha: float) -> float:
     return ((5 + length) / 6) ** alpha
 
 
+def beam_search(model: Transformer, src: Tensor, opts: SearchOptions = SearchOptions()) -> list[list[int]]:
+    """(B, S) padded source ids -> B best output id lists (no BOS/EOS); see :func:`beam_search_scored`."""
+    return beam_search_scored(model, src, opts)[0]
+
+
 @torch.inference_mode()
 @sdpa_kernel(DECODE_ATTENTION)
-def beam_search(model: Transformer, src: Tensor, opts: SearchOptions = SearchOptions()) -> list[list[int]]:
-    """(B, S) padded source ids -> B best output id lists (no BOS/EOS).
+def beam_search_scored(model: Transformer, src: Tensor, opts: SearchOptions = SearchOptions()
+                       ) -> tuple[list[list[int]], list[float]]:
+    """(B, S) padded source ids -> (B best output id lists (no BOS/EOS), their normalised scores).
 
     Each sentence keeps ``k`` live hypotheses and a pool of its ``k`` best finished ones, ranked by
     log-probability / length_penalty. Of the 2k best extensions at a step, those that end in EOS
@@ -198,6 +208,7 @@ def beam_search(model: Transformer, src: Tensor, opts: SearchOptions = SearchOpt
     b, dev, width = src.size(0), src.device, max_steps + 1
     rows = torch.arange(b, device=dev)  # (n,) sentence of each live row
     out = torch.full((b, width), masks.PAD, dtype=torch.long, device=dev)  # (B, T)
+    out_score = torch.full((b,), NEG_INF, device=dev)  # (B,) score of each result
     y = torch.full((b * k,), masks.BOS, dtype=torch.long, device=dev)  # (n*k,)
     scores = torch.full((b, k), NEG_INF, device=dev)  # (n, k) summed log-probs of live hypotheses
     scores[:, 0] = 0.0  # the k rows start as copies: only the first may be extended at step 0
@@ -240,6 +251,7 @@ def beam_search(model: Transformer, src: Tensor, opts: SearchOptions = SearchOpt
         if (t + 1) % every and t < max_steps:
             continue
         out[rows] = torch.where(done[:, None], pool_tok[:, 0], out[rows])  # (n, T) results so far
+        out_score[rows] = torch.where(done, pool_score[:, 0], out_score[rows])
         if t == max_steps:
             break
         # Needed: the host must know how many sentences are left to shrink the batch (or stop).
@@ -252,7 +264,9 @@ def beam_search(model: Transformer, src: Tensor, opts: SearchOptions = SearchOpt
             beams = (keep[:, None] * k + torch.arange(k, device=dev)).view(-1)  # (m*k,)
             y = y[beams]
             stepper.select(beams)
-    return _unpad(host_sync("decode.result", lambda: out.tolist()))  # needed: the ids go to the tokenizer
+    # Needed: the ids go to the tokenizer.
+    ids, best = host_sync("decode.result", lambda: (out.tolist(), out_score.tolist()))
+    return _unpad(ids), best
 
 
 def search(model: Transformer, src: Tensor, opts: SearchOptions = SearchOptions()) -> list[list[int]]:
@@ -274,18 +288,21 @@ def pad_batch(seqs: list[list[int]], device: torch.device | str) -> Tensor:
 
 
 def translate_ids(model: Transformer, sources: list[list[int]], opts: SearchOptions = SearchOptions(), *,
-                  batch_size: int = 64, device: torch.device | str = "cpu") -> list[list[int]]:
+                  batch_size: int = 64, device: torch.device | str = "cpu",
+                  search_fn: Callable[[Tensor], list[list[int]]] | None = None) -> list[list[int]]:
     """Encoder-ready source id lists -> output id lists, in the order given.
 
     Sentences are sorted by length (longest first, so similar lengths share a batch's padding and
     an out-of-memory error shows on the first batch), decoded ``batch_size`` at a time, and put
-    back in their original order. The model must be in eval mode on ``device``.
+    back in their original order. The model must be in eval mode on ``device``. ``search_fn``
+    decodes one padded batch (default: :func:`search` with ``opts``; graph decoding passes its own).
     """
     order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
     results: list[list[int]] = [[] for _ in sources]
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        hyps = search(model, pad_batch([sources[i] for i in idx], device), opts)
+        src = pad_batch([sources[i] for i in idx], device)
+        hyps = search_fn(src) if search_fn is not None else search(model, src, opts)
         for i, hyp in zip(idx, hyps):
             results[i] = hyp
     return results

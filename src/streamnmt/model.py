@@ -8,7 +8,8 @@ LayerNorm (the Annotated Transformer's layout), which trains stably without a lo
 
 Besides ``forward`` for training, the decoder supports incremental decoding: the encoder output's
 keys/values are projected once per layer and the self-attention keys/values of earlier positions
-are cached (:class:`DecoderCache`), so each new target token costs one position.
+are cached (:class:`DecoderCache`), so each new target token costs one position. The decoder step
+runs on any cache with DecoderCache's methods; graph decoding gives it a preallocated one.
 """
 
 from __future__ import annotations
@@ -107,16 +108,13 @@ class DecoderLayer(nn.Module):
         x = x + self.drop(self.cross_attn(self.ln2(x), mem, src_mask))
         return x + self.drop(self.ff(self.ln3(x)))
 
-    def step(self, x: torch.Tensor, layer_cache: dict, src_mask: torch.Tensor) -> torch.Tensor:
-        """One new position x (B, 1, D); appends its keys/values to ``layer_cache``."""
+    def step(self, x: torch.Tensor, cache: DecoderCache, i: int, src_mask: torch.Tensor) -> torch.Tensor:
+        """One new position x (B, 1, D) as layer ``i``; writes its keys/values into ``cache``."""
         h = self.ln1(x)
-        k, v = self.self_attn.project_kv(h)  # (B, h, 1, dk)
-        if "k" in layer_cache:
-            k = torch.cat([layer_cache["k"], k], dim=2)
-            v = torch.cat([layer_cache["v"], v], dim=2)
-        layer_cache["k"], layer_cache["v"] = k, v
-        x = x + self.drop(self.self_attn.attend(h, k, v, None))  # sees all cached positions
-        x = x + self.drop(self.cross_attn.attend(self.ln2(x), layer_cache["mk"], layer_cache["mv"], src_mask))
+        k, v, mask = cache.append(i, *self.self_attn.project_kv(h))  # every position so far
+        x = x + self.drop(self.self_attn.attend(h, k, v, mask))
+        mk, mv = cache.memory(i)
+        x = x + self.drop(self.cross_attn.attend(self.ln2(x), mk, mv, src_mask))
         return x + self.drop(self.ff(self.ln3(x)))
 
 
@@ -129,16 +127,41 @@ class PositionalEncoding(nn.Module):
         pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * div), torch.cos(pos * div)
         self.register_buffer("pe", pe, persistent=False)
 
-    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
+        if isinstance(start, torch.Tensor):  # a position held on the device (graph decoding): one row
+            return x + self.pe.index_select(0, start.view(1))
         return x + self.pe[start:start + x.size(1)]
 
 
 class DecoderCache:
-    """Per-layer cached keys/values of one batch of decoder states (rows can be re-selected)."""
+    """Per-layer cached keys/values of one batch of decoder states (rows can be re-selected).
+
+    Self-attention keys/values grow by one position per step (``torch.cat``). The preallocated,
+    fixed-length cache of graph decoding (:class:`streamnmt.decode_graph.StaticCache`) offers the
+    same methods, so :meth:`Transformer.decode_step` runs either.
+    """
 
     def __init__(self, layers: list[dict]):
         self.layers = layers
         self.pos = 0  # positions decoded so far
+
+    def append(self, i: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Add layer ``i``'s keys/values of the new position (B, h, 1, dk); return all of them and
+        the mask over them (None: every cached position is visible)."""
+        layer = self.layers[i]
+        if "k" in layer:
+            k = torch.cat([layer["k"], k], dim=2)
+            v = torch.cat([layer["v"], v], dim=2)
+        layer["k"], layer["v"] = k, v
+        return k, v, None  # 2 x (B, h, t, dk)
+
+    def memory(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s cross-attention keys/values of the encoder output, 2 x (B, h, S, dk)."""
+        return self.layers[i]["mk"], self.layers[i]["mv"]
+
+    def advance(self) -> None:
+        self.pos += 1
 
     def select(self, index: torch.Tensor) -> None:
         """Keep/reorder batch rows (beam reordering, retiring finished sentences)."""
@@ -212,9 +235,9 @@ class Transformer(nn.Module):
     def decode_step(self, y: torch.Tensor, src_mask: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
         """(B,) last target ids -> (B, V) log-probabilities of the next token; updates ``cache``."""
         x = self.drop(self.pos(self.tgt_embed(y[:, None]) * self.scale, start=cache.pos))  # (B, 1, D)
-        for layer, layer_cache in zip(self.decoder, cache.layers):
-            x = layer.step(x, layer_cache, src_mask)
-        cache.pos += 1
+        for i, layer in enumerate(self.decoder):
+            x = layer.step(x, cache, i, src_mask)
+        cache.advance()
         return F.log_softmax(self.generator(self.dec_norm(x))[:, 0].float(), dim=-1)
 
     def num_params(self) -> int:

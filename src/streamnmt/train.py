@@ -35,9 +35,11 @@ from streamnmt import dist as distributed
 from streamnmt.errors import ConfigError, InputError, NonFiniteLoss
 from streamnmt.fsutil import atomic_write
 from streamnmt.data import batch_plan, make_loader, padding_share, prepare_data, read_pairs
+from streamnmt.devices import resolve_device
 from streamnmt.engine import STATS, DeferredLosses, host_sync, make_strategy
 from streamnmt.engine.auto import choose_compile, choose_strategy
 from streamnmt.engine.syncstats import format_table
+from streamnmt.evaluation import bleu_on_pairs
 from streamnmt.model import ModelShape, Transformer
 from streamnmt.step import example_batch, make_step, noam_lr
 from streamnmt.monitor import NvmlSampler
@@ -56,12 +58,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def resolve_device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class Trainer:
@@ -475,7 +471,6 @@ class Trainer:
         n = self.job.run.bleu_samples
         if n == 0:
             return None, 0.0
-        from streamnmt.translate import bleu_on_pairs
         pairs = read_pairs(self.job.data, "dev")[:n]
         res = bleu_on_pairs(self.model, self.data.src_tok, self.data.tgt_tok, pairs, device=self.device,
                             beam_size=self.job.run.beam_size, tgt_lang=self.job.data.tgt_lang)

@@ -1,12 +1,12 @@
-"""Use a trained checkpoint: the ``translate`` and ``eval`` commands, and BLEU for the trainer.
+"""Use a trained checkpoint: the ``translate`` and ``eval`` commands.
 
-Everything between text and :mod:`streamnmt.decode` lives here: loading a checkpoint for
-inference with the tokenizers it was trained with (:func:`load_for_inference`), turning lines of
-text into encoder input the way the training batches are built (tokens then EOS), detokenizing
-through SentencePiece, and scoring with sacrebleu (BLEU with its ``zh`` tokenizer for Chinese
-targets, ``13a`` otherwise, and chrF). The trainer calls :func:`bleu_on_pairs` at each epoch end;
-the CLI builds :class:`TranslateConfig` / :class:`EvalConfig` from flags and calls
-:func:`run_translate` / :func:`run_eval`.
+Loading a checkpoint for inference with the tokenizers it was trained with
+(:func:`load_for_inference`), reading input lines, and the two commands: the CLI builds
+:class:`TranslateConfig` / :class:`EvalConfig` from flags and calls :func:`run_translate` /
+:func:`run_eval`. Text to encoder input, detokenizing and scoring live in
+:mod:`streamnmt.evaluation`, which the trainer shares (its per-epoch BLEU); they are re-exported
+here. On CUDA both commands decode through CUDA graphs (:mod:`streamnmt.decode_graph`) unless
+``--no-graph`` is given.
 """
 
 from __future__ import annotations
@@ -19,21 +19,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import sacrebleu
 import torch
 
-from streamnmt import masks
 from streamnmt.checkpoint import load_checkpoint, load_model_weights
 from streamnmt.config import RunConfig
 from streamnmt.configbase import check, check_choice, from_dict, opt, pick
 from streamnmt.data import DataConfig, Tokenizer, read_pairs
-from streamnmt.decode import SearchOptions, translate_ids
+from streamnmt.decode import SearchOptions
 from streamnmt.errors import ConfigError, InputError
 from streamnmt.fsutil import atomic_write
 from streamnmt.model import ModelShape, Transformer
-from streamnmt.train import resolve_device
+from streamnmt.devices import resolve_device
+from streamnmt.evaluation import CHINESE, bleu_on_pairs, encode_sources, score, translate_texts
 
-CHINESE = {"ch", "zh"}  # target languages scored with sacrebleu's "zh" tokenizer
+__all__ = ["CHINESE", "EvalConfig", "InferenceConfig", "TranslateConfig", "bleu_on_pairs", "encode_sources",
+           "load_for_inference", "read_lines", "run_eval", "run_translate", "score", "translate_texts"]
 MAX_WARNINGS = 10  # truncation warnings printed before they are only counted
 
 
@@ -63,6 +63,9 @@ class InferenceConfig:
                              "decoder over the whole prefix at each step (slow; for checking)")
     sync_every: int = opt(0, "look for finished sentences every N decoding steps, one host-GPU sync "
                              "each; 0 = every step on CPU, every 4th on CUDA")
+    graph: bool = opt(True, "on CUDA, decode with a preallocated cache and each step replayed from a CUDA "
+                            "graph (same results, faster); --no-graph runs the eager cached search. The CPU "
+                            "always runs the eager search")
 
     def __post_init__(self) -> None:
         check(bool(self.weights), "weights", "is required: the checkpoint to use, "
@@ -79,7 +82,8 @@ class InferenceConfig:
 
     def search_options(self) -> SearchOptions:
         return SearchOptions(beam_size=self.beam_size, len_penalty=self.len_penalty, max_len_a=self.max_len_a,
-                             max_len_b=self.max_len_b, cached=self.cached, sync_every=self.sync_every)
+                             max_len_b=self.max_len_b, cached=self.cached, sync_every=self.sync_every,
+                             graph=self.graph and self.cached)
 
 
 @dataclass(kw_only=True)
@@ -157,70 +161,16 @@ def _tokenizer(ckpt: dict[str, Any], path: str | Path, side: str, override: str 
     return tok
 
 
+def _mode(cfg: InferenceConfig, device: torch.device) -> str:
+    """The device and, on CUDA, how the search ran (for the summary line)."""
+    if device.type != "cuda":
+        return str(device)
+    return f"{device} ({'CUDA graphs' if cfg.search_options().graph else 'eager'})"
+
+
 def _check_beam(beam_size: int, tgt_tok: Tokenizer) -> None:
     check(2 * beam_size <= tgt_tok.vocab_size, "beam_size",
           f"must be at most half the target vocabulary ({tgt_tok.vocab_size // 2}); got {beam_size}")
-
-
-# -- translation and scoring -----------------------------------------------------------------
-
-
-def encode_sources(tok: Tokenizer, texts: list[str], max_len: int) -> tuple[list[list[int]], list[int]]:
-    """Encoder input as the training batches have it: tokens then EOS, at most ``max_len`` in all.
-
-    Returns the id lists and the indices of the texts that were truncated.
-    """
-    sources, cut = [], []
-    for i, ids in enumerate(tok.encode_batch(texts) if texts else []):
-        if len(ids) > max_len - 1:
-            ids = ids[:max_len - 1]
-            cut.append(i)
-        sources.append(ids + [masks.EOS])
-    return sources, cut
-
-
-def translate_texts(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, texts: list[str],
-                    opts: SearchOptions, *, device: torch.device | str, batch_size: int = 64,
-                    max_input_len: int | None = None) -> tuple[list[str], list[int]]:
-    """Translate sentences (none empty); returns the translations and the indices of truncated inputs."""
-    limit = min(max_input_len or model.shape.max_positions, model.shape.max_positions)
-    sources, cut = encode_sources(src_tok, texts, limit)
-    hyps = translate_ids(model, sources, opts, batch_size=batch_size, device=device)
-    # A translation is one line of output whatever the tokenizer makes of it.
-    return [tgt_tok.decode(h).replace("\n", " ") for h in hyps], cut
-
-
-def score(hyps: list[str], refs: list[str], tgt_lang: str) -> dict[str, Any]:
-    """Corpus BLEU (sacrebleu, ``zh`` tokenizer for Chinese, else ``13a``) and chrF."""
-    bleu = sacrebleu.BLEU(tokenize="zh" if tgt_lang.lower() in CHINESE else "13a")
-    chrf = sacrebleu.CHRF()
-    if not hyps:
-        return {"bleu": 0.0, "chrf": 0.0, "signature": ""}
-    b, c = bleu.corpus_score(hyps, [refs]), chrf.corpus_score(hyps, [refs])
-    return {"bleu": b.score, "chrf": c.score, "signature": f"{bleu.get_signature()} / {chrf.get_signature()}"}
-
-
-def bleu_on_pairs(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, pairs: list[tuple[str, str]], *,
-                  device: torch.device | str, beam_size: int = 3, batch_size: int = 64, tgt_lang: str = "ch",
-                  limit: int | None = None, options: SearchOptions | None = None) -> dict[str, Any]:
-    """Translate the sources of the first ``limit`` (None = all) ``pairs`` and score them.
-
-    ``options`` gives the search settings other than ``beam_size`` (default: SearchOptions()).
-    Returns ``bleu``, ``chrf``, ``n`` (sentences), ``seconds`` (wall time of the whole call) and the
-    sacrebleu ``signature``. The model is put in eval mode and back in train mode if it was.
-    """
-    t0 = time.perf_counter()
-    pairs = pairs[:limit] if limit else pairs
-    was_training = model.training
-    model.eval()
-    try:
-        hyps, _ = translate_texts(model, src_tok, tgt_tok, [s for s, _ in pairs],
-                                  dataclasses.replace(options or SearchOptions(), beam_size=beam_size),
-                                  device=device, batch_size=batch_size)
-    finally:
-        model.train(was_training)
-    result = score(hyps, [t for _, t in pairs], tgt_lang)
-    return {**result, "n": len(pairs), "seconds": time.perf_counter() - t0}
 
 
 # -- commands --------------------------------------------------------------------------------
@@ -283,7 +233,7 @@ def run_translate(cfg: TranslateConfig) -> int:
             raise InputError(f"--output: cannot write {cfg.output}: {e.strerror}") from None
     rate = len(todo) / seconds if seconds > 0 else 0.0
     print(f"translated {len(lines)} lines ({len(todo)} non-empty) in {seconds:.2f} s, {rate:.1f} sentences/s "
-          f"on {device}", file=sys.stderr)
+          f"on {_mode(cfg, device)}", file=sys.stderr)
     return 0
 
 
@@ -308,7 +258,7 @@ def run_eval(cfg: EvalConfig) -> int:
                         options=cfg.search_options())
     rate = res["n"] / res["seconds"] if res["seconds"] > 0 else 0.0
     print(f"{cfg.split}: {res['n']} sentences, beam {cfg.beam_size}, {res['seconds']:.2f} s, "
-          f"{rate:.1f} sentences/s on {device}")
+          f"{rate:.1f} sentences/s on {_mode(cfg, device)}")
     print(f"BLEU = {res['bleu']:.2f}  chrF = {res['chrf']:.2f}")
     print(f"sacrebleu: {res['signature']}")
     return 0

@@ -35,7 +35,8 @@ from streamnmt.fsutil import atomic_write
 from streamnmt.model import ModelShape
 from streamnmt.plots import plot_bench, plot_timeline
 from streamnmt.runs import increment_path, write_json
-from streamnmt.train import resolve_device, seed_everything
+from streamnmt.devices import resolve_device
+from streamnmt.train import seed_everything
 
 Log = Callable[[str], None]
 

@@ -1,0 +1,107 @@
+"""Graph decoding against the eager cached search on a CUDA device (``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamnmt import decode, masks
+from streamnmt.decode import SearchOptions, pad_batch, translate_ids
+from streamnmt.decode_graph import GraphDecoder
+from streamnmt.decode_graph import translate_ids as translate_graph
+from streamnmt.engine.syncstats import STATS
+from tests.test_decode import VOCAB, tiny_model
+
+pytestmark = pytest.mark.gpu
+N_SENTENCES = 512
+
+
+def sentences(n: int = N_SENTENCES, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 41, (n,), generator=g).tolist()
+    return [torch.randint(4, VOCAB, (k,), generator=g).tolist() + [masks.EOS] for k in lengths]
+
+
+def scored(search, src_batches):
+    hyps, scores = [], []
+    for src in src_batches:
+        h, s = search(src)
+        hyps += h
+        scores += s
+    return hyps, scores
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_graph_equals_eager_cached_fp32_on_512_sentences(beam):
+    dev = torch.device("cuda")
+    model = tiny_model().to(dev)
+    srcs = sentences()
+    opts = SearchOptions(beam_size=beam, len_penalty=0.6)
+    gd = GraphDecoder(model, opts, batch_size=64)
+    eager = translate_ids(model, srcs, opts, batch_size=64, device=dev)
+    graph = translate_ids(model, srcs, opts, batch_size=64, device=dev, search_fn=gd.search)
+    assert gd.captures >= 2 and all(sorted(b.graphs) == b.spans for b in gd.buckets.values())
+    assert graph == eager
+    assert len({len(h) for h in eager}) > 5  # outputs of many lengths: some stop early, some at their limit
+    if beam > 1:  # same hypotheses and scores within 1e-4, batch by batch
+        batches = [pad_batch(srcs[i:i + 64], dev) for i in range(0, N_SENTENCES, 64)]
+        ref_h, ref_s = scored(lambda s: decode.beam_search_scored(model, s, opts), batches)
+        got_h, got_s = scored(gd.search_scored, batches)
+        assert got_h == ref_h
+        assert max(abs(a - b) for a, b in zip(got_s, ref_s)) <= 1e-4
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_replays_make_no_unlabelled_syncs_and_stop_early(beam):
+    dev = torch.device("cuda")
+    model = tiny_model(eos_bias=1.3).to(dev)  # every sentence ends well before its limit
+    srcs = sentences(128)
+    opts = SearchOptions(beam_size=beam, graph=True, sync_every=2)
+    gd = GraphDecoder(model, opts, batch_size=128)
+    first = translate_ids(model, srcs, opts, batch_size=128, device=dev, search_fn=gd.search)  # captures
+    captures = gd.captures
+    before = STATS.snapshot().get("decode.retire", {}).get("count", 0)
+    torch.cuda.set_sync_debug_mode("error")  # any sync not made through host_sync raises
+    try:
+        again = translate_ids(model, srcs, opts, batch_size=128, device=dev, search_fn=gd.search)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    checks = STATS.snapshot()["decode.retire"]["count"] - before
+    assert again == first and gd.captures == captures  # replayed, nothing captured again
+    max_steps = int(opts.max_len_a * max(map(len, srcs)) + opts.max_len_b)
+    assert 0 < checks <= (max_steps + 1) // 2 - 4  # stopped well before the loop bound (a check per 2 steps)
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_bf16_graph_decoding_runs_and_agrees_on_first_tokens(beam):
+    # bf16 rounding differs between the two attention layouts, and a random model's near-ties then
+    # send some outputs their own way after a few tokens; the first token rarely differs.
+    dev = torch.device("cuda")
+    model = tiny_model().to(dev, torch.bfloat16)
+    srcs = sentences(256)
+    opts = SearchOptions(beam_size=beam, graph=True)
+    graph = translate_graph(model, srcs, opts, batch_size=64, device=dev)
+    eager = translate_ids(model, srcs, opts, batch_size=64, device=dev)
+    assert all(0 <= t < VOCAB and t != masks.EOS for h in graph for t in h)
+    limits = [int(opts.max_len_a * len(s) + opts.max_len_b) for s in srcs]
+    assert all(len(h) <= n for h, n in zip(graph, limits))
+    if beam == 1:
+        assert sum(a[:1] == b[:1] for a, b in zip(graph, eager)) >= 0.8 * len(srcs)
+
+
+def test_failed_capture_says_so_once_and_decodes_eagerly(monkeypatch):
+    dev = torch.device("cuda")
+    model = tiny_model().to(dev)
+    srcs = sentences(64)
+    opts = SearchOptions(beam_size=3, graph=True)
+    lines: list[str] = []
+    gd = GraphDecoder(model, opts, batch_size=16, log=lines.append)
+
+    def fail(bucket, device):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(gd, "_capture", fail)
+    got = translate_ids(model, srcs, opts, batch_size=16, device=dev, search_fn=gd.search)
+    assert got == translate_ids(model, srcs, opts, batch_size=16, device=dev)
+    assert len(lines) == len(gd.failed) >= 1 and not gd.buckets
+    assert "capture failed (operation not permitted when stream is capturing)" in lines[0]

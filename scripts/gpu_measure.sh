@@ -49,3 +49,17 @@ case "$1" in
       --strategies graph,resident-graph --no-references --steps 200 --out /tmp/lt8k > "$OUT/longtail.log" 2>&1
     tail -8 "$OUT/longtail.log" ;;
 esac
+case "$1" in
+  check)  # the GPU tests, with the 10,000-step soak of full and graph beside them (memory, not speed)
+    (timeout 560 python3 scripts/soak.py --steps 10000 --early 1000 --strategies graph,full \
+      --out "$OUT/soak.json" > "$OUT/soak.log" 2>&1 &)
+    timeout ${TEST_S:-330} python3 -m pytest -m gpu tests -q -p no:cacheprovider -x -rs > "$OUT/gpu_tests.log" 2>&1
+    tail -25 "$OUT/gpu_tests.log" ;;
+  recipe2)  # the recipe and the earlier defaults side by side (concurrently: the same share of the GPU)
+    (OUT=$OUT BUDGET=${BUDGET:-60s} SAVE_EVERY=${SAVE_EVERY:-1000} bash scripts/recipe_compare.sh baseline \
+      > "$OUT/recipe_baseline.txt" 2>&1 &)
+    OUT=$OUT BUDGET=${BUDGET:-60s} SAVE_EVERY=${SAVE_EVERY:-1000} bash scripts/recipe_compare.sh recipe \
+      > "$OUT/recipe_recipe.txt" 2>&1
+    while pgrep -f "name baseline" > /dev/null || pgrep -f "runs/baseline" > /dev/null; do sleep 2; done
+    cat "$OUT/recipe_baseline.txt" "$OUT/recipe_recipe.txt" ;;
+esac

@@ -8,7 +8,7 @@
 export PYTHONUNBUFFERED=1 PYTHONPATH=src STREAMNMT_HOME=/tmp/snhome
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-6m}; EPOCHS=${EPOCHS:-100}
-common=(--model base --epochs "$EPOCHS" --time-limit "$BUDGET" --project /tmp/runs --exist-ok)
+common=(--model base --epochs "$EPOCHS" --time-limit "$BUDGET" --compile off --project /tmp/runs --exist-ok)
 case "$1" in
   baseline)
     python3 -m streamnmt train "${common[@]}" --name baseline --label-smoothing 0 --tie-embeddings none \

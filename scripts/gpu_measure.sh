@@ -53,7 +53,9 @@ case "$1" in
   check)  # the GPU tests, with the 10,000-step soak of full and graph beside them (memory, not speed)
     (timeout 560 python3 scripts/soak.py --steps 10000 --early 1000 --strategies graph,full \
       --out "$OUT/soak.json" > "$OUT/soak.log" 2>&1 &)
-    timeout ${TEST_S:-330} python3 -m pytest -m gpu tests -q -p no:cacheprovider -x -rs > "$OUT/gpu_tests.log" 2>&1
+    timeout ${TEST_S:-330} python3 -m pytest -m gpu -q -p no:cacheprovider -rs --durations=12 tests/test_decode_gpu.py \
+      tests/test_recipe_gpu.py tests/engine/test_graphs_gpu.py tests/engine/test_engine_gpu.py \
+      tests/test_reliability_gpu.py tests/test_dist_gpu.py > "$OUT/gpu_tests.log" 2>&1
     tail -25 "$OUT/gpu_tests.log" ;;
   recipe2)  # the recipe and the earlier defaults side by side (concurrently: the same share of the GPU)
     (OUT=$OUT BUDGET=${BUDGET:-60s} SAVE_EVERY=${SAVE_EVERY:-1000} bash scripts/recipe_compare.sh baseline \

@@ -164,8 +164,12 @@ def hf_run(model, sources: list[list[int]], batch: int, beam: int, device: torch
             beam_args = dict(length_penalty=0.6, early_stopping=False) if beam > 1 else {}
             out = model.generate(input_ids=src, attention_mask=src != masks.PAD, num_beams=beam, do_sample=False,
                                  max_new_tokens=int(1.5 * src.size(1) + 10), **beam_args)
+            # Output tokens: the positions after the start token, up to the first EOS (or PAD). A random
+            # model may well emit the BOS id itself, which is an output token like any other here.
+            gen = out[:, 1:]
+            ended = ((gen == masks.EOS) | (gen == masks.PAD)).int().cumsum(1) > 0
             # note: a sync point, once per batch, as streamnmt's result copy
-            tokens += int(((out != masks.PAD) & (out != masks.BOS) & (out != masks.EOS)).sum())
+            tokens += int((~ended).sum())
     return tokens
 
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Measured on the H100, base model, bf16 (docs/PERFORMANCE.md, section 4): compile time per batch
-# shape, share of a graph-mode step that compiling saves, and graph mode's uncompiled step time.
+# Measured on the H100, base model, bf16, 32 x 32 batches (docs/PERFORMANCE.md, section 4): compiling
+# forward + backward for one batch shape took 42-52 s (cold cache); graph mode ran 6.23 ms/step
+# uncompiled and 4.72 ms compiled (a 24 % saving; more at larger shapes).
 COMPILE_S_PER_SHAPE = 45.0
 COMPILE_SAVING = 0.25
 GRAPH_MS_PER_STEP = 6.0

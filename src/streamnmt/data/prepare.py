@@ -122,10 +122,7 @@ def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource
     if missing:
         t0 = time.perf_counter()
         samples = _sample_train(cfg, sources["train"])
-        for split in ("dev", "test"):  # check the other splits before writing anything
-            if sources[split] is not None:
-                for _ in iter_pairs(sources[split], cfg.src_lang, cfg.tgt_lang):
-                    pass
+        _check_other_splits(cfg, sources)
         threads = max(1, cpu_threads() // len(missing))
         with ThreadPoolExecutor(len(missing)) as pool:  # SentencePiece trains outside the GIL
             jobs = {k: pool.submit(train_tokenizer, samples[k], sides[k][1], sides[k][2], sides[k][3],
@@ -134,6 +131,14 @@ def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource
         log(f"data: trained {' and '.join(sides[k][4] for k in missing)} on {len(samples[0])} sampled "
             f"pairs in {time.perf_counter() - t0:.1f}s -> {directory / 'tokenizer'}")
     return loaded[0], loaded[1]
+
+
+def _check_other_splits(cfg: DataConfig, sources: dict[str, SplitSource | None]) -> None:
+    """Read dev and test through once, so that a bad record stops the run before a tokenizer is written."""
+    for split in ("dev", "test"):
+        if sources[split] is not None:
+            for _ in iter_pairs(sources[split], cfg.src_lang, cfg.tgt_lang):
+                pass
 
 
 def _shared_tokenizer(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],
@@ -147,10 +152,7 @@ def _shared_tokenizer(cfg: DataConfig, directory: Path, sources: dict[str, Split
         return tok
     t0 = time.perf_counter()
     samples = _sample_train(cfg, sources["train"])
-    for split in ("dev", "test"):  # check the other splits before writing anything
-        if sources[split] is not None:
-            for _ in iter_pairs(sources[split], cfg.src_lang, cfg.tgt_lang):
-                pass
+    _check_other_splits(cfg, sources)
     tok = train_shared_tokenizer(samples[0], samples[1], path, max(cfg.src_vocab, cfg.tgt_vocab), cfg.src_lang,
                                  cfg.tgt_lang, log=log)
     log(f"data: trained the shared tokenizer on both sides of {len(samples[0])} sampled pairs in "

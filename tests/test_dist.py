@@ -74,7 +74,8 @@ def common(tmp: Path, strategy: str = "full") -> list[str]:
 def two_ranks(tmp_path_factory, home) -> Path:
     """The reference 2-rank run (full strategy, batch 8 per rank, a checkpoint every 10 steps)."""
     tmp = tmp_path_factory.mktemp("ddp")
-    res = torchrun([*common(tmp), "--batch-size", "8", "--save-every", "10", "--name", "ref"], home)
+    res = torchrun([*common(tmp), "--batch-size", "8", "--save-every", "10", "--keep-last", "2", "--name", "ref"],
+                   home)
     assert res.returncode == 0, res.stderr[-3000:]
     return tmp / "ref"
 
@@ -109,8 +110,9 @@ def test_two_ranks_equal_one_rank_double_batch_full(two_ranks, tmp_path, home, m
     assert_same_training(two_ranks, ref, steps=STEPS)
     rows, ref_rows = read_csv(two_ranks / "steps.csv"), read_csv(ref / "steps.csv")
     assert [r["tokens"] for r in rows] == [r["tokens"] for r in ref_rows]  # global tokens per step
-    # Rank 0 alone wrote: one run directory, no second one made by rank 1.
+    # Rank 0 alone wrote: one run directory, no second one made by rank 1; --keep-last kept its two.
     assert sorted(p.name for p in two_ranks.parent.iterdir()) == ["ref"]
+    assert sorted(p.name for p in (two_ranks / "weights").glob("step_*.pt")) == ["step_000020.pt", "step_000030.pt"]
 
 
 def test_two_ranks_equal_one_rank_double_batch_graph(tmp_path, home, monkeypatch, one_thread):
@@ -149,6 +151,32 @@ def test_kill_launcher_then_resume_is_exact(two_ranks, tmp_path, home):
     a = torch.load(two_ranks / "weights" / "last.pt", weights_only=True)["model"]
     b = torch.load(last, weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_one_process_checkpoint_resumes_on_two_ranks(tmp_path, home):
+    """A position saved by one process is converted to the two ranks' units: no batch of the epoch
+    is skipped or repeated, and the run ends at its last step."""
+    killed = streamnmt([*common(tmp_path), "--batch-size", "16", "--save-every", "10", "--name", "one"], home,
+                       env={"STREAMNMT_TEST_KILL_AT_STEP": "15"})
+    assert killed.returncode == -signal.SIGKILL
+    res = torchrun(["--resume", str(tmp_path / "one" / "weights" / "last.pt")], home)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "not bit-exactly" in res.stdout + res.stderr
+    assert [int(r["step"]) for r in read_csv(tmp_path / "one" / "steps.csv")] == list(range(1, STEPS + 1))
+    ckpt = torch.load(tmp_path / "one" / "weights" / "last.pt", weights_only=True)
+    assert ckpt["step"] == STEPS and len(ckpt["rng_ranks"]) == 2
+    # The saved position (10 of one process's batches) continues at the same share of the two ranks'
+    # epoch (rounded up): the rest of epoch 1 is the two ranks' epoch less that, in their units.
+    from streamnmt.data import DataConfig, make_loader, prepare_data
+    os.environ["STREAMNMT_HOME"] = home
+    try:
+        cfg = DataConfig(builtin_size=500, max_len=32, batch_size=16)
+        train = prepare_data(cfg, log=lambda _: None).train
+    finally:
+        del os.environ["STREAMNMT_HOME"]
+    one, two = (len(make_loader(train, cfg, train=True, seed=3, pin_memory=False, world=w, rank=0)) for w in (1, 2))
+    rows = read_csv(tmp_path / "one" / "steps.csv")
+    assert sum(1 for r in rows if r["epoch"] == "1" and int(r["step"]) > 10) == two - -(-10 * two // one)
 
 
 @pytest.mark.parametrize("target", ["rank 1", "launcher"])

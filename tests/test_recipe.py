@@ -125,6 +125,31 @@ def test_best_pt_follows_best_metric_and_eval_every(tmp_path, monkeypatch):
     assert torch.load(tmp_path / "b" / "weights" / "best.pt", weights_only=True)["step"] == expected[1]
 
 
+def test_eval_comes_before_a_save_of_the_same_step_and_max_steps_evaluates_once(tmp_path, monkeypatch):
+    values = iter([5.0, 4.0, 3.0, 2.0])
+    monkeypatch.setattr(Trainer, "validate", lambda self: next(values))
+    t = make_trainer(tmp_path, "--name", "o", "--epochs", "5", "--max-steps", "6", "--eval-every", "3",
+                     "--save-every", "3", "--keep-last", "3", "--best-metric", "val_loss")
+    assert len(t.train_loader) > 6  # step 6 ends the run mid-epoch
+    t.train()
+    # one evaluation per 3 steps; the run's last step is evaluated once (not again as an epoch end)
+    assert [r["step"] for r in read_csv(tmp_path / "o" / "evals.csv")] == ["3", "6"]
+    # the checkpoint of step 3 already holds the evaluation of step 3 (exact early stopping on resume)
+    at3 = torch.load(tmp_path / "o" / "weights" / "step_000003.pt", weights_only=True)
+    assert at3["stopping"]["best"] == 5.0 and at3["step"] == 3
+
+
+def test_ema_weights_are_written_for_inference(tmp_path):
+    t = make_trainer(tmp_path, "--name", "e", "--epochs", "1", "--ema", "0.9")
+    t.train()
+    ema = torch.load(tmp_path / "e" / "weights" / "ema.pt", weights_only=True)
+    last = torch.load(tmp_path / "e" / "weights" / "last.pt", weights_only=True)
+    names = [n for n, _ in t.model.named_parameters()]
+    assert all(torch.equal(ema["model"][n], s) for n, s in zip(names, last["ema"]["shadow"]))
+    assert "optimizer" not in ema  # weights only: translate/eval/--weights load it, --resume refuses it
+    assert all(torch.equal(p.detach(), last["model"][n]) for n, p in t.model.named_parameters())  # swapped back
+
+
 def test_best_metric_checks():
     assert RunConfig().best_metric == "auto"
     with pytest.raises(ConfigError, match="--best-metric.*--bleu-samples"):

@@ -99,7 +99,8 @@ class Trainer:
         self.step_fn = make_step(self.model, self.device, d_model=m.d_model, lr=job.optim.lr,
                                  warmup=job.optim.warmup, amp=job.optim.amp, clip=job.optim.clip_grad,
                                  label_smoothing=m.label_smoothing, compile=job.engine.compile == "on",
-                                 shapes=len(batch_plan(self.data.train, job.data)[1]), ema=job.run.ema,
+                                 shapes=len({*batch_plan(self.data.train, job.data)[1],  # validation's too
+                                             *batch_plan(self.data.dev, job.data)[1]}), ema=job.run.ema,
                                  ddp=self.dist.active)
         self.optimizer, self.schedule, self.scaler = (self.step_fn.optimizer, self.step_fn.schedule,
                                                       self.step_fn.scaler)
@@ -162,6 +163,7 @@ class Trainer:
         self.last_loss: float | None = None
         self.stop_requested, self.stop_reason = False, ""  # this rank: a signal, --time-limit or --patience
         self.stopped = False  # the ranks agreed to stop
+        self.signalled = False  # a first signal arrived (a second Ctrl-C aborts)
         self.nonfinite_steps: list[int] = []
         log(f"run dir: {self.save_dir}" + (f" (resumed at step {self.global_step})" if resume else ""))
         log(f"model: {m.model} ({m.n_layers}+{m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
@@ -222,9 +224,9 @@ class Trainer:
     def _resolve_compile(self, job: TrainJob) -> TrainJob:
         """``--compile auto``: decided from the run's planned steps and batch shapes (see engine.auto)."""
         per_epoch, shapes = batch_plan(self.data.train, job.data)
-        steps = per_epoch * job.run.epochs
+        steps = per_epoch * job.run.epochs // self.dist.world  # micro-batches each process runs
         if job.run.max_steps:
-            steps = min(steps, job.run.max_steps)
+            steps = min(steps, job.run.max_steps * job.engine.accum_steps)
         choice = choose_compile(job.engine.compile, self.device, job.engine.sync_strategy, steps, len(shapes))
         if job.engine.compile == "auto":
             self.log(f"engine: compile {'on' if choice.value else 'off'} ({choice.why})")
@@ -249,6 +251,8 @@ class Trainer:
         self.global_step, self.best_val = ckpt["step"], ckpt["best_val"]
         self.epoch, self.epoch_pos = ckpt["sampler"]["epoch"], ckpt["sampler"]["position"]
         self.train_loader.load_state_dict(ckpt["sampler"])
+        # the loader converts a position saved at another world size; the trainer counts in its units
+        self.epoch, self.epoch_pos = self.train_loader.epoch, self.train_loader.position
         self.stopper.load_state_dict(ckpt.get("stopping"))
         if self.step_fn.ema is not None and ckpt.get("ema"):
             self.step_fn.ema.load_state_dict(ckpt["ema"])
@@ -257,7 +261,11 @@ class Trainer:
         if saved != (self.dist.world, self.job.engine.accum_steps) or len(ranks) != self.dist.world:
             self.log(f"resume: saved with {saved[0]} process(es) x --accum-steps {saved[1]}, now {self.dist.world} x "
                      f"{self.job.engine.accum_steps}: training continues from step {ckpt['step']}, not bit-exactly")
-        set_rng_state(ranks[self.dist.rank] if self.dist.rank < len(ranks) else ckpt["rng"])
+        if self.dist.rank < len(ranks):
+            set_rng_state(ranks[self.dist.rank])
+        else:  # a rank the checkpoint had not: rank 0's state, then a dropout stream of its own
+            set_rng_state(ckpt["rng"])
+            torch.manual_seed(self.job.run.seed + 1_000_003 * self.dist.rank)
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -284,6 +292,7 @@ class Trainer:
             return {"save_dir": self.save_dir, "best_val": self.best_val, "steps": self.global_step,
                     "last": row, "stopped": self.stopped}
         self._export_best()
+        self._export_ema()
         if (self.save_dir / "steps.csv").stat().st_size > 0 and self.global_step > 0:
             plot_results(self.save_dir)
         if self.stopped:
@@ -319,6 +328,7 @@ class Trainer:
         n_batches = len(self.train_loader) - self.epoch_pos  # micro-batches: --accum-steps per step
         if r.max_steps:
             n_batches = min(n_batches, (r.max_steps - self.global_step) * self.job.engine.accum_steps)
+        end_pos = self.epoch_pos + n_batches  # where this epoch's part of the run ends (its own evaluation)
         bar = _progress(n_batches, f"epoch {epoch + 1}/{r.epochs}", quiet=not self.dist.main)
         for info in self.strategy.run(itertools.islice(self.train_loader, n_batches), self.step_fn, self.losses,
                                       start_step=self.global_step):
@@ -339,9 +349,8 @@ class Trainer:
             if self.last_loss is not None:
                 bar.set_postfix_str(f"loss {self.last_loss:.4f} (as of last extraction)", refresh=False)
             # 3. mid-epoch checkpoint, kill test hook, signals (host-side flags only)
-            if r.save_every and self.global_step % r.save_every == 0:
-                losses += self._save_mid_epoch("save", keep=r.keep_last)
-            if r.eval_every and self.global_step % r.eval_every == 0 and self.epoch_pos < len(self.train_loader):
+            # (an evaluation first, so that a checkpoint of the same step holds its early-stopping state)
+            if r.eval_every and self.global_step % r.eval_every == 0 and self.epoch_pos < end_pos:
                 te = time.perf_counter()  # a mid-epoch evaluation (the epoch's last batch has its own)
                 losses += self._drain("eval")
                 held, STATS.sites = STATS.sites, {}  # the evaluation's host waits are not training's
@@ -349,6 +358,8 @@ class Trainer:
                 eval_stats.append(STATS.reset())
                 STATS.sites = held
                 eval_s += time.perf_counter() - te
+            if r.save_every and self.global_step % r.save_every == 0:
+                losses += self._save_mid_epoch("save", keep=r.keep_last)
             if not self.stop_requested and self.budget.expired():
                 self._request_stop(self.budget.reason(self.global_step))
             if self.global_step == int(os.environ.get("STREAMNMT_TEST_KILL_AT_STEP", "0")):
@@ -447,7 +458,7 @@ class Trainer:
         losses = self._drain(why)
         last = self.save_dir / "weights" / "last.pt"
         self.save(last)
-        if keep:  # --keep-last: this checkpoint also as weights/step_NNNNNN.pt, the newest N kept
+        if keep and self.dist.main:  # --keep-last: this checkpoint also as weights/step_NNNNNN.pt, the newest N kept
             keep_step_copy(last, self.global_step, keep)
         return losses
 
@@ -501,6 +512,20 @@ class Trainer:
         # first, so this waits for nothing queued, but it is a host-device sync all the same).
         host_sync("checkpoint.save", lambda: save_checkpoint(path, {**self.checkpoint_state(), "rng_ranks": rngs}))
 
+    def _export_ema(self) -> None:
+        """--ema: the averaged weights as weights/ema.pt, a weights-only checkpoint that translate, eval,
+        export, average and --weights load like any other (last.pt keeps the trained weights)."""
+        ema = self.step_fn.ema
+        if ema is None or self.global_step == 0:
+            return
+        path = self.save_dir / "weights" / "ema.pt"
+        with ema.swapped():  # the model holds the averaged weights until the file is written
+            state = {k: v for k, v in self.checkpoint_state().items()
+                     if k in ("model", "model_shape", "tokenizers", "config", "step")}
+            # Needed: torch.save copies the device tensors to the host (the streams were drained).
+            host_sync("checkpoint.save", lambda: save_checkpoint(path, {**state, "ema_of_step": self.global_step}))
+        self.log(f"EMA weights: {path}")
+
     def _export_best(self) -> None:
         best = self.save_dir / "weights" / "best.pt"
         if best.is_file():
@@ -518,8 +543,9 @@ def _signals(trainer: Trainer):
         return
 
     def request_stop(signum, frame):
-        if trainer.stop_requested and signum == signal.SIGINT and not trainer.dist.active:
+        if trainer.signalled and signum == signal.SIGINT and not trainer.dist.active:
             raise KeyboardInterrupt  # (several ranks: Ctrl-C reaches a rank from the terminal and from torchrun)
+        trainer.signalled = True
         trainer.stop_requested, trainer.stop_reason = True, ""
         trainer.log(f"\n{signal.Signals(signum).name}: finishing the current step, then saving "
                     "(Ctrl-C again to abort)")

@@ -29,7 +29,7 @@ import torch
 
 from streamnmt.bench.config import BenchConfig
 from streamnmt.bench.flops import peak_flops, precision
-from streamnmt.bench.profile import GRAPH_BRANCHES, analyze_trace, format_summary, load_trace, stream_label
+from streamnmt.bench.profile import ALL_REDUCE, GRAPH_BRANCHES, analyze_trace, format_summary, load_trace, stream_label
 from streamnmt import dist as distributed
 from streamnmt.bench.runners import Env, Runner, make_runner
 from streamnmt.bench.scaling import merge_ranks
@@ -126,8 +126,9 @@ def _profile(runners: list[Runner], cfg: BenchConfig, out: Path, log: Log, recor
         result[runner.name] = {"trace": path.name, **(summary.to_dict() if summary else {"gpu": None})}
         texts.append(format_summary(runner.name, summary))
         if summary is not None:
-            timelines[runner.name] = {"ops": summary.ops, "syncs": summary.syncs,
-                                      "labels": {GRAPH_BRANCHES: stream_label(GRAPH_BRANCHES)}}
+            labels = {GRAPH_BRANCHES: stream_label(GRAPH_BRANCHES)}
+            labels.update({st: f"{stream_label(st)} (NCCL)" for st in summary.streams.get(ALL_REDUCE, {})})
+            timelines[runner.name] = {"ops": summary.ops, "syncs": summary.syncs, "labels": labels}
         log(f"bench: profiled {runner.name}: {path}")
     if timelines:
         plot_timeline(timelines, out / "timeline.png")
@@ -184,9 +185,10 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
     out = Path(cfg.out) if cfg.out else increment_path("runs/bench", "exp")
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
-    ranks = f"; {d.world} processes ({d.backend}, DDP), batch per rank" if d.active else ""
+    ranks = f"; {d.world} processes ({d.backend}, DDP)" if d.active else ""
     log(f"bench: {info['name']}, model {cfg.model} ({n}+{n} layers, d_model {dm}), amp {cfg.amp}{ranks}, batch "
-        f"{cfg.batch_size} x max-len {cfg.max_len} (pad multiple {cfg.pad_multiple}), rows {', '.join(names)}; "
+        f"{cfg.batch_size}{' per rank' if d.active else ''} x max-len {cfg.max_len} (pad multiple "
+        f"{cfg.pad_multiple}), rows {', '.join(names)}; "
         f"{cfg.repeats} x ({cfg.warmup} warm-up + {cfg.steps} timed steps) each; out {out}")
     for note in skipped:
         log(f"bench: {note}")

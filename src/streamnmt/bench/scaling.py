@@ -93,11 +93,21 @@ def check_world_sizes(cfg: BenchConfig, sizes: list[int]) -> None:
 
 
 def run_world(cfg: BenchConfig, n: int, out: Path) -> int:
-    """The benchmark on ``n`` processes through torchrun, written to ``out``; the exit code."""
+    """The benchmark on ``n`` processes through torchrun, written to ``out``; the exit code.
+
+    Each rank runs with one intra-op thread unless OMP_NUM_THREADS says otherwise: torchrun's own
+    default for several processes, applied to one process too, so that every world size runs alike."""
     from streamnmt import dist
 
     argv = config_argv(dataclasses.replace(cfg, nproc=None, out=str(out)))
-    return dist.run_torchrun(n, ["-m", "streamnmt", "bench", *argv])
+    unset = "OMP_NUM_THREADS" not in os.environ
+    if unset:
+        os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        return dist.run_torchrun(n, ["-m", "streamnmt", "bench", *argv])
+    finally:
+        if unset:
+            del os.environ["OMP_NUM_THREADS"]
 
 
 def run_sizes(cfg: BenchConfig, sizes: list[int], log: Log = print) -> int:
@@ -196,9 +206,9 @@ def scaling_footnotes(records: dict[int, dict[str, Any]], rows: list[dict[str, A
     ]
     for n in sizes:
         lines += [f"{n} GPU(s): {note}" for note in records[n].get("left_out", [])]
-        backend = records[n].get("dist_backend")
-        if backend:
-            lines.append(f"{n} GPU(s): {backend}, {records[n]['device']['name']}")
+        dev = records[n]["device"]
+        lines.append(f"{n} GPU(s): {dev['name']}, {records[n].get('dist_backend') or 'one process'}, "
+                     f"{dev.get('torch_threads')} torch thread(s) per rank")
     return "\n".join(lines)
 
 

@@ -182,3 +182,35 @@ def test_nproc_under_torchrun_exits_2(tmp_path, capsys, monkeypatch):
     code, err = run_cli(["bench", *TINY, "--nproc", "2", "--out", str(tmp_path / "b")], capsys)
     assert code == 2 and "--nproc" in err and "already runs under torchrun" in err
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpus_nccl_graph_rows_and_the_all_reduce_in_the_trace(tmp_path, home):
+    out = tmp_path / "exp"
+    args = [a for a in TINY if a not in ("--device", "cpu", "--warmup", "1")]
+    res = launch([sys.executable, "-m", "streamnmt", "bench", *args, "--warmup", "12", "--pad-multiple", "16",
+                  "--strategies", "full,graph", "--nproc", "1,2", "--profile", "--profile-steps", "3",
+                  "--out", str(out)], home)
+    assert res.returncode == 0, res.stderr[-3000:]
+    two = json.loads((out / "nproc2" / "bench.json").read_text())
+    assert two["world"] == 2 and two["dist_backend"] == "nccl" and two["rows"] == ["full", "graph"]
+    assert "fallback" not in two["runners"]["graph"]["report"]  # graph capture with DDP's all-reduce inside
+    for name in ("full", "graph"):  # rank 0's trace shows NCCL's kernels on a stream of their own
+        streams = two["profile"][name]["kernels_per_stream"]
+        assert "nccl all-reduce" in streams, sorted(streams)
+    assert sorted(p.name for p in (out / "nproc2").glob("trace_*.json")) == ["trace_full.json", "trace_graph.json"]
+    rows = {(r["name"], r["world"]): r for r in json.loads((out / "bench.json").read_text())["summary"]}
+    assert set(rows) == {(n, w) for n in ("full", "graph") for w in (1, 2)}
+    assert all(r["scaling_eff_pct"] > 0 for r in rows.values())
+
+
+def test_config_argv_round_trips():
+    from streamnmt.bench import BenchConfig
+    from streamnmt.bench.scaling import config_argv
+    from streamnmt.configbase import from_dict
+
+    cfg = BenchConfig(strategies="full,graph", references=False, compile=True, nproc="1,2", max_len=24, out="o")
+    args = vars(cli.build_parser().parse_args(["bench", *config_argv(cfg)]))
+    args.pop("_run"), args.pop("command")
+    assert from_dict(BenchConfig, args) == cfg

@@ -9,10 +9,8 @@ finished to count). Each call sees the same batches: the loader is rewound to th
 addresses of its weights and optimizer state into its graphs, and each strategy's streams keep
 their own allocator pools. Weights are not reset between repeats; timings do not depend on them.
 
-On several processes (``Env.dist`` active: torchrun) every rank builds the same rows in the same
-order, with its model wrapped in DistributedDataParallel and its share of each global batch (the
-loader's ``world``/``rank``), and runs the same steps; the ranks meet at a host-side barrier before
-each timed stage so that their wall clocks start together.
+Several processes (torchrun): every rank builds the same rows with a DDP-wrapped model and its
+share of the data, runs the same steps, and waits for the others before each timed stage.
 
 Rows:
 * a strategy (``baseline`` ... ``graph``): ``strategy.run`` over the real loader, losses polled

@@ -122,8 +122,9 @@ def run_sizes(cfg: BenchConfig, sizes: list[int], log: Log = print) -> int:
     for n in sizes:
         log(f"bench: --nproc {n} of {','.join(map(str, sizes))}: {out / f'nproc{n}'}")
         code = run_world(cfg, n, out / f"nproc{n}")
-        if code != 0:
-            return code
+        if code != 0 or not (out / f"nproc{n}" / "bench.json").is_file():  # failed, or stopped by a signal
+            log(f"bench: --nproc {n} did not finish; no scaling summary written")
+            return code or 130
         records[n] = json.loads((out / f"nproc{n}" / "bench.json").read_text())
         gc.collect()
     rows = scaling_rows(records)

@@ -116,10 +116,6 @@ class Env:
             torch.manual_seed(self.cfg.seed + 1_000_003 * self.dist.rank)
         return step
 
-    def barrier(self, site: str) -> None:
-        """Several processes: wait until every rank gets here (host-side, counted); else nothing."""
-        self.dist.agree(False, site)
-
     def close(self) -> None:
         self._loaders.clear()  # worker processes end with their DataLoader iterators
         self._staged = None
@@ -183,7 +179,7 @@ class Runner:
                 pass
             self.finish("bench.warmup")
             # Needed (several ranks): the timed stages start together; the slowest rank's time counts.
-            env.barrier("bench.start")
+            env.dist.agree(False, "bench.start")  # host-side barrier; a no-op for one process
             STATS.reset()
             if cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)

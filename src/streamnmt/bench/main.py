@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
+from streamnmt import dist as distributed
 from streamnmt.bench.config import BenchConfig
 from streamnmt.bench.flops import peak_flops, precision
-from streamnmt.bench.profile import ALL_REDUCE, GRAPH_BRANCHES, analyze_trace, format_summary, load_trace, stream_label
-from streamnmt import dist as distributed
+from streamnmt.bench.profile import (ALL_REDUCE, GRAPH_BRANCHES, analyze_trace, format_summary, load_trace,
+                                     stream_label)
 from streamnmt.bench.runners import Env, Runner, make_runner
 from streamnmt.bench.scaling import merge_ranks
 from streamnmt.bench.stats import CSV_FIELDS, format_table, limit_of, summarize

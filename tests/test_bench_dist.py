@@ -159,10 +159,12 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("value", ["0", "1,x", "2,2"])
-def test_bad_nproc_exits_2_writing_nothing(value, tmp_path, capsys):
-    code, err = run_cli(["bench", *TINY, "--nproc", value, "--out", str(tmp_path / "b")], capsys)
-    assert code == 2 and "--nproc" in err and len(err.strip().splitlines()) == 1
+@pytest.mark.parametrize("flags, names", [(["--nproc", "0"], "--nproc"), (["--nproc", "1,x"], "--nproc"),
+                                          (["--nproc", "2,2"], "--nproc"),
+                                          (["--nproc", "2", "--dist-backend", "nccl"], "--dist-backend")])
+def test_bad_set_ups_exit_2_writing_nothing(flags, names, tmp_path, capsys):
+    code, err = run_cli(["bench", *TINY, *flags, "--out", str(tmp_path / "b")], capsys)
+    assert code == 2 and names in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "b").exists()
 
 

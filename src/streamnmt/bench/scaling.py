@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import gc
 import io
 import json
 import os
@@ -126,7 +125,6 @@ def run_sizes(cfg: BenchConfig, sizes: list[int], log: Log = print) -> int:
             log(f"bench: --nproc {n} did not finish; no scaling summary written")
             return code or 130
         records[n] = json.loads((out / f"nproc{n}" / "bench.json").read_text())
-        gc.collect()
     rows = scaling_rows(records)
     write_scaling(cfg, records, rows, out)
     log(f"bench: wrote bench.json, bench.csv, bench.png to {out} (each world size in {out}/nprocN/)")

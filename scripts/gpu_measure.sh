@@ -65,3 +65,29 @@ case "$1" in
     while pgrep -f "name baseline" > /dev/null || pgrep -f "runs/baseline" > /dev/null; do sleep 2; done
     cat "$OUT/recipe_baseline.txt" "$OUT/recipe_recipe.txt" ;;
 esac
+case "$1" in
+  scaling)  # multi-GPU scaling (nvidia-h200-x2; -x4 with NPROC=1,2,4): base bf16, rows full and graph, per-GPU
+            # tok/s and efficiency vs 1 GPU, at SIZE x SIZE (32, then SIZE=128); at 32 also one --profile at 2 GPUs
+    N=${NPROC:-1,2}; S=${SIZE:-32}
+    timeout 300 python3 -m streamnmt bench --model base --amp bf16 --batch-size $S --max-len $S --pad-multiple $S \
+      --repeats 3 --strategies full,graph --no-references --nproc $N --out /tmp/s$S > "$OUT/scaling$S.log" 2>&1
+    cp /tmp/s$S/bench.json "$OUT/scaling$S.json"; cp /tmp/s$S/bench.csv "$OUT/scaling$S.csv"
+    cp /tmp/s$S/bench.png "$OUT/scaling$S.png"; tail -14 "$OUT/scaling$S.log"
+    for d in /tmp/s$S/nproc*; do cp "$d/bench.json" "$OUT/scaling${S}_$(basename "$d").json"; done
+    if [ "$S" = 32 ]; then
+      timeout 160 python3 -m streamnmt bench --model base --amp bf16 --batch-size 32 --max-len 32 --pad-multiple 32 \
+        --repeats 1 --strategies full,graph --no-references --nproc 2 --profile --out /tmp/sp \
+        > "$OUT/scaling_profile.log" 2>&1
+      cp /tmp/sp/timeline.png "$OUT/scaling_timeline2.png"; cp /tmp/sp/bench.json "$OUT/scaling_profile.json"
+      grep -E "GPU busy|nccl all-reduce|kernels \(count" "$OUT/scaling_profile.log"
+      timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_bench_dist.py 2>&1 | tail -4
+    fi ;;
+  scaling-compile)  # the same with --compile (each rank compiles each row once: minutes); SIZE=32, then 128
+    N=${NPROC:-1,2}; S=${SIZE:-32}
+    timeout 540 python3 -m streamnmt bench --model base --amp bf16 --batch-size $S --max-len $S --pad-multiple $S \
+      --repeats 3 --compile --strategies full,graph --no-references --nproc $N --out /tmp/sc$S \
+      > "$OUT/scaling${S}c.log" 2>&1
+    cp /tmp/sc$S/bench.json "$OUT/scaling${S}c.json"; cp /tmp/sc$S/bench.csv "$OUT/scaling${S}c.csv"
+    for d in /tmp/sc$S/nproc*; do cp "$d/bench.json" "$OUT/scaling${S}c_$(basename "$d").json"; done
+    tail -14 "$OUT/scaling${S}c.log" ;;
+esac

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -62,6 +61,7 @@ def _exec_torchrun(nproc: str, args: dict, config_file: str | None) -> int:
     exits 0; a failed rank exits non-zero with one line naming it."""
     import torch
 
+    from streamnmt import dist
     from streamnmt.config import build_job
     from streamnmt.configbase import check
 
@@ -83,22 +83,7 @@ def _exec_torchrun(nproc: str, args: dict, config_file: str | None) -> int:
         check(n <= torch.cuda.device_count(), "nproc",
               f"{n} processes but only {torch.cuda.device_count()} CUDA device(s); one GPU per process")
     argv = _argv_without_nproc(sys.argv[1:] if _ARGV is None else list(_ARGV))
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
-
-    try:  # torchrun's own entry point, in this process: as `torchrun --standalone --nproc-per-node N`
-        torchrun(["--standalone", f"--nproc-per-node={n}", "-m", "streamnmt", *argv])
-    except SignalException as e:  # torchrun passed the signal on; the ranks finished their step and saved
-        print(f"streamnmt: stopped by {signal.Signals(e.sigval).name}", file=sys.stderr)
-        return 0
-    except ChildFailedError as e:
-        rank, first = e.get_first_failure()  # the earliest: the others may have been stopped by torchrun
-        how = (f"killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0 and
-               -first.exitcode in signal.valid_signals() else f"exit code {first.exitcode}")
-        print(f"streamnmt: error: rank {rank} failed ({how}); see its error above", file=sys.stderr)
-        return 2 if first.exitcode == 2 else 1
-    return 0
+    return dist.run_torchrun(n, ["-m", "streamnmt", *argv])
 
 
 def _argv_without_nproc(argv: list[str]) -> list[str]:

@@ -151,6 +151,29 @@ def init(backend: str, device: str | None, timeout_s: int) -> Dist:
     return Dist(rank=rank, world=world, local_rank=local, backend=backend, device=dev, control=control)
 
 
+def run_torchrun(n: int, argv: list[str]) -> int:
+    """Run torchrun (``torch.distributed.run``'s own entry point, ``--standalone``) in this process:
+    N processes of ``argv`` (e.g. ``["-m", "streamnmt", "train", ...]``) on this host. A stop by
+    SIGTERM/SIGINT, which torchrun forwards to the ranks, returns 0; a failed rank prints one line
+    naming it and returns 2 when it exited 2 (a bad flag), else 1."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:  # as `torchrun --standalone --nproc-per-node N ARGV`
+        torchrun(["--standalone", f"--nproc-per-node={n}", *argv])
+    except SignalException as e:  # torchrun passed the signal on; the ranks finished their step and saved
+        print(f"streamnmt: stopped by {signal.Signals(e.sigval).name}", file=sys.stderr)
+        return 0
+    except ChildFailedError as e:
+        rank, first = e.get_first_failure()  # the earliest: the others may have been stopped by torchrun
+        how = (f"killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0 and
+               -first.exitcode in signal.valid_signals() else f"exit code {first.exitcode}")
+        print(f"streamnmt: error: rank {rank} failed ({how}); see its error above", file=sys.stderr)
+        return 2 if first.exitcode == 2 else 1
+    return 0
+
+
 def _die_with_launcher() -> None:
     """This rank ends when torchrun dies, even by SIGKILL (no orphan keeps training)."""
     if sys.platform.startswith("linux"):

@@ -142,7 +142,7 @@ def plot_bench(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str =
 
 CATEGORY_COLORS = {"forward": "tab:blue", "backward": "tab:red", "optimizer": "tab:green",
                    "graph replay": "tab:purple", "copy HtoD": "tab:orange", "copy DtoH": "tab:brown",
-                   "copy DtoD": "tab:olive", "memset": "tab:pink", "other": "tab:gray"}
+                   "copy DtoD": "tab:olive", "memset": "tab:pink", "nccl all-reduce": "tab:cyan", "other": "tab:gray"}
 
 
 def plot_timeline(timelines: Mapping[str, Mapping[str, Any]], path: str | Path) -> Path:

@@ -38,6 +38,10 @@ Reference rows: ``resident`` (batches pre-staged on the GPU, single-stream eager
 losses: the limit of eager mode), ``resident-graph`` (the graph strategy on the same resident
 batches: the limit of graph mode; CUDA only) and ``plain`` (blocking ``.to(device)`` and ``loss.item()``
 every step, both counted: two waits per step on CUDA, one on CPU, where there is nothing to copy). See ``runners`` for each row and ``profile`` for the ``--profile`` analysis.
+
+Several GPUs (``--nproc N``, or a list ``1,2,4`` for a scaling table): the rows run on N processes
+through torchrun, DDP on each rank; ms/step is the slowest rank's, tokens/s counts all ranks' tokens,
+tokens/s per GPU is that / N. See ``scaling``.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import torch
 from streamnmt.config import PRESETS, RunConfig
 from streamnmt.configbase import check, check_choice, opt
 from streamnmt.engine import STRATEGY_NAMES
+from streamnmt.engine.config import DIST_BACKENDS
 
 # Reference rows: the limit of an eager loop (batches already on the GPU, no transfers, no host
 # waits), the same for graph mode, and the loop most people write (blocking copy, loss.item()).
@@ -55,6 +56,12 @@ class BenchConfig:
                                "GPU idle breakdown, kernels per stream")
     profile_steps: int = opt(10, "steps profiled per row with --profile")
     seed: int = opt(0, "seed of every row's model initialisation and of the batch order")
+    nproc: str | None = opt(None, "run the rows on N processes of this host (one per GPU, DDP; starts torchrun "
+                                  "for you); a list 1,2,4 runs each world size in turn and adds a scaling table")
+    dist_backend: str = opt("auto", "several processes: torch.distributed backend; auto = nccl on CUDA, gloo on "
+                                    "CPU", choices=DIST_BACKENDS)
+    dist_timeout: int = opt(300, "several processes: seconds a collective may wait for another rank (graph "
+                                 "capture and compilation of a row happen between two collectives)")
 
     def __post_init__(self) -> None:
         RunConfig(device=self.device)  # the trainer's --device check
@@ -73,7 +80,24 @@ class BenchConfig:
         check(self.workers is None or self.workers >= 0, "workers", f"must be 0 or more; got {self.workers}")
         check(self.builtin_size >= 100, "builtin_size", f"must be at least 100; got {self.builtin_size}")
         check(self.profile_steps >= 1, "profile_steps", f"must be at least 1; got {self.profile_steps}")
+        check_choice(self.dist_backend, "dist_backend", DIST_BACKENDS)
+        check(self.dist_timeout >= 5, "dist_timeout", f"must be at least 5 seconds; got {self.dist_timeout}")
+        self.world_sizes()  # validates --nproc
         self.selected()  # validates --strategies
+
+    def world_sizes(self) -> list[int]:
+        """The world sizes of ``--nproc``, in the order given ([] without the flag)."""
+        if self.nproc is None:
+            return []
+        sizes = []
+        for part in str(self.nproc).split(","):
+            try:
+                sizes.append(int(part.strip()))
+            except ValueError:
+                check(False, "nproc", f"must be a number of processes or a list such as 1,2,4; got {self.nproc!r}")
+        check(all(n >= 1 for n in sizes), "nproc", f"every world size must be at least 1; got {self.nproc!r}")
+        check(len(set(sizes)) == len(sizes), "nproc", f"lists a world size twice: {self.nproc!r}")
+        return sizes
 
     def selected(self) -> list[str]:
         """The rows named by ``--strategies`` (before references are added), in table order."""
@@ -85,8 +109,8 @@ class BenchConfig:
         check(not unknown, "strategies", f"unknown row(s) {', '.join(unknown)}; known: {', '.join(ORDER)}, all")
         return [n for n in ORDER if n in names]
 
-    def rows(self, device: torch.device) -> tuple[list[str], list[str]]:
-        """(rows to run in order, notes about rows left out on this device)."""
+    def rows(self, device: torch.device, world: int = 1) -> tuple[list[str], list[str]]:
+        """(rows to run in order, notes about rows left out on this device and world size)."""
         names = set(self.selected())
         if self.references:
             names |= {"resident", "plain"}
@@ -106,6 +130,10 @@ class BenchConfig:
         if "resident-graph" in names and device.type != "cuda":
             names.discard("resident-graph")
             notes.append("resident-graph left out: CUDA graphs need a CUDA device")
+        if "compile-ro" in names and world > 1:
+            names.discard("compile-ro")
+            notes.append("compile-ro left out on several processes: reduce-overhead's graph trees around "
+                         "DistributedDataParallel are not measured here")
         return [n for n in ORDER if n in names], notes
 
     def resolve(self, device: torch.device) -> BenchConfig:

@@ -5,6 +5,10 @@ runner per row (model from the same seed, strategy, streams, graph capture: all 
 timing), ``repeats`` rounds of one timed run per row, an optional profiled pass per row, then
 ``bench.json`` (every per-run number, config, device, versions, date, commit), ``bench.csv``
 (one summary row per row), ``bench.png`` and the console table, printed last.
+
+Under torchrun (``--nproc N`` starts it, see :mod:`streamnmt.bench.scaling`) every rank runs the
+same steps on its shard with a DDP-wrapped model; after each run the ranks' results are gathered
+(host-side) and merged: the slowest rank's time, every rank's tokens. Rank 0 alone writes and prints.
 """
 
 from __future__ import annotations
@@ -23,13 +27,16 @@ from typing import Any
 
 import torch
 
+from streamnmt import dist as distributed
 from streamnmt.bench.config import BenchConfig
 from streamnmt.bench.flops import peak_flops, precision
-from streamnmt.bench.profile import GRAPH_BRANCHES, analyze_trace, format_summary, load_trace, stream_label
+from streamnmt.bench.profile import (ALL_REDUCE, GRAPH_BRANCHES, analyze_trace, format_summary, load_trace,
+                                     stream_label)
 from streamnmt.bench.runners import Env, Runner, make_runner
+from streamnmt.bench.scaling import merge_ranks
 from streamnmt.bench.stats import CSV_FIELDS, format_table, limit_of, summarize
 from streamnmt.config import PRESETS
-from streamnmt.configbase import to_dict
+from streamnmt.configbase import check, to_dict
 from streamnmt.data import DataConfig, padding_share, prepare_data
 from streamnmt.fsutil import atomic_write
 from streamnmt.model import ModelShape
@@ -94,13 +101,23 @@ def _footnotes(cfg: BenchConfig, rows: list[dict[str, Any]], peak: float | None,
         "CPU: this process's CPU time / wall (100% = one core; loader workers in bench.json); syncs, sync ms: "
         "counted host waits inside the timed loop (the end-of-run drain is in bench.json)",
     ]
+    world = max((r.get("world", 1) for r in rows), default=1)
+    if world > 1:
+        lines.insert(1, f"{world} processes (DDP): ms/step is the slowest rank's; tok/s counts every rank's tokens; "
+                        f"tok/s per GPU = tok/s / {world}; MFU: / ({world} x peak); GPU span, NVML, CPU, syncs: rank "
+                        "0's (every rank's in bench.json)")
     for name, ns in notes.items():
         lines += [f"{name}: {n}" for n in ns]
     return "\n".join(lines)
 
 
-def _profile(runners: list[Runner], cfg: BenchConfig, out: Path, log: Log) -> dict[str, Any]:
-    """A profiled pass per row: trace files, timeline.png, idle breakdown and kernels per stream."""
+def _profile(runners: list[Runner], cfg: BenchConfig, out: Path, log: Log, record: bool = True) -> dict[str, Any]:
+    """A profiled pass per row: trace files, timeline.png, idle breakdown and kernels per stream.
+    ``record`` False (ranks other than 0): the same steps, so that DDP's collectives pair up, unrecorded."""
+    if not record:
+        for runner in runners:
+            runner.profile(cfg.profile_steps, out / f"trace_{runner.name}.json", record=False)
+        return {}
     result: dict[str, Any] = {}
     timelines: dict[str, dict[str, Any]] = {}
     texts = []
@@ -110,8 +127,9 @@ def _profile(runners: list[Runner], cfg: BenchConfig, out: Path, log: Log) -> di
         result[runner.name] = {"trace": path.name, **(summary.to_dict() if summary else {"gpu": None})}
         texts.append(format_summary(runner.name, summary))
         if summary is not None:
-            timelines[runner.name] = {"ops": summary.ops, "syncs": summary.syncs,
-                                      "labels": {GRAPH_BRANCHES: stream_label(GRAPH_BRANCHES)}}
+            labels = {GRAPH_BRANCHES: stream_label(GRAPH_BRANCHES)}
+            labels.update({st: f"{stream_label(st)} (NCCL)" for st in summary.streams.get(ALL_REDUCE, {})})
+            timelines[runner.name] = {"ops": summary.ops, "syncs": summary.syncs, "labels": labels}
         log(f"bench: profiled {runner.name}: {path}")
     if timelines:
         plot_timeline(timelines, out / "timeline.png")
@@ -123,25 +141,55 @@ def _profile(runners: list[Runner], cfg: BenchConfig, out: Path, log: Log) -> di
 
 
 def run_bench(cfg: BenchConfig, log: Log = print) -> int:
-    device = resolve_device(cfg.device)
+    """``streamnmt bench``: in this process, as one rank of torchrun's, or (``--nproc``) through torchrun."""
+    sizes = cfg.world_sizes()
+    if sizes:
+        from streamnmt.bench.scaling import run_sizes
+        return run_sizes(cfg, sizes, log)
+    d = distributed.init(cfg.dist_backend, cfg.device, cfg.dist_timeout)
+    try:
+        return _run(cfg, d, log if d.main else distributed.quiet)  # other ranks: errors only
+    except Exception as e:
+        if d.active and distributed.is_collective_error(e):
+            raise distributed.peer_lost(d, e) from None
+        raise
+    finally:
+        d.close()
+
+
+def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
+    device = d.device or resolve_device(cfg.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # streams, events and graphs default to this rank's GPU
     cfg = cfg.resolve(device)
-    names, skipped = cfg.rows(device)
+    names, skipped = cfg.rows(device, d.world)
     seed_everything(cfg.seed)
 
-    # 1. data: the trainer's loader over the same corpus for every row
+    # 1. data: the trainer's loader over the same corpus for every row (rank 0 prepares it first)
     data_cfg = DataConfig(data=cfg.data, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, max_len=cfg.max_len,
                           pad_multiple=cfg.pad_multiple, builtin_size=cfg.builtin_size)
+    if not d.main:
+        d.agree(False, "dist.setup")  # Needed: rank 0 writes the tokenizers and cache; the others read them
     bundle = prepare_data(data_cfg, log=log)
-    d, n, h, ff = PRESETS[cfg.model]
-    shape = ModelShape(bundle.src_tok.vocab_size, bundle.tgt_tok.vocab_size, d, n, h, ff, dropout=0.1,
+    if d.main:
+        d.agree(False, "dist.setup")
+    dm, n, h, ff = PRESETS[cfg.model]
+    shape = ModelShape(bundle.src_tok.vocab_size, bundle.tgt_tok.vocab_size, dm, n, h, ff, dropout=0.1,
                        max_positions=max(1024, cfg.max_len + 8))
     info = device_info(device)
     peak = peak_flops(info["name"], cfg.amp) if device.type == "cuda" else None
-    env = Env(cfg, device, shape, data_cfg, bundle.train, peak, log)
+    env = Env(cfg, device, shape, data_cfg, bundle.train, peak, log, dist=d)
+    empty = env.loader(0).sampler.empty_rank() if d.active else None
+    check(empty is None, "nproc", f"{d.world} processes leave rank {empty} without a single pair "
+                                  f"({len(bundle.train)} pairs in batches of {cfg.batch_size} per rank); use fewer "
+                                  "processes or a smaller --batch-size")
     out = Path(cfg.out) if cfg.out else increment_path("runs/bench", "exp")
-    out.mkdir(parents=True, exist_ok=True)
-    log(f"bench: {info['name']}, model {cfg.model} ({n}+{n} layers, d_model {d}), amp {cfg.amp}, batch "
-        f"{cfg.batch_size} x max-len {cfg.max_len} (pad multiple {cfg.pad_multiple}), rows {', '.join(names)}; "
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+    ranks = f"; {d.world} processes ({d.backend}, DDP)" if d.active else ""
+    log(f"bench: {info['name']}, model {cfg.model} ({n}+{n} layers, d_model {dm}), amp {cfg.amp}{ranks}, batch "
+        f"{cfg.batch_size}{' per rank' if d.active else ''} x max-len {cfg.max_len} (pad multiple "
+        f"{cfg.pad_multiple}), rows {', '.join(names)}; "
         f"{cfg.repeats} x ({cfg.warmup} warm-up + {cfg.steps} timed steps) each; out {out}")
     for note in skipped:
         log(f"bench: {note}")
@@ -162,13 +210,17 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> int:
         for repeat in range(cfg.repeats):
             for runner in runners:
                 result = runner.run_once(repeat)
+                if d.active:  # every rank's numbers: the slowest rank's time, all ranks' tokens
+                    result = merge_ranks(d.gather(result, "bench.gather"), env.peak_flops)
                 runs[runner.name].append(result)
                 log(_progress(runner.name, repeat, cfg.repeats, result))
 
         # 4. optional profiled pass
-        profiles = _profile(runners, cfg, out, log) if cfg.profile else {}
+        profiles = _profile(runners, cfg, out, log, record=d.main) if cfg.profile else {}
     finally:
         env.close()
+    if not d.main:
+        return 0  # rank 0 alone writes and prints
 
     # 5. summary and files; the table last
     rows = summarize(runs)
@@ -181,6 +233,7 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> int:
         row["kernel_busy_pct"] = None if busy is None else 100 * busy / cfg.profile_steps / row["ms_per_step"]
     record = {
         "config": to_dict(cfg), "rows": names, "left_out": skipped, "device": info,
+        "world": d.world, "dist_backend": d.backend,
         "torch": torch.__version__, "python": platform.python_version(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_commit(),
         "model": {**dataclasses.asdict(shape), "params": sum(p.numel() for p in runners[0].step.params)},
@@ -199,7 +252,7 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> int:
     writer.writerows(rows)
     atomic_write(out / "bench.csv", buf.getvalue())
     plot_bench(rows, out / "bench.png", title=f"{info['name']}: {cfg.model}, {cfg.amp}, batch {cfg.batch_size}"
-               f" x {cfg.max_len}")
+               f" x {cfg.max_len}" + (f" x {d.world} processes" if d.active else ""))
     log(f"bench: wrote bench.json, bench.csv, bench.png to {out}")
     log(format_table(rows) + "\n" + _footnotes(cfg, rows, peak, info["name"], notes))
     return 0

@@ -9,8 +9,10 @@ correlation id of the host call that launched it. The launch's host time is look
 benchmark's phase ranges (``step.forward``, ``step.backward``, ``step.optimizer``,
 ``graph.replay``, recorded by :class:`streamnmt.monitor.TimedStep`): a kernel launched while
 ``step.backward`` was open is a backward kernel, whichever thread launched it (autograd launches
-backward kernels from its own thread). Copies are classed by direction. So the table shows, e.g.,
-that the ``deep`` strategy's backward kernels ran on its forward stream.
+backward kernels from its own thread). Copies are classed by direction, NCCL kernels (DDP's
+gradient all-reduce, on several processes) as ``nccl all-reduce`` whenever they were launched. So
+the table shows, e.g., that the ``deep`` strategy's backward kernels ran on its forward stream, and
+on which stream, and for how long, the all-reduce ran beside them.
 
 **GPU busy and idle time.** Over the profiled window (the ``bench.window`` range: the steps and
 their final drain), the union of all GPU ops on all streams is busy time, the rest is idle. Each
@@ -53,6 +55,7 @@ PHASES = {"step.forward": "forward", "step.backward": "backward", "step.optimize
 SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
                         "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize", "cuMemcpy"})
 IDLE_CAUSES = ("launch", "data", "sync", "queued")
+ALL_REDUCE = "nccl all-reduce"  # the category of NCCL's kernels (several processes, DDP)
 GRAPH_BRANCHES = -1  # pseudo-stream: streams that only ran graph-internal kernels
 TOP_KERNELS = 12     # kernels named in the summary, by GPU time
 _GPU_CATS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
@@ -108,6 +111,8 @@ def _category(op: GpuOp, starts: list[float], phases: list[tuple[float, float, s
         return "copy"
     if op.kind == "memset":
         return "memset"
+    if op.kind == "kernel" and op.name.lower().startswith("nccl"):
+        return ALL_REDUCE  # DDP's gradient all-reduce (in a graph replay too): on NCCL's own stream
     if op.launch is None:
         return "other"
     i = bisect.bisect_right(starts, op.launch) - 1  # the phase open at launch time (phases do not nest)

@@ -9,6 +9,9 @@ finished to count). Each call sees the same batches: the loader is rewound to th
 addresses of its weights and optimizer state into its graphs, and each strategy's streams keep
 their own allocator pools. Weights are not reset between repeats; timings do not depend on them.
 
+Several processes (torchrun): every rank builds the same rows with a DDP-wrapped model and its
+share of the data, runs the same steps, and waits for the others before each timed stage.
+
 Rows:
 * a strategy (``baseline`` ... ``graph``): ``strategy.run`` over the real loader, losses polled
   as the trainer does; ``full`` and ``graph`` load in worker processes, as the trainer does;
@@ -26,6 +29,7 @@ Measurements per timed stage: see ``streamnmt.bench`` (the package docstring).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +40,7 @@ from typing import Any
 import torch
 
 from streamnmt.bench.config import BenchConfig
+from streamnmt.dist import Dist
 from streamnmt.bench.flops import training_flops
 from streamnmt.data import Batch, BatchLoader, DataConfig, make_loader
 from streamnmt.data.corpus import TokenizedCorpus
@@ -69,9 +74,11 @@ class Env:
     """What every runner shares: settings, model shape, data loaders, the GPU-resident batches."""
 
     def __init__(self, cfg: BenchConfig, device: torch.device, shape: ModelShape, data_cfg: DataConfig,
-                 corpus: TokenizedCorpus, peak_flops: float | None, log: Callable[[str], None]):
+                 corpus: TokenizedCorpus, peak_flops: float | None, log: Callable[[str], None],
+                 dist: Dist | None = None):
         self.cfg, self.device, self.shape, self.data_cfg, self.corpus = cfg, device, shape, data_cfg, corpus
         self.peak_flops, self.log = peak_flops, log
+        self.dist = dist or Dist()  # one process unless torchrun started several
         self.cuda = device.type == "cuda"
         self._loaders: dict[int, BatchLoader] = {}
         self._staged: list[Batch] | None = None
@@ -81,7 +88,7 @@ class Env:
         if workers not in self._loaders:
             cfg = dataclasses.replace(self.data_cfg, workers=workers)
             self._loaders[workers] = make_loader(self.corpus, cfg, train=True, seed=self.cfg.seed,
-                                                 pin_memory=self.cuda)
+                                                 pin_memory=self.cuda, world=self.dist.world, rank=self.dist.rank)
         return self._loaders[workers]
 
     def staged(self) -> list[Batch]:
@@ -103,8 +110,11 @@ class Env:
         """A model and its step function, initialised from the benchmark's seed (same for every row)."""
         torch.manual_seed(self.cfg.seed)
         model = Transformer(self.shape).to(self.device)
-        return make_step(model, self.device, d_model=self.shape.d_model, lr=1.0, warmup=4000, amp=self.cfg.amp,
-                         clip=1.0, compile=self.cfg.compile)
+        step = make_step(model, self.device, d_model=self.shape.d_model, lr=1.0, warmup=4000, amp=self.cfg.amp,
+                         clip=1.0, compile=self.cfg.compile, ddp=self.dist.active)
+        if self.dist.rank > 0:  # same weights everywhere, each rank its own dropout stream (as the trainer)
+            torch.manual_seed(self.cfg.seed + 1_000_003 * self.dist.rank)
+        return step
 
     def close(self) -> None:
         self._loaders.clear()  # worker processes end with their DataLoader iterators
@@ -168,6 +178,8 @@ class Runner:
             for _ in self.loop(islice(src, cfg.warmup)):
                 pass
             self.finish("bench.warmup")
+            # Needed (several ranks): the timed stages start together; the slowest rank's time counts.
+            env.dist.agree(False, "bench.start")  # host-side barrier; a no-op for one process
             STATS.reset()
             if cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -216,8 +228,9 @@ class Runner:
         # rows' caches from adding up. cudaFree waits for the device (idle here: just drained).
         host_sync("bench.release", torch.cuda.empty_cache)
 
-    def profile(self, steps: int, path: Path) -> Path:
-        """Profile ``steps`` steps (after a short warm-up) and export a Chrome/Perfetto trace."""
+    def profile(self, steps: int, path: Path, record: bool = True) -> Path | None:
+        """Profile ``steps`` steps (after a short warm-up) and export a Chrome/Perfetto trace.
+        ``record`` False (ranks other than 0): the same steps, unprofiled, nothing written."""
         src = self.source(PROFILE_WARMUP + steps)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.env.cuda:
@@ -227,7 +240,8 @@ class Runner:
                 pass
             self.finish("bench.profile_warmup")
             self.step.annotate = True
-            with torch.profiler.profile(activities=activities) as prof:
+            prof = torch.profiler.profile(activities=activities) if record else contextlib.nullcontext()
+            with prof:
                 with torch.profiler.record_function(WINDOW):
                     for _ in self.loop(islice(src, steps)):
                         pass
@@ -238,6 +252,8 @@ class Runner:
         if self.env.cuda:
             self._release()
         STATS.reset()
+        if not record:
+            return None
         with atomic_path(path, suffix=".json") as tmp:
             prof.export_chrome_trace(str(tmp))
         return path

@@ -59,9 +59,12 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     rows = []
     for name, rs in runs.items():
         s = spread(ms[name])
+        world = rs[0].get("world", 1)  # processes that ran it (runs merged across ranks: scaling.merge_ranks)
+        tokens_per_s = _median(rs, "tokens_per_s")  # all ranks' tokens / the slowest rank's time
         row: dict[str, Any] = {
             "name": name, "repeats": len(rs), "ms_per_step": s.median, "ms_min": s.lo, "ms_max": s.hi,
-            "tokens_per_s": _median(rs, "tokens_per_s"), "padded_tokens_per_s": _median(rs, "padded_tokens_per_s"),
+            "world": world, "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_gpu": None if tokens_per_s is None else tokens_per_s / world, "padded_tokens_per_s": _median(rs, "padded_tokens_per_s"),
             "mfu_pct": _median(rs, "mfu_pct"),
             "gpu_busy_pct": _median(rs, "gpu_busy_pct"), "nvml_util_pct": _median(rs, "nvml_util_pct"),
             "cpu_pct": _median(rs, "cpu_pct"), "workers_cpu_pct": _median(rs, "workers_cpu_pct"),
@@ -98,24 +101,29 @@ COLUMNS = ["row", "ms/step [min-max]", "real tok/s", "padded tok/s", "vs baselin
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """The console table (printed last by ``streamnmt bench``)."""
-    cells = [COLUMNS]
+    """The console table (printed last by ``streamnmt bench``); on several processes with a per-GPU column."""
+    several = any(r.get("world", 1) > 1 for r in rows)
+    columns = COLUMNS[:3] + ["tok/s per GPU"] + COLUMNS[3:] if several else COLUMNS
+    cells = [columns]
     for r in rows:
+        per_gpu = [_num(r.get("tokens_per_s_per_gpu"), ",.0f")] if several else []
         cells.append([
             r["name"], f"{r['ms_per_step']:.2f} [{r['ms_min']:.2f}-{r['ms_max']:.2f}]",
-            _num(r["tokens_per_s"], ",.0f"), _num(r.get("padded_tokens_per_s"), ",.0f"), _compare(r, "speedup", ".2f", "x"),
+            _num(r["tokens_per_s"], ",.0f"), *per_gpu, _num(r.get("padded_tokens_per_s"), ",.0f"),
+            _compare(r, "speedup", ".2f", "x"),
             _compare(r, "pct_of_limit", ".0f", "%"), _num(r["mfu_pct"], ".1f", "%"),
             _num(r["gpu_busy_pct"], ".0f", "%"), _num(r.get("kernel_busy_pct"), ".0f", "%"),
             _num(r["nvml_util_pct"], ".0f", "%"),
             _num(r["cpu_pct"], ".0f", "%"), _num(r["sync_count"], ".0f"), _num(r["sync_ms"], ".1f"),
             _num(r["peak_mem_mb"], ",.0f")])
-    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in cells]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
 
 
-CSV_FIELDS = ["name", "repeats", "ms_per_step", "ms_min", "ms_max", "tokens_per_s", "padded_tokens_per_s", "speedup", "speedup_noise",
+CSV_FIELDS = ["name", "world", "repeats", "ms_per_step", "ms_min", "ms_max", "tokens_per_s", "tokens_per_s_per_gpu",
+              "padded_tokens_per_s", "speedup", "speedup_noise",
               "pct_of_limit", "pct_of_limit_ref", "pct_of_limit_noise", "mfu_pct", "gpu_busy_pct",
               "kernel_busy_pct", "nvml_util_pct", "cpu_pct", "workers_cpu_pct", "sync_count", "sync_ms", "peak_mem_mb", "note"]

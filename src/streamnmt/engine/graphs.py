@@ -31,8 +31,9 @@ micro-batches' variant skips the all-reduce (DDP's ``no_sync``).
 Several ranks (DistributedDataParallel): the all-reduce runs inside the captured backward. As
 PyTorch's CUDA-graph notes require, DDP is built on a side stream (``streamnmt.step``) and the
 warm-up runs at least 11 DDP iterations before capture (DDP rebuilds its buckets on the host in
-its first iterations); the process group is made with NCCL's asynchronous error handling off
-(``streamnmt.dist``).
+its first iterations). NCCL's watchdog (what ends a run whose peer died) stays on: PyTorch 2.2 and
+later keep its event queries out of a capture, so the older advice to turn asynchronous error
+handling off no longer applies.
 
 Where capture is impossible (no CUDA, an error during capture) the strategy says so in one line
 and runs the ``full`` strategy instead.

@@ -5,11 +5,8 @@ scaling summary with consistent numbers, plain torchrun works the same (rank 0 a
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +18,7 @@ from streamnmt import cli
 from streamnmt.bench.profile import ALL_REDUCE, analyze_trace
 from streamnmt.bench.scaling import merge_ranks
 from tests.test_dist import free_port
+from tests.test_dist import launch as launch_process
 
 TINY = ["--device", "cpu", "--model", "tiny", "--builtin-size", "400", "--batch-size", "8", "--max-len", "16",
         "--warmup", "1", "--steps", "3", "--repeats", "1", "--workers", "0", "--no-references"]
@@ -32,15 +30,8 @@ def home(tmp_path_factory) -> str:
 
 
 def launch(cmd: list[str], home: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, STREAMNMT_HOME=home, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=240)
-    finally:  # nothing it started outlives the test
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    """Run ``cmd`` to the end in its own session (the trainer tests' launcher, 1 OpenMP thread)."""
+    return launch_process(cmd, home, None, True)
 
 
 @pytest.fixture(scope="module")

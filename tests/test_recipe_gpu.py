@@ -15,26 +15,14 @@ from streamnmt.engine import DeferredLosses, EngineConfig, make_strategy
 from streamnmt.model import make_model
 from streamnmt.step import example_batch, make_step
 from tests.engine.test_engine import run_collect, run_without_host_syncs
+from tests.engine.test_graphs_gpu import SHAPES, random_batches
 
 pytestmark = pytest.mark.gpu
-SHAPES = [(16, 16, 16), (16, 24, 24)]
 VOCAB = 200
 
 
 def batches(n: int, seed: int = 0) -> list[Batch]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        b, s, t = SHAPES[i % len(SHAPES)]
-        src = torch.randint(4, VOCAB, (b, s), generator=g)
-        tgt = torch.randint(4, VOCAB, (b, t + 1), generator=g)
-        for r in range(b):  # right padding of random length
-            src[r, int(torch.randint(s // 2, s + 1, (1,), generator=g)):] = 0
-            tgt[r, int(torch.randint(t // 2, t + 2, (1,), generator=g)):] = 0
-        tgt_in, tgt_out = tgt[:, :-1].contiguous(), tgt[:, 1:].contiguous()
-        out.append(Batch(src=src.pin_memory(), tgt_in=tgt_in.pin_memory(), tgt_out=tgt_out.pin_memory(),
-                         ntokens=int((tgt_out != 0).sum()), src_tokens=int((src != 0).sum())))
-    return out
+    return random_batches(n, seed, src_vocab=VOCAB, tgt_vocab=VOCAB)  # one vocabulary: --tie-embeddings all
 
 
 def train(strategy: str, steps: int = 50, tie: str = "none", no_syncs: bool = False):

@@ -34,7 +34,7 @@ from streamnmt.config import TrainJob, job_from_dict
 from streamnmt import dist as distributed
 from streamnmt.errors import ConfigError, InputError, NonFiniteLoss
 from streamnmt.fsutil import atomic_write
-from streamnmt.data import batch_plan, make_loader, padding_share, prepare_data, read_pairs
+from streamnmt.data import batch_plan, make_loader, prepare_data, read_pairs
 from streamnmt.devices import resolve_device
 from streamnmt.engine import STATS, DeferredLosses, host_sync, make_strategy
 from streamnmt.engine.auto import choose_compile, choose_strategy
@@ -174,7 +174,7 @@ class Trainer:
             + (f"; {d.world} processes ({d.backend}) x --accum-steps {k}" if d.active else
                f"; --accum-steps {k}" if k > 1 else ""))
         log(f"data: {len(self.train_loader)} batches per epoch in {len(self.train_loader.shapes())} shape(s); "
-            f"padding {100 * padding_share(self.data.train, job.data):.1f} % of the target positions")
+            f"padding {100 * (1 - self.train_loader.num_tokens()['tgt_fill']):.1f} % of the target positions")
 
     @classmethod
     def from_checkpoint(cls, path: str, log: Callable[[str], None] = print,

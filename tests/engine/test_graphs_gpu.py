@@ -17,13 +17,13 @@ pytestmark = pytest.mark.gpu
 SHAPES = [(16, 16, 16), (16, 24, 24)]
 
 
-def random_batches(n: int, seed: int = 0) -> list[Batch]:
+def random_batches(n: int, seed: int = 0, src_vocab: int = 200, tgt_vocab: int = 220) -> list[Batch]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
         b, s, t = SHAPES[i % len(SHAPES)]
-        src = torch.randint(4, 200, (b, s), generator=g)
-        tgt = torch.randint(4, 220, (b, t + 1), generator=g)
+        src = torch.randint(4, src_vocab, (b, s), generator=g)
+        tgt = torch.randint(4, tgt_vocab, (b, t + 1), generator=g)
         for r in range(b):  # right padding of random length
             src[r, int(torch.randint(s // 2, s + 1, (1,), generator=g)):] = 0
             tgt[r, int(torch.randint(t // 2, t + 2, (1,), generator=g)):] = 0

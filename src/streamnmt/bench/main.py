@@ -37,7 +37,7 @@ from streamnmt.bench.scaling import merge_ranks
 from streamnmt.bench.stats import CSV_FIELDS, format_table, limit_of, summarize
 from streamnmt.config import PRESETS
 from streamnmt.configbase import check, to_dict
-from streamnmt.data import DataConfig, padding_share, prepare_data
+from streamnmt.data import DataConfig, prepare_data
 from streamnmt.fsutil import atomic_write
 from streamnmt.model import ModelShape
 from streamnmt.plots import plot_bench, plot_timeline
@@ -194,7 +194,7 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
     for note in skipped:
         log(f"bench: {note}")
     log(f"bench: {len(env.loader(0).shapes())} batch shape(s); padding "
-        f"{100 * padding_share(bundle.train, data_cfg):.1f} % of the target positions")
+        f"{100 * (1 - env.loader(0).num_tokens()['tgt_fill']):.1f} % of the target positions")
 
     try:
         # 2. every row built once: model from the same seed, strategy and streams, graph capture

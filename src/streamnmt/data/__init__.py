@@ -14,7 +14,7 @@ from streamnmt.data.batch import Batch, HostBatch, collate, collate_host
 from streamnmt.data.config import DataConfig
 from streamnmt.data.corpus import TokenizedCorpus
 from streamnmt.data.loader import BatchLoader, make_loader
-from streamnmt.data.plan import batch_plan, padding_share
+from streamnmt.data.plan import batch_plan
 from streamnmt.data.prepare import DataBundle, builtin_dir, prepare_data, read_pairs, resolve_data_dir
 from streamnmt.data.sampler import BucketSampler, bucket_batch_size, bucket_lengths
 from streamnmt.data.tokenizer import Tokenizer, train_tokenizer
@@ -22,5 +22,5 @@ from streamnmt.data.tokenizer import Tokenizer, train_tokenizer
 __all__ = [
     "Batch", "BatchLoader", "BucketSampler", "DataBundle", "DataConfig", "HostBatch", "TokenizedCorpus",
     "Tokenizer", "bucket_batch_size", "bucket_lengths", "builtin_dir", "collate", "collate_host",
-    "make_loader", "batch_plan", "padding_share", "prepare_data", "read_pairs", "resolve_data_dir", "train_tokenizer",
+    "make_loader", "batch_plan", "prepare_data", "read_pairs", "resolve_data_dir", "train_tokenizer",
 ]

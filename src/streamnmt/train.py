@@ -68,32 +68,49 @@ class Trainer:
     """
 
     def __init__(self, job: TrainJob, log: Callable[[str], None] = print, resume: dict[str, Any] | None = None):
+        # Each build step validates what it makes; errors before _build_run_dir leave nothing behind.
+        self._build_process(job, log)
+        self.job = self._resolve(job) if resume is None else job
+        self._build_data(resume)
+        self._build_model(resume)
+        self._build_engine()
+        self._build_loaders()
+        self._build_state(resume)
+        self._prepare_engine()
+        self._build_run_dir(resume)
+        self._build_logs(resume)
+        self._log_start(resume)
+
+    def _build_process(self, job: TrainJob, log: Callable[[str], None]) -> None:
+        """Process group (under torchrun), this rank's device and log, determinism and seeds."""
         self.dist = distributed.init(job.engine.dist_backend, job.run.device, job.engine.dist_timeout)
-        self.log = log = log if self.dist.main else distributed.quiet  # other ranks: errors only
+        self.log = log if self.dist.main else distributed.quiet  # other ranks: errors only
         self.device = self.dist.device or resolve_device(job.run.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # so that streams, events and graphs default to it
-        self.job = job = self._resolve(job) if resume is None else job
         if job.run.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         seed_everything(job.run.seed)
 
-        # 1. data (errors here leave nothing behind: the run dir does not exist yet)
-        self.data = prepare_data(job.data, log=log)
+    def _build_data(self, resume: dict[str, Any] | None) -> None:
+        """Tokenizers and tokenized splits; then the settings that depend on the data (--compile auto)."""
+        self.data = prepare_data(self.job.data, log=self.log)
         if resume is not None:
             self._check_tokenizers(resume)
         else:
-            self.job = job = self._resolve_compile(job)
-        # 2. model and step function (optimizer, schedule, scaler)
-        m = job.model
+            self.job = self._resolve_compile(self.job)
+
+    def _build_model(self, resume: dict[str, Any] | None) -> None:
+        """The model (from --weights if given) and the step function: optimizer, schedule, scaler."""
+        job, m = self.job, self.job.model
         self.shape = ModelShape(self.data.src_tok.vocab_size, self.data.tgt_tok.vocab_size, m.d_model,
                                 m.n_layers, m.n_heads, m.d_ff, m.dropout,
                                 max_positions=max(1024, job.data.max_len + 8), tie_embeddings=m.tie_embeddings)
         self.model = Transformer(self.shape).to(self.device)
         if job.run.weights and resume is None:
             load_model_weights(self.model, load_checkpoint(job.run.weights), job.run.weights)
-            log(f"weights: started from {job.run.weights}")
+            self.log(f"weights: started from {job.run.weights}")
         if self.dist.rank > 0:  # same initial weights on every rank, its own dropout stream after
             torch.manual_seed(job.run.seed + 1_000_003 * self.dist.rank)
         self.step_fn = make_step(self.model, self.device, d_model=m.d_model, lr=job.optim.lr,
@@ -104,14 +121,19 @@ class Trainer:
                                  ddp=self.dist.active)
         self.optimizer, self.schedule, self.scaler = (self.step_fn.optimizer, self.step_fn.schedule,
                                                       self.step_fn.scaler)
-        # 3. engine: the strategy's streams are created once, here
-        self.strategy = make_strategy(job.engine.sync_strategy, self.device, job.engine, log=log)
+
+    def _build_engine(self) -> None:
+        """The strategy; its streams are created once, here."""
+        self.strategy = make_strategy(self.job.engine.sync_strategy, self.device, self.job.engine, log=self.log)
+
+    def _build_loaders(self) -> None:
+        """This rank's training loader (its share of each global step) and the validation loader."""
+        job, k, d = self.job, self.job.engine.accum_steps, self.dist
         workers = job.data.workers
         if self.strategy.wants_workers and workers == 0:
             workers = min(4, os.cpu_count() or 1)
-            log(f"engine: '{self.strategy.name}' loads in worker processes: --workers {workers}")
+            self.log(f"engine: '{self.strategy.name}' loads in worker processes: --workers {workers}")
         pin = self.device.type == "cuda"
-        k, d = job.engine.accum_steps, self.dist
         self.train_loader = make_loader(self.data.train, dataclasses.replace(job.data, workers=workers),
                                         train=True, seed=job.run.seed, pin_memory=pin, accum=k, world=d.world,
                                         rank=d.rank)
@@ -121,19 +143,27 @@ class Trainer:
                               f" per rank); use fewer processes or a smaller --batch-size")
         self.dev_loader = make_loader(self.data.dev, dataclasses.replace(job.data, workers=0), train=False,
                                       seed=job.run.seed, pin_memory=pin)
-        self.losses = DeferredLosses(self.device, job.engine.loss_interval, group=k,
+
+    def _build_state(self, resume: dict[str, Any] | None) -> None:
+        """Deferred losses, step counters, early stopping, the time budget; a checkpoint's state on resume."""
+        job, d = self.job, self.dist
+        self.losses = DeferredLosses(self.device, job.engine.loss_interval, group=job.engine.accum_steps,
                                      reduce=d.reduce_sum_ if d.active else None)
         self.global_step, self.epoch, self.epoch_pos, self.best_val = 0, 0, 0, math.inf
         self.stopper = EarlyStopping(best_metric(job.run), job.run.patience)  # best.pt and --patience
         self.budget = TimeBudget(parse_duration(job.run.time_limit))
         if resume is not None:
             self._restore(resume)
-        # Graph capture restores every state tensor and the RNG after its warm-up, so it is
-        # correct before or after a restore.
-        self.strategy.prepare(self.step_fn, [example_batch(shape, self.shape, job.run.seed)
+
+    def _prepare_engine(self) -> None:
+        """The strategy's set-up (graph capture). Graph capture restores every state tensor and the
+        RNG after its warm-up, so it is correct before or after a restore."""
+        self.strategy.prepare(self.step_fn, [example_batch(shape, self.shape, self.job.run.seed)
                                              for shape in self.train_loader.shapes()])
-        # 4. run directory (only now that everything above is valid)
-        r = job.run
+
+    def _build_run_dir(self, resume: dict[str, Any] | None) -> None:
+        """The run directory (only now that everything above is valid): rank 0 makes it, the others learn it."""
+        r = self.job.run
         if resume is not None:
             self.save_dir = Path(r.resume).resolve().parent.parent
         elif not self.dist.main:
@@ -141,12 +171,15 @@ class Trainer:
         else:
             self.save_dir = increment_path(r.project, r.name, r.exist_ok)
             (self.save_dir / "weights").mkdir(parents=True, exist_ok=True)
-            atomic_write(self.save_dir / "config.yaml", job.to_yaml())
+            atomic_write(self.save_dir / "config.yaml", self.job.to_yaml())
             weights = self.save_dir / "weights"  # --exist-ok: an earlier run's best and step files are not ours
             for stale in [weights / "best.pt", weights / "best.safetensors", *weights.glob("step_*.pt")]:
                 stale.unlink(missing_ok=True)
             self.dist.broadcast(str(self.save_dir), "dist.setup")
-        # A new run in a reused directory starts its logs afresh; a resumed one keeps its past.
+
+    def _build_logs(self, resume: dict[str, Any] | None) -> None:
+        """CSV logs and scalars (rank 0 writes; the others hold null logs) and the loop's host-side state.
+        A new run in a reused directory starts its logs afresh; a resumed one keeps its past."""
         main = self.dist.main
         self.steps_log = CsvLog(self.save_dir / "steps.csv", STEP_COLUMNS, truncate_after=self.global_step) \
             if main else distributed.NullLog()
@@ -154,7 +187,7 @@ class Trainer:
             if main else distributed.NullLog()
         self.evals_log = CsvLog(self.save_dir / "evals.csv", EVAL_COLUMNS, truncate_after=self.global_step) \
             if main else distributed.NullLog()
-        self.scalars = Scalars(self.save_dir, job.run.tensorboard and main)
+        self.scalars = Scalars(self.save_dir, self.job.run.tensorboard and main)
         stats_path = self.save_dir / "sync_stats.json"
         self.sync_stats: list[dict[str, Any]] = []
         if resume is not None and stats_path.is_file():
@@ -165,6 +198,11 @@ class Trainer:
         self.stopped = False  # the ranks agreed to stop
         self.signalled = False  # a first signal arrived (a second Ctrl-C aborts)
         self.nonfinite_steps: list[int] = []
+
+    def _log_start(self, resume: dict[str, Any] | None) -> None:
+        """The start lines: run directory, model, device, precision, the strategy that runs, data."""
+        job, m, d, k = self.job, self.job.model, self.dist, self.job.engine.accum_steps
+        log = self.log
         log(f"run dir: {self.save_dir}" + (f" (resumed at step {self.global_step})" if resume else ""))
         log(f"model: {m.model} ({m.n_layers}+{m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
             f"d_ff {m.d_ff}), {self.model.num_params() / 1e6:.1f}M parameters; device {self.device}; "

@@ -26,6 +26,9 @@ FORMAT, VERSION = "streamnmt-checkpoint", 1
 
 
 def rng_state() -> dict[str, Any]:
+    """This process's RNG states: Python, NumPy, torch's CPU generator and the generator of the
+    current CUDA device only (a rank's own GPU; the others belong to other ranks, and a rank may
+    see just one device)."""
     np_state = np.random.get_state()
     state = {
         "python": random.getstate(),
@@ -33,17 +36,26 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device's
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`rng_state`'s states; the CUDA one into the current device. A checkpoint of
+    earlier versions holds a list of every visible device's: the current device's entry is used
+    (the first one if this process sees fewer devices than the saving one did)."""
     random.setstate(_to_tuple(state["python"]))
     kind, keys, *rest = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, (list, tuple)):  # earlier format: one state per visible device
+            if not cuda:
+                return
+            index = torch.cuda.current_device()
+            cuda = cuda[index] if index < len(cuda) else cuda[0]
+        torch.cuda.set_rng_state(cuda)
 
 
 def _to_tuple(x: Any) -> Any:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from streamnmt.configbase import add_args, from_dict
-from streamnmt.dist import PeerLost
+from streamnmt.dist import CaptureFailed, PeerLost
 from streamnmt.errors import ConfigError, InputError, NonFiniteLoss
 
 
@@ -28,7 +28,7 @@ def _train(args: dict) -> int:
     try:
         return _run_trainer(args, config_file, resume)
     except Exception as e:
-        d = dist.Dist(*dist.world_from_env()[:2])
+        d = dist.Dist(*dist.world_from_env()[:2], backend="env" if "WORLD_SIZE" in os.environ else None)
         if d.active and dist.is_collective_error(e):
             raise dist.peer_lost(d, e) from None
         raise
@@ -146,9 +146,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.pop("command")
     try:
         return run(args)
-    except (ConfigError, InputError, NonFiniteLoss, PeerLost) as e:
+    except (ConfigError, InputError, NonFiniteLoss, PeerLost, CaptureFailed) as e:
         if int(os.environ.get("RANK", "0")) == 0 or isinstance(e, PeerLost):  # the same line on every rank
             print(f"streamnmt: error: {e}", file=sys.stderr)
+        if isinstance(e, PeerLost) and "WORLD_SIZE" in os.environ:  # a collective whose peer died may never
+            # finish: no teardown (process group, CUDA context) is left to wait for it
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.exit_code)
         return e.exit_code
     except OSError as e:  # e.g. a run directory that cannot be written, a full disk
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""

@@ -69,7 +69,8 @@ class OptimConfig:
     warmup: int | None = opt(None, "Noam warm-up steps (default: 4000 for base, 400 for smaller presets)")
     clip_grad: float = opt(1.0, "clip the gradient norm to this (0 = off)")
     amp: str = opt("auto", "mixed precision: bf16, fp16 (with a grad scaler) or off; auto = bf16 on a "
-                           "GPU that has it, else off", choices=("auto", "bf16", "fp16", "off"))
+                           "GPU that has it natively, fp16 on other GPUs, off on the CPU",
+                   choices=("auto", "bf16", "fp16", "off"))
 
     def __post_init__(self) -> None:
         check(self.lr > 0, "lr", f"must be positive; got {self.lr}")
@@ -93,6 +94,8 @@ class RunConfig:
     resume: str | None = opt(None, "continue the run of this checkpoint (weights/last.pt) in its own run dir")
     on_nan: str = opt("stop", "a non-finite loss or gradient: stop (exit non-zero, last good checkpoint "
                               "kept) or skip (the update is discarded on the device)", choices=("stop", "skip"))
+    max_skipped_steps: int = opt(10, "stop (exit non-zero, last good checkpoint kept) after this many updates "
+                                      "in a row were skipped for a non-finite loss or gradient (0 = never)")
     bleu_samples: int = opt(500, "dev sentences decoded for BLEU at each epoch end (0 = off)")
     beam_size: int = opt(3, "beam size of the epoch-end BLEU decoding")
     eval_every: int = opt(0, "also evaluate (val loss, BLEU, best.pt, patience) every N optimizer steps "
@@ -117,6 +120,8 @@ class RunConfig:
         check(self.max_steps >= 0, "max_steps", f"must be 0 (no limit) or positive; got {self.max_steps}")
         check(self.save_every >= 0, "save_every", f"must be 0 (off) or positive; got {self.save_every}")
         check_choice(self.on_nan, "on_nan", ("stop", "skip"))
+        check(self.max_skipped_steps >= 0, "max_skipped_steps", f"must be 0 (never) or positive; got "
+              f"{self.max_skipped_steps}")
         check(self.bleu_samples >= 0, "bleu_samples", f"must be 0 or more; got {self.bleu_samples}")
         check(self.beam_size >= 1, "beam_size", f"must be at least 1; got {self.beam_size}")
         check_recipe(self)

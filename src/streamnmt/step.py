@@ -11,11 +11,18 @@ of its whole global step: every accumulation micro-batch on every rank), so the 
 batch's token-mean loss, as if it were one batch. On several ranks the model is wrapped in
 DistributedDataParallel, which averages gradients over the N ranks, so the backward loss is
 multiplied by N; ``begin_micro`` turns DDP's all-reduce off for all but a step's last micro-batch.
+DDP is built lazily, by :meth:`NMTStep.parallel`, under the stream the first forward runs on (the
+strategy's compute stream, or graph mode's capture stream), because DDP ties its gradient hooks
+to the stream it is built under.
+
+Each optimizer step leaves its gradient norm and whether its update was skipped in ``stats`` (a
+device tensor written in place), which the trainer reads with the deferred losses: no extra sync.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +72,8 @@ class NMTStep:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: NoamSchedule,
                  *, amp_dtype: torch.dtype | None, scaler: torch.amp.GradScaler | None, clip: float,
-                 label_smoothing: float, ddp: torch.nn.Module | None = None):
+                 label_smoothing: float, ddp: torch.nn.Module | None = None,
+                 parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
         self.model, self.optimizer, self.schedule = model, optimizer, schedule
         self.amp_dtype, self.scaler, self.clip, self.ls = amp_dtype, scaler, clip, label_smoothing
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -73,7 +81,10 @@ class NMTStep:
             scaler.scale(torch.zeros((), device=self.params[0].device))
         self.loss: torch.Tensor | None = None
         self.ddp = ddp  # the DistributedDataParallel wrapper inside ``model`` (compiled or not), if any
+        self._parallelize = parallelize  # builds ``ddp`` (and compiles) at the first forward; see parallel()
         self.world = self.ddp.process_group.size() if self.ddp is not None else 1  # DDP averages: x N
+        # [gradient norm, 1.0 if the update was skipped] of the latest optimizer step (in place: graph mode)
+        self.stats = torch.zeros(2, dtype=torch.float32, device=self.params[0].device)
         self.grads_to_none = True  # graph mode with accumulation keeps the .grad tensors in place
         # Every micro-batch loss of the step so far was finite (in place: graph mode captures it).
         self.loss_ok = torch.ones((), dtype=torch.bool, device=self.params[0].device)
@@ -105,12 +116,28 @@ class NMTStep:
                                    ignore_index=masks.PAD, reduction="sum", label_smoothing=ls)
         return loss, (batch.tgt_out != masks.PAD).sum()
 
+    @property
+    def data_parallel(self) -> bool:
+        """Gradients are all-reduced by DDP (built now, or at the first forward)."""
+        return self.ddp is not None or self._parallelize is not None
+
+    def parallel(self) -> None:
+        """Build the DDP wrapper now, under the current stream (the one the forwards will run on);
+        the first forward does it if no one did before. A no-op without DDP or once built."""
+        if self._parallelize is None:
+            return
+        build, self._parallelize = self._parallelize, None
+        self.model, self.ddp = build(self.model)
+        self.world = self.ddp.process_group.size()
+
     def begin_micro(self, last: bool) -> None:
         """The next forward's backward all-reduces gradients across ranks only if ``last``."""
+        self.parallel()
         if self.ddp is not None:
             self.ddp.require_backward_grad_sync = last  # what DDP's no_sync() toggles
 
     def forward(self, batch) -> torch.Tensor:
+        self.parallel()
         self.calls += 1
         loss, ntok = self.loss_sum(batch)
         if getattr(batch, "norm", None) is not None:
@@ -135,12 +162,15 @@ class NMTStep:
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip if self.clip > 0 else float("inf"),
                                               foreach=True)
         self.schedule.advance()
+        skipped = (~(torch.isfinite(norm) & self.loss_ok)).float()  # what the scaler or found_inf skips
+        self.stats[0].copy_(norm)
+        self.stats[1].copy_(skipped)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             # Discard a non-finite step on the device (the fused Adam skips when found_inf is 1).
-            self.optimizer.found_inf = (~(torch.isfinite(norm) & self.loss_ok)).float()
+            self.optimizer.found_inf = skipped
             self.optimizer.step()
         if self.ema is not None:
             self.ema.update()  # device kernels after the update, so graph mode captures them too
@@ -155,7 +185,8 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
 
     With ``compile``, the model is compiled for each of its ``shapes`` batch shapes (static shapes:
     what CUDA graph capture needs); the compile cache is made large enough to hold all of them.
-    ``ddp``: wrap the model in DistributedDataParallel (the process group is initialised).
+    ``ddp``: wrap the model in DistributedDataParallel (the process group is initialised), at the
+    step's first forward or :meth:`NMTStep.parallel` (compiled after wrapping).
     """
     schedule = NoamSchedule(d_model, warmup, lr, device)
     # Fused Adam reading the learning rate from a device tensor; capturable so that graph mode
@@ -164,13 +195,17 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
                                  fused=True, capturable=device.type == "cuda")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
-    wrapped = _wrap_ddp(model, device) if ddp else None
-    step_model = wrapped if wrapped is not None else model
     if compile:
         _fit_compile_cache(shapes)
-        step_model = torch.compile(step_model, dynamic=False)
+
+    def parallelize(m: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+        from streamnmt.dist import wrap_ddp
+        wrapped = wrap_ddp(m, device)
+        return (torch.compile(wrapped, dynamic=False) if compile else wrapped), wrapped
+
+    step_model = torch.compile(model, dynamic=False) if compile and not ddp else model
     step = NMTStep(step_model, optimizer, schedule, amp_dtype=amp_dtype, scaler=scaler, clip=clip,
-                   label_smoothing=label_smoothing, ddp=wrapped)
+                   label_smoothing=label_smoothing, parallelize=parallelize if ddp else None)
     if ema > 0:
         step.ema = EMA(step.params, ema, schedule.step_t)
     return step
@@ -184,26 +219,6 @@ def _fit_compile_cache(shapes: int) -> None:
     for name in ("recompile_limit", "cache_size_limit"):  # the name differs across torch versions
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), shapes + 2))
-
-
-def _wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """DDP with gradient buckets all-reduced while the backward runs. Built on a side stream, as
-    PyTorch requires for capturing DDP's backward in a CUDA graph; buffers are not broadcast each
-    forward (the model's are constants), so a forward launches no collective."""
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    # torch >= 2.13 renames the switch; older versions know only broadcast_buffers.
-    no_sync_bufs = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
-                    else {"broadcast_buffers": False})
-    if device.type != "cuda":
-        return DDP(model, **no_sync_bufs)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        wrapped = DDP(model, device_ids=[device.index], **no_sync_bufs)
-    torch.cuda.current_stream(device).wait_stream(side)
-    return wrapped
 
 
 def example_batch(shape: tuple[int, int, int], model: ModelShape, seed: int) -> Batch:

@@ -48,7 +48,7 @@ from streamnmt.reporting import Scalars, merge_sync_stats
 from streamnmt.runs import CsvLog, increment_path, write_json
 from streamnmt.stopping import EarlyStopping, TimeBudget, best_metric, parse_duration
 
-STEP_COLUMNS = ["step", "epoch", "loss", "lr", "tokens"]
+STEP_COLUMNS = ["step", "epoch", "loss", "lr", "tokens", "grad_norm", "skipped"]
 RESULT_COLUMNS = ["epoch", "train_loss", "val_loss", "bleu", "tokens_per_s", "padded_tokens_per_s", "epoch_s", "bleu_s",
                   "gpu_mem_gb", "gpu_busy", "sync_count", "sync_ms", "steps"]
 EVAL_COLUMNS = ["step", "epoch", "val_loss", "bleu", "bleu_s", "best"]
@@ -95,7 +95,8 @@ class Trainer:
 
     def _build_data(self, resume: dict[str, Any] | None) -> None:
         """Tokenizers and tokenized splits; then the settings that depend on the data (--compile auto)."""
-        self.data = prepare_data(self.job.data, log=self.log)
+        self.data = distributed.prepare_once(self.dist, lambda: prepare_data(self.job.data, log=self.log),
+                                             lambda bundle: bundle.fingerprint())
         if resume is not None:
             self._check_tokenizers(resume)
         else:
@@ -147,8 +148,12 @@ class Trainer:
     def _build_state(self, resume: dict[str, Any] | None) -> None:
         """Deferred losses, step counters, early stopping, the time budget; a checkpoint's state on resume."""
         job, d = self.job, self.dist
+        # Each step's gradient norm and skipped flag travel with its loss (no extra sync); with DDP
+        # on a GPU, waits on replayed collectives poll with a deadline.
+        wait = (lambda ev: distributed.wait_event(ev, d.timeout_s)) if d.active and self.device.type == "cuda" else None
         self.losses = DeferredLosses(self.device, job.engine.loss_interval, group=job.engine.accum_steps,
-                                     reduce=d.reduce_sum_ if d.active else None)
+                                     reduce=d.reduce_sum_ if d.active else None, extras=self.step_fn.stats, wait=wait)
+        self.skipped_in_row = 0  # consecutive skipped updates (--max-skipped-steps)
         self.global_step, self.epoch, self.epoch_pos, self.best_val = 0, 0, 0, math.inf
         self.stopper = EarlyStopping(best_metric(job.run), job.run.patience)  # best.pt and --patience
         self.budget = TimeBudget(parse_duration(job.run.time_limit))
@@ -160,6 +165,8 @@ class Trainer:
         RNG after its warm-up, so it is correct before or after a restore."""
         self.strategy.prepare(self.step_fn, [example_batch(shape, self.shape, self.job.run.seed)
                                              for shape in self.train_loader.shapes()])
+        # Several ranks: graph capture succeeded everywhere, or every rank stops with one line.
+        self.dist.agree_on_capture(self.strategy.report.get("capture_error"))
 
     def _build_run_dir(self, resume: dict[str, Any] | None) -> None:
         """The run directory (only now that everything above is valid): rank 0 makes it, the others learn it."""
@@ -206,7 +213,7 @@ class Trainer:
         log(f"run dir: {self.save_dir}" + (f" (resumed at step {self.global_step})" if resume else ""))
         log(f"model: {m.model} ({m.n_layers}+{m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
             f"d_ff {m.d_ff}), {self.model.num_params() / 1e6:.1f}M parameters; device {self.device}; "
-            f"amp {job.optim.amp}; strategy {self.strategy.name}"
+            f"amp {job.optim.amp}; strategy {_running(self.strategy)}"
             + (f"; tied embeddings: {m.tie_embeddings}" if m.tie_embeddings != "none" else "")
             + (f"; EMA {job.run.ema}" if job.run.ema else "")
             + (f"; {d.world} processes ({d.backend}) x --accum-steps {k}" if d.active else
@@ -245,9 +252,8 @@ class Trainer:
         optim, run, data = job.optim, job.run, job.data
         if optim.warmup is None:
             optim = dataclasses.replace(optim, warmup=4000 if preset == "base" else 400)
-        if optim.amp == "auto":
-            amp = "bf16" if cuda and torch.cuda.is_bf16_supported() else "off"
-            optim = dataclasses.replace(optim, amp=amp)
+        if optim.amp == "auto":  # bf16 where the GPU has it natively, else fp16 with the grad scaler
+            optim = dataclasses.replace(optim, amp=("bf16" if _native_bf16() else "fp16") if cuda else "off")
         if run.epochs is None:
             run = dataclasses.replace(run, epochs=10 if cuda else 2)
         if data.builtin_size is None:
@@ -475,17 +481,30 @@ class Trainer:
     def _write_steps(self, pairs: list[tuple[int, float]]) -> list[float]:
         for step, loss in pairs:
             row = self.pending_rows.pop(step)
-            row["loss"] = loss
+            grad_norm, skipped = self.losses.extra.pop(step, (math.nan, 0.0))
+            row.update(loss=loss, grad_norm=grad_norm, skipped=int(skipped))
             self.steps_log.write(row)
-            self.scalars.add(step, {"train/loss": loss, "train/lr": row["lr"]})
+            self.scalars.add(step, {"train/loss": loss, "train/lr": row["lr"], "train/grad_norm": grad_norm})
             self.last_loss = loss
-            if not math.isfinite(loss):
-                self.nonfinite_steps.append(step)
-                if self.job.run.on_nan == "stop":
-                    raise NonFiniteLoss(f"non-finite loss ({loss}) at step {step} (--on-nan stop); the last good "
-                                        f"checkpoint is {self.save_dir / 'weights' / 'last.pt'}")
-                self.log(f"warning: non-finite loss at step {step}; the update was skipped (--on-nan skip)")
+            self._check_step(step, loss, grad_norm, bool(skipped))
         return [loss for _, loss in pairs]
+
+    def _check_step(self, step: int, loss: float, grad_norm: float, skipped: bool) -> None:
+        """--on-nan for a non-finite loss or gradient (with fp16, the grad scaler's overflow skips
+        are its own business); --max-skipped-steps for a run that no longer updates at all."""
+        r, last = self.job.run, self.save_dir / "weights" / "last.pt"
+        self.skipped_in_row = self.skipped_in_row + 1 if skipped else 0
+        if not math.isfinite(loss) or (skipped and self.scaler is None):
+            self.nonfinite_steps.append(step)
+            what = f"loss ({loss})" if not math.isfinite(loss) else f"gradient norm ({grad_norm}, loss {loss:.4f})"
+            if r.on_nan == "stop":
+                raise NonFiniteLoss(f"non-finite {what} at step {step} (--on-nan stop); the last good "
+                                    f"checkpoint is {last}")
+            self.log(f"warning: non-finite {what} at step {step}; the update was skipped (--on-nan skip)")
+        if r.max_skipped_steps and self.skipped_in_row >= r.max_skipped_steps:
+            raise NonFiniteLoss(f"{self.skipped_in_row} updates in a row skipped (non-finite loss or gradient) up "
+                                f"to step {step} (--max-skipped-steps {r.max_skipped_steps}); the last good "
+                                f"checkpoint is {last}")
 
     def _drain(self, why: str) -> list[float]:
         # Needed: a checkpoint or an evaluation sees finished work only, and every loss up to it is logged first.
@@ -570,6 +589,20 @@ class Trainer:
             ckpt = load_checkpoint(best)
             save_safetensors(best.with_suffix(".safetensors"), ckpt["model"],
                              {"model_shape": json.dumps(ckpt["model_shape"])})
+
+
+def _native_bf16() -> bool:
+    """The GPU computes bf16 natively (not emulated; torch < 2.4 has no ``including_emulation``)."""
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:
+        return torch.cuda.is_bf16_supported()
+
+
+def _running(strategy) -> str:
+    """The strategy that actually runs: graph mode's fallback names itself."""
+    fallback = getattr(strategy, "fallback", None)
+    return f"{fallback.name} (graph mode unavailable)" if fallback is not None else strategy.name
 
 
 @contextlib.contextmanager

@@ -41,6 +41,12 @@ class DataBundle:
     tgt_tok: Tokenizer
     data_dir: Path
     stats: dict[str, dict[str, int]] = field(default_factory=dict)
+    cache_keys: dict[str, str] = field(default_factory=dict)  # split -> its cache entry's key
+
+    def fingerprint(self) -> dict[str, str]:
+        """What every rank must share: the tokenizers' hashes and each split's cache key."""
+        return {"src tokenizer sha256": self.src_tok.sha256, "tgt tokenizer sha256": self.tgt_tok.sha256,
+                **{f"{split} cache key": key for split, key in sorted(self.cache_keys.items())}}
 
 
 def builtin_dir(cfg: DataConfig) -> Path:
@@ -91,16 +97,18 @@ def prepare_data(cfg: DataConfig, log: Log = print) -> DataBundle:
     src_tok, tgt_tok = _tokenizers(cfg, directory, sources, log)
     corpora: dict[str, TokenizedCorpus] = {}
     stats: dict[str, dict[str, int]] = {}
+    keys: dict[str, str] = {}
     for split in ("dev", "test", "train"):  # the small splits first: their errors surface at once
         source = sources[split]
         if source is None:
             log(f"data: {split}: no {split} split in {directory}; skipped")
             continue
-        corpora[split], stats[split] = _tokenized(cfg, directory / "cache", source, src_tok, tgt_tok, log)
+        corpora[split], stats[split], keys[split] = _tokenized(cfg, directory / "cache", source, src_tok, tgt_tok,
+                                                               log)
     log(f"data: ready in {time.perf_counter() - t0:.1f}s (vocab {src_tok.vocab_size} source, "
         f"{tgt_tok.vocab_size} target)")
     return DataBundle(train=corpora["train"], dev=corpora["dev"], test=corpora.get("test"),
-                      src_tok=src_tok, tgt_tok=tgt_tok, data_dir=directory, stats=stats)
+                      src_tok=src_tok, tgt_tok=tgt_tok, data_dir=directory, stats=stats, cache_keys=keys)
 
 
 def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],
@@ -176,7 +184,7 @@ def _sample_train(cfg: DataConfig, source: SplitSource) -> tuple[list[str], list
 
 
 def _tokenized(cfg: DataConfig, cache_dir: Path, source: SplitSource, src_tok: Tokenizer,
-               tgt_tok: Tokenizer, log: Log) -> tuple[TokenizedCorpus, dict[str, int]]:
+               tgt_tok: Tokenizer, log: Log) -> tuple[TokenizedCorpus, dict[str, int], str]:
     """One split from its cache entry, or tokenized now and cached."""
     split = source.split
     overlong = cfg.overlong if split == "train" else "truncate"
@@ -188,7 +196,7 @@ def _tokenized(cfg: DataConfig, cache_dir: Path, source: SplitSource, src_tok: T
         corpus, stats = hit
         log(f"data: {split}: {_summary(stats, cfg.max_len)} from cache {entry_dir(cache_dir, key)} "
             f"in {time.perf_counter() - t0:.1f}s")
-        return corpus, stats
+        return corpus, stats, key
     read = ReadStats()
     built = BuildStats()
     arrays = tokenize_pairs(iter_pairs(source, cfg.src_lang, cfg.tgt_lang, read), src_tok, tgt_tok,
@@ -203,7 +211,7 @@ def _tokenized(cfg: DataConfig, cache_dir: Path, source: SplitSource, src_tok: T
         where = f"not cached ({cache_dir}: {e.strerror or e})"
     log(f"data: {split}: {_summary(stats, cfg.max_len)} from {source.describe()} tokenized in "
         f"{time.perf_counter() - t0:.1f}s, {where}")
-    return corpus, stats
+    return corpus, stats, key
 
 
 def _summary(stats: dict[str, int], max_len: int) -> str:

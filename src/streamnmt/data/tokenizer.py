@@ -2,7 +2,7 @@
 
 The trainer, the decoder and BLEU all need the same two things from a tokenizer: text to ids and
 ids back to text, with the special ids fixed by :mod:`streamnmt.masks` (pad 0, unk 1, bos 2,
-eos 3). :class:`Tokenizer` wraps one SentencePiece model file and refuses a model whose special
+eos 3). Training is seeded (:data:`SPM_SEED`), so the same sample gives the same model. :class:`Tokenizer` wraps one SentencePiece model file and refuses a model whose special
 ids differ; :func:`train_tokenizer` builds one quietly from a sample of sentences, capping the
 vocabulary for small corpora, and writes it atomically; :func:`train_shared_tokenizer` builds one
 model for both sides (``--shared-vocab``, for tied source/target embeddings).
@@ -27,6 +27,7 @@ from streamnmt.masks import BOS, EOS, PAD, UNK
 # vocabulary (they become UNK) and the text is not NFKC-folded, so that decoded output keeps the
 # full-width punctuation of the references BLEU compares it with.
 CJK = {"ch", "zh", "zh-cn", "zh-tw", "cn", "ja", "jp", "ko", "kr"}
+SPM_SEED = 0  # SentencePiece's random generator (sentence shuffling, sampling) before each training
 
 
 def cpu_threads() -> int:
@@ -134,6 +135,8 @@ def train_shared_tokenizer(src: Sequence[str], tgt: Sequence[str], target: Path,
 def _train(sentences: Sequence[str], target: Path, vocab_size: int, cap: int, cjk: bool, *,
            threads: int, log: Callable[[str], None], name: str) -> Tokenizer:
     model = io.BytesIO()
+    if hasattr(spm, "set_random_generator_seed"):  # sentencepiece >= 0.1.92
+        spm.set_random_generator_seed(SPM_SEED)
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(sentences), model_writer=model,

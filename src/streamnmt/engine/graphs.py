@@ -28,12 +28,17 @@ On several ranks the micro graph of a step's last micro-batch is a second varian
 all-reduces the gradients (DDP inside the capture: NCCL collectives can be captured); the other
 micro-batches' variant skips the all-reduce (DDP's ``no_sync``).
 
-Several ranks (DistributedDataParallel): the all-reduce runs inside the captured backward. As
-PyTorch's CUDA-graph notes require, DDP is built on a side stream (``streamnmt.step``) and the
-warm-up runs at least 11 DDP iterations before capture (DDP rebuilds its buckets on the host in
-its first iterations). NCCL's watchdog (what ends a run whose peer died) stays on: PyTorch 2.2 and
-later keep its event queries out of a capture, so the older advice to turn asynchronous error
-handling off no longer applies.
+Several ranks (DistributedDataParallel, at any world size under torchrun): the all-reduce runs
+inside the captured backward. As PyTorch's CUDA-graph notes require, DDP is built, warmed up and
+captured under ONE stream, the capture stream (the step builds DDP lazily: ``step.parallel()``
+under that stream), and the warm-up runs at least 11 DDP iterations before capture (DDP rebuilds
+its buckets on the host in its first iterations; with fewer, capture fails even on one rank). A
+DDP capture failure is not handled on one rank alone: the strategy records it in
+``report["capture_error"]`` and does not fall back; the caller agrees on the outcome across ranks
+(``streamnmt.dist.Dist.agree_on_capture``), and every rank stops with the same line. NCCL's
+watchdog stays on, but it does not watch captured collectives: the host waits of a replayed step
+poll their event with a deadline (``--dist-timeout``, ``streamnmt.dist.wait_event``), so a dead
+peer ends the run with one ``PeerLost`` line instead of a hang.
 
 Where capture is impossible (no CUDA, an error during capture) the strategy says so in one line
 and runs the ``full`` strategy instead.
@@ -41,6 +46,7 @@ and runs the ``full`` strategy instead.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -54,11 +60,20 @@ from streamnmt.engine.strategies import FullPipeline
 from streamnmt.engine.syncstats import host_sync
 
 DDP_WARMUP_STEPS = 11  # PyTorch's notes on DDP with CUDA graphs: at least 11 eager iterations first
+INJECT_ENV = "STREAMNMT_TEST_CAPTURE_FAIL_RANK"  # test hook: capture "fails" on this rank
 
 
-def _distributed() -> bool:
-    import torch.distributed as dist
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def _data_parallel(step: StepFunction) -> bool:
+    """The step's gradients are all-reduced by DDP (built or about to be), at any world size."""
+    return bool(getattr(step, "data_parallel", False))
+
+
+def _injected_failure() -> str | None:
+    """Test hook: a capture failure on the rank named by ``STREAMNMT_TEST_CAPTURE_FAIL_RANK``."""
+    want = os.environ.get(INJECT_ENV)
+    if want is not None and want == os.environ.get("RANK", "0"):
+        return f"injected by {INJECT_ENV}"
+    return None
 
 
 def shape_key(batch: Any) -> tuple:
@@ -84,6 +99,7 @@ class GraphStrategy(Strategy):
         self.graphs: dict[tuple, _Captured] = {}  # K == 1: whole steps; K > 1: (key, ends) -> micro steps
         self.opt_graph: torch.cuda.CUDAGraph | None = None  # K > 1: the optimizer step
         self.report: dict[str, Any] = {}
+        self.polling = False  # set by prepare(): with DDP, host waits poll with a deadline
         dev = torch.device(device)
         if dev.type != "cuda":
             self._fall_back(dev, cfg, "CUDA graphs need a CUDA device; this run is on " + str(dev))
@@ -99,7 +115,15 @@ class GraphStrategy(Strategy):
 
     # -- capture -------------------------------------------------------------------------------
     def prepare(self, step: StepFunction, examples: Iterable[Any]) -> None:
-        """Capture one graph per example batch's shape (call once, before training)."""
+        """Capture one graph per example batch's shape (call once, before training).
+
+        A failed capture falls back to ``full`` on one process; with DDP it is recorded in
+        ``report["capture_error"]`` instead, for the caller to agree on across ranks."""
+        self.polling = _data_parallel(step)  # replayed collectives: host waits poll with a deadline
+        injected = _injected_failure()
+        if injected is not None:
+            self._capture_failed(step, injected)
+            return
         if self.fallback is not None:
             return
         examples = list(examples)
@@ -109,10 +133,11 @@ class GraphStrategy(Strategy):
             self._capture_all(step, examples)
         except (RuntimeError, NotImplementedError) as e:
             self.graphs.clear()
+            self.opt_graph = None
             # Needed: the failed capture's work must be finished before the fallback strategy starts.
             host_sync("graph.capture", lambda: torch.cuda.synchronize(self.device))
             msg = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-            self._fall_back(self.device, self.cfg, f"capture failed: {msg}")
+            self._capture_failed(step, msg)
             return
         shapes = {key if self.accum == 1 else key[0] for key in self.graphs}
         self.report = {"shapes": len(shapes), "capture_s": round(time.perf_counter() - t0, 2),
@@ -120,45 +145,58 @@ class GraphStrategy(Strategy):
         self.log(f"engine: graph mode captured {self.report['shapes']} shape(s) in {self.report['capture_s']} s, "
                  f"memory pool +{self.report['pool_mb']} MiB")
 
+    def _capture_failed(self, step: StepFunction, why: str) -> None:
+        if _data_parallel(step):  # no fallback on one rank alone: the caller agrees across ranks
+            self.report = {"capture_error": why}
+            self.log(f"engine: graph capture failed ({why})")
+        elif self.fallback is None:
+            self._fall_back(self.device, self.cfg, f"capture failed: {why}")
+        else:
+            self.report["capture_error"] = why
+
     def _capture_all(self, step: StepFunction, examples: list[Any]) -> None:
+        # One stream for DDP's construction, the warm-up and the capture (see the module docstring).
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            if hasattr(step, "parallel"):
+                step.parallel()  # DDP built (and its parameters broadcast) before the state is saved
         # Keyed by storage address: the graphs hold these addresses, so restoring is in place.
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         saved = {t.data_ptr(): t.detach().clone() for t in step.state_tensors()}
         rng = torch.cuda.get_rng_state(self.device)
         try:
-            self._warm_up_and_capture(step, examples)
+            self._warm_up_and_capture(step, examples, stream)
         finally:  # also after a failed capture, so that the fallback starts from the same state
             self._restore(step, saved, rng)
 
-    def _warm_up_and_capture(self, step: StepFunction, examples: list[Any]) -> None:
+    def _warm_up_and_capture(self, step: StepFunction, examples: list[Any], stream: torch.cuda.Stream) -> None:
         pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        # Capture on a stream of our device (torch.cuda.graph's own default is the current device's).
-        capture_stream = torch.cuda.Stream(self.device)
-        k = self.accum
-        warmup = max(self.warmup_steps, DDP_WARMUP_STEPS) if _distributed() else self.warmup_steps
+        k, ddp = self.accum, _data_parallel(step)
+        warmup = max(self.warmup_steps, DDP_WARMUP_STEPS) if ddp else self.warmup_steps
         if k > 1 and hasattr(step, "grads_to_none"):
             step.grads_to_none = False  # the micro graphs accumulate into .grad tensors that stay put
         # Variants of the micro graph: without and with the cross-rank all-reduce (DDP).
-        variants = (False, True) if _distributed() else (True,)
+        variants = (False, True) if ddp else (True,)
         for example in examples:
             key = shape_key(example)
             if key in self.graphs or (key, True) in self.graphs:
                 continue
             static = move(example, self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))  # the copy into ``static`` first
-            with torch.cuda.stream(side):
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # the copy into ``static`` first
+            with torch.cuda.stream(stream):
                 for _ in range(warmup):
                     for m in range(k):
                         begin_micro(step, m == k - 1)
                         loss = step.forward(static)
                         step.backward(loss)
+                        del loss  # no autograd graph (and its AccumulateGrad nodes) outlives its backward
                     step.optimizer_step()
-                del loss  # an autograd graph kept alive would tie its AccumulateGrad nodes to this stream
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
             if k == 1:
                 graph = torch.cuda.CUDAGraph()
                 begin_micro(step, True)
-                with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     static_loss = step.forward(static)
                     step.backward(static_loss)
                     step.optimizer_step()
@@ -167,13 +205,13 @@ class GraphStrategy(Strategy):
             for ends in variants:  # K > 1: forward + backward only
                 graph = torch.cuda.CUDAGraph()
                 begin_micro(step, ends)
-                with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     static_loss = step.forward(static)
                     step.backward(static_loss)
                 self.graphs[(key, ends)] = _Captured(graph, static, static_loss.detach())
         if k > 1 and self.opt_graph is None:
             self.opt_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.opt_graph, pool=pool, stream=capture_stream):
+            with torch.cuda.graph(self.opt_graph, pool=pool, stream=stream):
                 step.optimizer_step()
 
     def _restore(self, step: StepFunction, saved: dict[int, torch.Tensor], rng: torch.Tensor) -> None:
@@ -227,7 +265,7 @@ class GraphStrategy(Strategy):
                 sm.record(ev_c, self.C)
             if (i + 1) % k == 0 or last:
                 # Bound how far the host runs ahead of the GPU, as the interval strategy does.
-                sm.block(ev_c, "graph.compute")
+                self._block(ev_c, "graph.compute")
             yield StepInfo(i, gstep, batch, ends)
             i += 1
 
@@ -243,9 +281,24 @@ class GraphStrategy(Strategy):
             self.report["uncaptured"].append(key)
             self.log(f"engine: no graph for batch shape {key}; running it eagerly")
 
+    def _block(self, event, site: str) -> None:
+        """Host waits until ``event`` completes; with DDP by polling with a deadline (``PeerLost``)."""
+        if not self.polling:
+            self.sm.block(event, site)
+            return
+        from streamnmt.dist import wait_event
+        # Needed: the caller's wait (run-ahead bound, drain); polled, since a replayed all-reduce whose
+        # peer died never completes and NCCL's watchdog does not watch captured work.
+        host_sync(site, lambda: wait_event(event, self.cfg.dist_timeout))
+
     def drain(self, site: str) -> None:
         if self.fallback is not None:
             self.fallback.drain(site)
+        elif self.polling and self.sm.cuda:
+            for i in range(self.sm.n):  # every stream idle, each wait polled with a deadline
+                ev = self.sm.event()
+                self.sm.record(ev, i)
+                self._block(ev, site)
         else:
             super().drain(site)
 

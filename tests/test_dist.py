@@ -232,3 +232,133 @@ def test_bad_set_ups_exit_2_and_write_nothing(tmp_path, home, flags, names):
     errors = [line for line in res.stderr.splitlines() if line.startswith("streamnmt: error:")]
     assert errors and names in errors[0]
     assert not (tmp_path / "runs").exists()
+
+
+# -- ranks that agree, data prepared once, failures seen ------------------------------------------
+
+def test_capture_failure_on_one_rank_stops_every_rank_with_one_line(tmp_path, home):
+    """Graph capture failing on rank 1 alone (test hook; on the CPU, where graph mode is unavailable
+    on every rank, the agreement runs all the same): both ranks stop, agreed, before anything is
+    written, with one line naming the rank and the reason."""
+    t0 = time.time()
+    res = streamnmt(["--nproc", "2", *common(tmp_path / "runs", "graph"), "--batch-size", "8", "--name", "cap"],
+                    home, env={"STREAMNMT_TEST_CAPTURE_FAIL_RANK": "1"})
+    took = time.time() - t0
+    assert res.returncode != 0 and took < 60, (took, res.stderr[-3000:])
+    lines = [ln for ln in (res.stdout + res.stderr).splitlines() if "graph capture failed on rank" in ln]
+    assert lines == ["streamnmt: error: graph capture failed on rank 1 of 2 (injected by "
+                     "STREAMNMT_TEST_CAPTURE_FAIL_RANK); every rank stops (run with --sync-strategy full to "
+                     "train without graphs)"]
+    assert "Traceback" not in res.stdout + res.stderr
+    assert not (tmp_path / "runs").exists()  # no run directory: the ranks stopped before it
+
+
+def test_fresh_corpus_is_prepared_once(tmp_path, home):
+    """Two ranks on a corpus directory without tokenizers or cache: rank 0 trains one tokenizer per
+    side and writes one cache entry per split; rank 1 waits and reads them (it logs nothing, so
+    rank 0's log shows the one training); the runs' tokenizers equal a one-process preparation's."""
+    from streamnmt.data import synthetic
+    from streamnmt.data.tokenizer import file_sha256
+
+    corpus = tmp_path / "corpus"
+    synthetic.write_builtin(corpus, 400, seed=0)
+    fresh = tmp_path / "fresh"
+    shutil.copytree(corpus, fresh)
+    res = torchrun([*TINY, "--data", str(fresh), "--max-steps", "2", "--batch-size", "8", "--project",
+                    str(tmp_path / "runs"), "--name", "p"], home)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout + res.stderr
+    assert out.count("data: trained source tokenizer and target tokenizer") == 1
+    assert sorted(p.name for p in (fresh / "tokenizer").iterdir()) == ["chn.model", "eng.model"]
+    entries = sorted(p.name.split("-")[0] for p in (fresh / "cache").iterdir())
+    assert entries == ["dev", "test", "train"]  # one entry per split: every rank had the same key
+    # Seeded SentencePiece: a one-process preparation of the same corpus trains the same models.
+    from streamnmt.data import DataConfig, prepare_data
+    bundle = prepare_data(DataConfig(data=str(corpus), max_len=32), log=lambda _: None)
+    assert bundle.src_tok.sha256 == file_sha256(fresh / "tokenizer" / "eng.model")
+    assert bundle.tgt_tok.sha256 == file_sha256(fresh / "tokenizer" / "chn.model")
+
+
+def _prepare_once_rank(rank: int, port: int, out: str, differ: bool) -> None:
+    """One rank of a gloo group: ``prepare_once`` with a preparation that records when it ran."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    from streamnmt import dist
+    from streamnmt.errors import InputError
+    d = dist.init("gloo", "cpu", 30)
+    log = Path(out) / f"rank{rank}"
+
+    def prepare() -> str:
+        log.write_text(f"start {time.time()}\n")
+        time.sleep(0.5 if rank == 0 else 0.0)
+        with log.open("a") as f:
+            f.write(f"end {time.time()}\n")
+        return f"tok-{rank}" if differ else "tok"
+
+    try:
+        dist.prepare_once(d, prepare, lambda tok: {"src tokenizer sha256": tok})
+        result = "ok"
+    except InputError as e:
+        result = f"error: {e}"
+    (Path(out) / f"result{rank}").write_text(result)
+    d.close()
+
+
+@pytest.mark.parametrize("differ", [False, True])
+def test_prepare_once_waits_for_rank0_then_checks_fingerprints(tmp_path, differ):
+    torch.multiprocessing.spawn(_prepare_once_rank, args=(free_port(), str(tmp_path), differ), nprocs=2, join=True)
+    times = {r: dict(line.split() for line in (tmp_path / f"rank{r}").read_text().splitlines()) for r in (0, 1)}
+    assert float(times[1]["start"]) >= float(times[0]["end"])  # rank 1 prepared only after rank 0 had
+    results = [(tmp_path / f"result{r}").read_text() for r in (0, 1)]
+    if not differ:
+        assert results == ["ok", "ok"]
+    else:  # every rank stops with the same line naming the rank that differs
+        assert results[0] == results[1] and results[0].startswith("error: rank 1 of 2 prepared other data than "
+                                                                  "rank 0: src tokenizer sha256 tok-1")
+
+
+def test_killed_rank_ends_the_others_with_one_line(tmp_path, home):
+    """kill -9 of rank 1, with no launcher to clean up (ranks of another host): rank 0 sees its
+    collective fail and exits non-zero with one line, well within --dist-timeout."""
+    port = free_port()
+    args = [*TINY, "--epochs", "50", "--batch-size", "8", "--loss-interval", "1", "--dist-timeout", "40",
+            "--project", str(tmp_path), "--name", "k"]
+    procs = [streamnmt(args, home, env=dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                                            WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2"), wait=False)
+             for r in (0, 1)]
+    try:
+        wait_for_rows(tmp_path / "k" / "steps.csv", 4, procs[0])
+        procs[1].kill()
+        t0 = time.time()
+        out, err = procs[0].communicate(timeout=90)
+        took = time.time() - t0
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    assert procs[0].returncode == 1 and took < 40, (took, err[-3000:])
+    errors = [ln for ln in err.splitlines() if ln.startswith("streamnmt: error:")]
+    assert len(errors) == 1 and errors[0].startswith("streamnmt: error: rank 0 of 2: a collective failed"), err[-3000:]
+    assert "Traceback" not in err
+
+
+def test_polled_wait_ends_in_peer_lost():
+    """A host wait on work that never completes (a replayed all-reduce whose peer died) raises
+    PeerLost with one line after the timeout; completed work returns at once."""
+    from streamnmt.dist import PeerLost, wait_event
+
+    class Event:
+        def __init__(self, done: bool):
+            self.done, self.queries = done, 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            return self.done
+
+    wait_event(Event(True), 0.1)
+    t0 = time.time()
+    stuck = Event(False)
+    with pytest.raises(PeerLost) as e:
+        wait_event(stuck, 0.3)
+    assert 0.3 <= time.time() - t0 < 5 and stuck.queries > 10
+    assert "\n" not in str(e.value) and "--dist-timeout 0.3 s" in str(e.value)

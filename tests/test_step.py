@@ -43,3 +43,33 @@ def test_non_finite_step_is_discarded_on_the_device(monkeypatch):
     step.backward(loss)
     step.optimizer_step()
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_step_stats_hold_grad_norm_and_skipped_flag(monkeypatch):
+    """``stats`` = [gradient norm, skipped] of the latest step: the clipped norm of a normal step; an
+    infinite gradient under a finite loss (test hook) is skipped on the device, weights untouched."""
+    monkeypatch.setenv("STREAMNMT_INJECT_INF_GRAD_FROM", "2")
+    torch.manual_seed(0)
+    model = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64)
+    step = make_step(model, torch.device("cpu"), d_model=32, warmup=10, clip=0.0)
+    batch = example_batch((4, 8, 8), model.shape, 0)
+    step.backward(step.forward(batch))
+    want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+    step.optimizer_step()
+    assert step.stats[0].item() == pytest.approx(want.item(), rel=1e-5) and step.stats[1].item() == 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = step.forward(batch)
+    assert torch.isfinite(loss)
+    step.backward(loss)
+    step.optimizer_step()
+    assert not torch.isfinite(step.stats[0]) and step.stats[1].item() == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_amp_auto_prefers_native_bf16_and_guards_old_torch(monkeypatch):
+    from streamnmt import train
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert train._native_bf16() is False  # emulated only: fp16 with the scaler
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)  # torch without the keyword
+    assert train._native_bf16() is True

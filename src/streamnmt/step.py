@@ -91,6 +91,8 @@ class NMTStep:
         # Test hook: make the loss of this (1-based) call non-finite, to exercise the NaN policy.
         # Eager strategies only: graph mode's warm-up and capture calls count too.
         self.inject_inf_at = int(os.environ.get("STREAMNMT_INJECT_INF_STEP", "0"))
+        # Test hook: from this (1-based) call on, an infinite gradient under a finite loss.
+        self.inject_inf_grad_from = int(os.environ.get("STREAMNMT_INJECT_INF_GRAD_FROM", "0"))
         self.calls = 0
         self.ema: EMA | None = None  # set by make_step(ema=...): averaged weights, updated in the step
 
@@ -153,6 +155,8 @@ class NMTStep:
     def backward(self, loss: torch.Tensor) -> None:
         if self.world > 1:
             loss = loss * self.world  # DDP averages the ranks' gradients; the global loss is their sum
+        if 0 < self.inject_inf_grad_from <= self.calls:
+            loss = loss + _InfGrad.apply(self.params[0])
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def optimizer_step(self) -> None:
@@ -176,6 +180,19 @@ class NMTStep:
             self.ema.update()  # device kernels after the update, so graph mode captures them too
         self.loss_ok.fill_(True)
         self.optimizer.zero_grad(set_to_none=self.grads_to_none)
+
+
+class _InfGrad(torch.autograd.Function):
+    """Test hook: adds 0 to the loss and an infinite gradient to ``p``."""
+
+    @staticmethod
+    def forward(ctx, p: torch.Tensor) -> torch.Tensor:
+        ctx.like = p.detach()
+        return p.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(ctx.like, float("inf"))
 
 
 def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr: float = 1.0,

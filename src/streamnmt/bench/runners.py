@@ -279,6 +279,7 @@ class StrategyRunner(Runner):
             self.workers = cfg.workers  # as the trainer does for these strategies
         shapes = env.loader(self.workers).shapes()
         self.strategy.prepare(self.step, [example_batch(s, env.shape, cfg.seed) for s in shapes])
+        env.dist.agree_on_capture(self.report.get("capture_error"))  # all ranks captured, or all stop
         time_graph_replays(self.strategy, self.step)
         if "fallback" in self.report:
             self.notes.append(f"ran the 'full' strategy: {self.report['fallback']}")

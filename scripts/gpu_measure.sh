@@ -91,3 +91,31 @@ case "$1" in
     for d in /tmp/sc$S/nproc*; do cp "$d/bench.json" "$OUT/scaling${S}c_$(basename "$d").json"; done
     tail -14 "$OUT/scaling${S}c.log" ;;
 esac
+case "$1" in
+  ddp|ddp-128)  # one-rank DDP (torchrun, NCCL) vs plain graph mode, same lease: ddp = the one-GPU DDP tests and
+                # the bench at 32x32; ddp-128 = the bench at 128x128. Targets: DDP keeps >= 85 % (32), >= 95 % (128)
+    if [ "$1" = ddp ]; then
+      timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider -rs --durations=8 tests/test_ddp_gpu.py \
+        > "$OUT/ddp_tests.log" 2>&1; tail -12 "$OUT/ddp_tests.log"; S=32
+    else S=128; fi
+    B="--batch-size $S --max-len $S --pad-multiple $S --repeats 3 --strategies graph --no-references"
+    timeout 90 python3 -m streamnmt bench $B --out /tmp/ddp_plain$S > "$OUT/ddp_plain$S.log" 2>&1
+    timeout 90 python3 -m streamnmt bench $B --nproc 1 --out /tmp/ddp_one$S > "$OUT/ddp_one$S.log" 2>&1
+    cp /tmp/ddp_plain$S/bench.json "$OUT/ddp_plain$S.json"; cp /tmp/ddp_one$S/bench.json "$OUT/ddp_one$S.json"
+    grep -hE "graph mode|capture failed|error" "$OUT/ddp_plain$S.log" "$OUT/ddp_one$S.log" | sort | uniq -c
+    python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+print(f"{'size':>8} {'graph tok/s':>12} {'1-rank DDP tok/s':>17} {'ratio':>7} {'target':>7}")
+for s, target in ((32, 0.85), (128, 0.95)):
+    try:
+        plain, one = (next(r for r in json.loads((out / f"ddp_{k}{s}.json").read_text())["summary"]
+                           if r["name"] == "graph")["tokens_per_s"] for k in ("plain", "one"))
+    except (OSError, StopIteration, KeyError, ValueError):
+        continue
+    ratio = one / plain
+    print(f"{s}x{s:<5} {plain:>12,.0f} {one:>17,.0f} {100 * ratio:>6.1f}% {'>=' + str(round(100 * target)):>6}%"
+          f" {'ok' if ratio >= target else 'MISSED'}")
+PY
+    ;;
+esac

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
 import signal
@@ -158,3 +159,24 @@ def test_resume_a_gpu_checkpoint_on_cpu(tmp_path, home):
     res = run_cli(["--resume", str(last), "--device", "cpu"], home)
     assert res.returncode == 0, res.stderr[-2000:]
     assert [int(r["step"]) for r in read_csv(tmp_path / "g" / "steps.csv")] == list(range(1, 7))
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_non_finite_gradient_under_a_finite_loss(tmp_path, home, policy):
+    """From step 6 on every gradient is infinite while the loss stays finite (test hook): steps.csv
+    shows each step's gradient norm and skipped flag; --on-nan stop ends at step 6, --on-nan skip
+    warns per step and --max-skipped-steps 3 ends the run after 3 skipped updates in a row."""
+    args = [*TINY, "--max-steps", "20", "--save-every", "5", "--loss-interval", "1", "--on-nan", policy,
+            "--max-skipped-steps", "3", "--project", str(tmp_path), "--name", policy]
+    res = run_cli(args, home, env={"STREAMNMT_INJECT_INF_GRAD_FROM": "6"})
+    rows = read_csv(tmp_path / policy / "steps.csv")
+    assert res.returncode == 1
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("streamnmt: error:")]
+    last = 6 if policy == "stop" else 8
+    assert len(errors) == 1 and f"step {last}" in errors[0]
+    assert ("non-finite gradient norm" if policy == "stop" else "3 updates in a row skipped") in errors[0]
+    assert [int(r["step"]) for r in rows] == list(range(1, last + 1))
+    assert all(math.isfinite(float(r["loss"])) for r in rows)
+    assert [r["skipped"] for r in rows] == ["0"] * 5 + ["1"] * (last - 5)
+    assert all(0 < float(r["grad_norm"]) < 1e3 for r in rows[:5]) and all(r["grad_norm"] == "inf" for r in rows[5:])
+    assert torch.load(tmp_path / policy / "weights" / "last.pt", weights_only=True)["step"] == 5  # last good one

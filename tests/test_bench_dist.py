@@ -61,7 +61,7 @@ def test_scaling_writes_each_world_size_and_the_summary(scaling):
     # each world size's own record agrees with the summary
     for n, r in ((1, one), (2, two)):
         sub = json.loads((out / f"nproc{n}" / "bench.json").read_text())
-        assert sub["world"] == n and sub["dist_backend"] == (None if n == 1 else "gloo")
+        assert sub["world"] == n and sub["dist_backend"] == "gloo"  # torchrun: a process group (DDP) even at 1
         assert sub["summary"][0]["tokens_per_s"] == pytest.approx(r["tokens_per_s"])
         assert sub["summary"][0]["ms_per_step"] == pytest.approx(r["ms_per_step"])
     with open(out / "bench.csv", newline="") as f:

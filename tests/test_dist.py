@@ -119,6 +119,7 @@ def test_two_ranks_equal_one_rank_double_batch_graph(tmp_path, home, monkeypatch
     res = torchrun([*common(tmp_path, "graph"), "--batch-size", "8", "--name", "two"], home)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stderr.count("graph mode unavailable") + res.stdout.count("graph mode unavailable") == 1  # rank 0
+    assert "strategy full (in place of graph); 2 processes (gloo)" in res.stdout  # the strategy that runs
     assert_same_training(tmp_path / "two", one_rank(tmp_path, home, "graph", monkeypatch), steps=STEPS)
 
 

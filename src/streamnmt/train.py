@@ -602,7 +602,7 @@ def _native_bf16() -> bool:
 def _running(strategy) -> str:
     """The strategy that actually runs: graph mode's fallback names itself."""
     fallback = getattr(strategy, "fallback", None)
-    return f"{fallback.name} (graph mode unavailable)" if fallback is not None else strategy.name
+    return f"{fallback.name} (in place of graph)" if fallback is not None else strategy.name
 
 
 @contextlib.contextmanager

@@ -201,6 +201,7 @@ class GraphStrategy(Strategy):
                     step.backward(static_loss)
                     step.optimizer_step()
                 self.graphs[key] = _Captured(graph, static, static_loss.detach())
+                del static_loss  # the next shape's warm-up and capture hold no earlier autograd graph
                 continue
             for ends in variants:  # K > 1: forward + backward only
                 graph = torch.cuda.CUDAGraph()
@@ -209,6 +210,7 @@ class GraphStrategy(Strategy):
                     static_loss = step.forward(static)
                     step.backward(static_loss)
                 self.graphs[(key, ends)] = _Captured(graph, static, static_loss.detach())
+                del static_loss
         if k > 1 and self.opt_graph is None:
             self.opt_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.opt_graph, pool=pool, stream=stream):

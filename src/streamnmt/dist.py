@@ -15,10 +15,11 @@ Under torchrun the process group is joined and the model wrapped in DDP at any w
 (no ``WORLD_SIZE``) everything here is a no-op and the trainer runs as one process.
 
 The rank logic the trainer needs lives here, not as rank checks through it: :func:`parallelize`
-(DDP), :func:`prepare_once` (rank 0 prepares the data, the others wait, then every rank checks
-that it has rank 0's tokenizers and cache entries), :meth:`Dist.agree_on_capture` (graph capture
-succeeds or fails for all ranks together), :func:`wait_event` (a host wait on replayed GPU work,
-collectives included, that ends in :class:`PeerLost` instead of hanging) and :class:`NullLog`.
+(DDP, built lazily by the step under the stream its forwards run on), :func:`prepare_once` (rank
+0 prepares the data, the others wait, then every rank checks that it has rank 0's tokenizers and
+cache entries), :meth:`Dist.agree_on_capture` (graph capture succeeds or fails for all ranks
+together), :func:`wait_event` (a host wait on replayed GPU work, collectives included, that ends
+in :class:`PeerLost` instead of hanging) and :class:`NullLog`.
 """
 
 from __future__ import annotations
@@ -196,14 +197,10 @@ def init(backend: str, device: str | None, timeout_s: int) -> Dist:
                 timeout_s=float(timeout_s))
 
 
-def parallelize(model: torch.nn.Module, d: Dist, device: torch.device) -> torch.nn.Module:
-    """``model`` wrapped in DistributedDataParallel when ``d`` is in a process group (any world
-    size), else ``model`` itself; see :func:`wrap_ddp`."""
-    return wrap_ddp(model, device) if d.active else model
-
-
-def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """``model`` in DistributedDataParallel over the default process group.
+def parallelize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model`` in DistributedDataParallel over the default process group (any world size). The
+    trainer and the benchmark ask for it with ``make_step(ddp=dist.active)``; the step calls this
+    lazily, at its first forward or :meth:`streamnmt.step.NMTStep.parallel`.
 
     Call it under the stream the forwards will run on (the strategy's compute or capture stream):
     DDP ties its gradient hooks to the stream it was built under, and a mismatch makes autograd

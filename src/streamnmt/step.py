@@ -73,7 +73,7 @@ class NMTStep:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: NoamSchedule,
                  *, amp_dtype: torch.dtype | None, scaler: torch.amp.GradScaler | None, clip: float,
                  label_smoothing: float, ddp: torch.nn.Module | None = None,
-                 parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
+                 parallelize: Callable[[torch.nn.Module], tuple[torch.nn.Module, torch.nn.Module]] | None = None):
         self.model, self.optimizer, self.schedule = model, optimizer, schedule
         self.amp_dtype, self.scaler, self.clip, self.ls = amp_dtype, scaler, clip, label_smoothing
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -216,8 +216,8 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
         _fit_compile_cache(shapes)
 
     def parallelize(m: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-        from streamnmt.dist import wrap_ddp
-        wrapped = wrap_ddp(m, device)
+        from streamnmt.dist import parallelize as wrap
+        wrapped = wrap(m, device)
         return (torch.compile(wrapped, dynamic=False) if compile else wrapped), wrapped
 
     step_model = torch.compile(model, dynamic=False) if compile and not ddp else model

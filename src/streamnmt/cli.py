@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from streamnmt.configbase import add_args, from_dict
 from streamnmt.dist import PeerLost
-from streamnmt.errors import ConfigError, InputError, NonFiniteLoss
+from streamnmt.errors import ConfigError, DeviceError, InputError, NonFiniteLoss
 
 
 def _train(args: dict) -> int:
@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.pop("command")
     try:
         return run(args)
-    except (ConfigError, InputError, NonFiniteLoss, PeerLost) as e:
+    except (ConfigError, InputError, NonFiniteLoss, DeviceError, PeerLost) as e:
         if int(os.environ.get("RANK", "0")) == 0 or isinstance(e, PeerLost):  # the same line on every rank
             print(f"streamnmt: error: {e}", file=sys.stderr)
         return e.exit_code

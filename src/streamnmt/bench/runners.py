@@ -219,7 +219,7 @@ class Runner:
             "gpu_timed_steps": self.timer.collected if self.timer.enabled else None,
             "nvml_util_pct": nvml.get("util_mean_pct"), "nvml_util_max_pct": nvml.get("util_max_pct"),
             "nvml_mem_max_mb": nvml.get("mem_max_mb"), "nvml_samples": nvml.get("samples", 0),
-            "cpu_pct": cpu["process_pct"], "workers_cpu_pct": cpu["workers_pct"],
+            "cpu_pct": cpu["process_pct"], "workers_cpu_pct": cpu["workers_pct"], "cpu_util_pct": cpu["util_pct"],
             "system_cpu_pct": cpu["system_pct"], "sync_count": count, "sync_ms": sync_ms,
             "syncs": loop_syncs, "end_syncs": end_syncs, "peak_mem_mb": peak_mb,
         }

@@ -45,6 +45,7 @@ from streamnmt.bench.flops import training_flops
 from streamnmt.data import Batch, BatchLoader, DataConfig, make_loader
 from streamnmt.data.corpus import TokenizedCorpus
 from streamnmt.engine import STATS, DeferredLosses, EngineConfig, host_sync, make_strategy
+from streamnmt.engine.config import PIPELINES
 from streamnmt.fsutil import atomic_path
 from streamnmt.model import ModelShape, Transformer
 from streamnmt.monitor import CpuSampler, GpuTimer, NvmlSampler, TimedStep, time_graph_replays
@@ -269,8 +270,9 @@ class StrategyRunner(Runner):
         super().__init__(name, env)
         cfg = env.cfg
         engine_name = engine_name or name
+        streams = getattr(cfg, "streams", None) if engine_name in PIPELINES else None  # --streams: deep, full
         ecfg = EngineConfig(sync_strategy=engine_name, sync_interval=cfg.sync_interval,
-                            loss_interval=cfg.loss_interval, compile=cfg.compile)
+                            loss_interval=cfg.loss_interval, compile=cfg.compile, streams=streams)
         self.strategy = make_strategy(engine_name, self.device, ecfg, log=env.log)
         self.resident = resident
         if resident:
@@ -280,6 +282,8 @@ class StrategyRunner(Runner):
         shapes = env.loader(self.workers).shapes()
         self.strategy.prepare(self.step, [example_batch(s, env.shape, cfg.seed) for s in shapes])
         time_graph_replays(self.strategy, self.step)
+        if engine_name in PIPELINES and not resident:
+            self.notes.append(f"{self.strategy.n_streams} streams")
         if "fallback" in self.report:
             self.notes.append(f"ran the 'full' strategy: {self.report['fallback']}")
 

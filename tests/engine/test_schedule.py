@@ -125,6 +125,10 @@ def test_schedule_as_designed(strategy, streams, interval):
     _, sm, got, _, _ = recorded(strategy, interval, streams)
     assert [s for s, _ in got] == list(range(1, N + 1))
     check_schedule(strategy, streams, sm, N, interval)
+    # the caller's stream is forked from at the start and after every batch (its work between two
+    # batches, e.g. an evaluation, comes first), and joined once at the end
+    kinds = [op.kind for op in sm.ops]
+    assert kinds.count("fork") == N + 1 and kinds[0] == "fork" and kinds.count("join") == 1 and kinds[-1] == "join"
 
 
 SYNCS_PER_100 = {  # (strategy, --sync-interval) -> host waits inside 100 steps, per site

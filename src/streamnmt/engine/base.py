@@ -145,16 +145,22 @@ class Strategy:
     def run(self, batches: Iterable, step: StepFunction, losses: DeferredLosses,
             start_step: int = 0) -> Iterator[StepInfo]:
         """Drive ``step`` over ``batches``; yields once per batch. The caller's earlier work on the
-        current stream is ordered before the run, and its later work after it (device-side)."""
+        current stream is ordered before the run, and its later work after it (device-side); so is
+        what it queues there between two batches (an evaluation, an EMA weight swap)."""
         self.sm.fork()
+        run = self._run(batches, step, losses, start_step)
         try:
-            yield from self._run(batches, step, losses, start_step)
+            for info in run:
+                yield info
+                self.sm.fork()  # device-side: the caller's work of this pause comes before the next batch
         except BaseException:  # an error, or the caller closed the run early (GeneratorExit)
             # A device that failed (a sticky CUDA error) fails this call too: the first error is
             # the one to report, not this one.
             with contextlib.suppress(RuntimeError):
                 self.sm.join()
             raise
+        finally:
+            run.close()
         self.sm.join()
 
     def _run(self, batches: Iterable, step: StepFunction, losses: DeferredLosses,

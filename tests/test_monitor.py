@@ -42,6 +42,26 @@ def test_cpu_sampler_measures_this_process():
         sum(range(1000))
     r = s.stop()
     assert 10 < r["process_pct"] < 400 and r["workers_pct"] >= 0 and 0 <= r["system_pct"] <= 100
+    assert r["util_pct"] == r["process_pct"] + r["workers_pct"]
+
+
+def test_cpu_sampler_counts_worker_processes():
+    import subprocess
+    import sys
+
+    import psutil
+    s = CpuSampler().start()
+    busy = "import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < 20: sum(range(1000))"
+    child = subprocess.Popen([sys.executable, "-c", busy])
+    try:
+        t = time.perf_counter()  # sampled while the child runs (a loader worker lives for the whole epoch)
+        while sum(psutil.Process(child.pid).cpu_times()[:2]) < 0.2 and time.perf_counter() - t < 15:
+            time.sleep(0.05)
+        r = s.stop()
+    finally:
+        child.kill()
+        child.wait()
+    assert r["workers_pct"] > 1 and r["util_pct"] > r["process_pct"]
 
 
 class _Step:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from streamnmt.configbase import add_args, from_dict
 from streamnmt.dist import CaptureFailed, PeerLost
-from streamnmt.errors import ConfigError, InputError, NonFiniteLoss
+from streamnmt.errors import ConfigError, DeviceError, InputError, NonFiniteLoss
 
 
 def _train(args: dict) -> int:
@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.pop("command")
     try:
         return run(args)
-    except (ConfigError, InputError, NonFiniteLoss, PeerLost, CaptureFailed) as e:
+    except (ConfigError, InputError, NonFiniteLoss, DeviceError, PeerLost, CaptureFailed) as e:
         if int(os.environ.get("RANK", "0")) == 0 or isinstance(e, PeerLost):  # the same line on every rank
             print(f"streamnmt: error: {e}", file=sys.stderr)
         if isinstance(e, PeerLost) and "WORLD_SIZE" in os.environ:  # a collective whose peer died may never

@@ -32,3 +32,13 @@ class NonFiniteLoss(Exception):
     """Training stopped on a non-finite loss (``--on-nan stop``); exit code 1."""
 
     exit_code = 1
+
+
+class DeviceError(Exception):
+    """The device failed under a running strategy (e.g. a CUDA event query raised); exit code 1.
+
+    Raised instead of waiting on a device that will not answer, with one line naming the strategy,
+    the batch and the device's own message.
+    """
+
+    exit_code = 1

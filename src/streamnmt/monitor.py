@@ -270,8 +270,10 @@ class NvmlSampler:
 class CpuSampler:
     """CPU time of this process and of its children (loader workers) over a wall-clock interval.
 
-    Percentages are of one core (a process using two cores fully reads 200 %); ``system_pct`` is
-    the whole machine's busy share (0-100). ``start()`` ... ``stop() -> dict``.
+    Percentages are of one core (a process using two cores fully reads 200 %): ``process_pct`` this
+    process (all its threads), ``workers_pct`` its child processes (loader workers), ``util_pct``
+    the two together (the trainer's ``cpu_util`` column); ``system_pct`` is the whole machine's busy
+    share (0-100). ``start()`` ... ``stop() -> dict``.
     """
 
     def __init__(self) -> None:
@@ -302,4 +304,4 @@ class CpuSampler:
         own = t.user + t.system - self._own0
         children = sum(v - self._children0.get(pid, 0.0) for pid, v in self._children().items())
         return {"process_pct": 100 * own / wall, "workers_pct": 100 * children / wall,
-                "system_pct": psutil.cpu_percent(interval=None)}
+                "util_pct": 100 * (own + children) / wall, "system_pct": psutil.cpu_percent(interval=None)}

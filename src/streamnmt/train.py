@@ -42,7 +42,7 @@ from streamnmt.engine.syncstats import format_table
 from streamnmt.evaluation import bleu_on_pairs
 from streamnmt.model import ModelShape, Transformer
 from streamnmt.step import example_batch, make_step, noam_lr
-from streamnmt.monitor import NvmlSampler
+from streamnmt.monitor import CpuSampler, NvmlSampler
 from streamnmt.plots import plot_results
 from streamnmt.reporting import Scalars, merge_sync_stats
 from streamnmt.runs import CsvLog, increment_path, write_json
@@ -50,7 +50,7 @@ from streamnmt.stopping import EarlyStopping, TimeBudget, best_metric, parse_dur
 
 STEP_COLUMNS = ["step", "epoch", "loss", "lr", "tokens", "grad_norm", "skipped"]
 RESULT_COLUMNS = ["epoch", "train_loss", "val_loss", "bleu", "tokens_per_s", "padded_tokens_per_s", "epoch_s", "bleu_s",
-                  "gpu_mem_gb", "gpu_busy", "sync_count", "sync_ms", "steps"]
+                  "gpu_mem_gb", "gpu_busy", "sync_count", "sync_ms", "steps", "cpu_util"]
 EVAL_COLUMNS = ["step", "epoch", "val_loss", "bleu", "bleu_s", "best"]
 
 
@@ -367,6 +367,7 @@ class Trainer:
         self.train_loader.set_epoch(epoch)  # keeps a resumed mid-epoch position
         STATS.reset()
         nvml = NvmlSampler(self.device).start()  # GPU utilisation sampled in a thread; no device sync
+        cpu = CpuSampler().start()  # CPU time of this process and its loader workers
         t0 = time.perf_counter()
         tokens, padded, losses, eval_s, eval_stats = 0, 0, [], 0.0, []
         n_batches = len(self.train_loader) - self.epoch_pos  # micro-batches: --accum-steps per step
@@ -424,6 +425,7 @@ class Trainer:
         bar.close()
         epoch_s = time.perf_counter() - t0 - eval_s
         gpu_busy = nvml.stop().get("util_mean_pct")
+        cpu_util = cpu.stop()["util_pct"]  # % of one core, loader workers included
         train_stats = STATS.reset()
         # 5. validation loss and BLEU (timed separately from training); best.pt as of the epoch's end
         self.epoch, self.epoch_pos = epoch + 1, 0
@@ -437,9 +439,10 @@ class Trainer:
                "gpu_busy": "" if gpu_busy is None else round(gpu_busy, 1),
                "sync_count": sum(s["count"] for s in train_stats.values()),
                "sync_ms": round(sum(s["total_ms"] for s in train_stats.values()), 3),
-               "steps": self.global_step}
+               "steps": self.global_step, "cpu_util": round(cpu_util, 1)}
         self.results_log.write(row)
         self.sync_stats.append({"epoch": epoch + 1, "strategy": self.strategy.name, "train": train_stats,
+                                "engine": self.strategy.counters(),
                                 "eval": merge_sync_stats([*eval_stats, STATS.reset()])})
         if self.dist.main:
             write_json(self.save_dir / "sync_stats.json", self.sync_stats)

@@ -64,11 +64,11 @@ def run_without_host_syncs(strat, batches, step, losses) -> list[tuple[int, floa
 
 
 def train(strategy: str, device: str, n: int = 23, interval: int = 10, seed: int = 0, accum: int = 1,
-          step_out: list | None = None):
+          step_out: list | None = None, streams: int | None = None):
     dev = torch.device(device)
     step = Regression(dev, seed)
     losses = DeferredLosses(dev, interval, group=accum)
-    strat = make_strategy(strategy, dev, EngineConfig(sync_strategy=strategy, sync_interval=interval,
+    strat = make_strategy(strategy, dev, EngineConfig(sync_strategy=strategy, sync_interval=interval, streams=streams,
                                                       loss_interval=interval, accum_steps=accum), log=lambda s: None)
     got = run_collect(strat, make_batches(n), step, losses)
     if step_out is not None:
@@ -77,6 +77,8 @@ def train(strategy: str, device: str, n: int = 23, interval: int = 10, seed: int
 
 
 SEED_STRATEGIES = ["baseline", "event", "interval", "deep", "full"]
+# (strategy, --streams): every seed strategy, and deep and full with the 3-stream layout too
+SCHEDULES = [(s, None) for s in SEED_STRATEGIES] + [("deep", 3), ("full", 3)]
 
 
 def test_stream_manager_limits():
@@ -123,10 +125,10 @@ def test_registry_has_the_seed_strategies():
     assert STRATEGIES["full"].wants_workers
 
 
-@pytest.mark.parametrize("strategy", SEED_STRATEGIES[1:])
-def test_strategies_equal_baseline_bitwise_on_cpu(strategy):
+@pytest.mark.parametrize("strategy,streams", SCHEDULES[1:])
+def test_strategies_equal_baseline_bitwise_on_cpu(strategy, streams):
     ref_losses, ref_params = train("baseline", "cpu")
-    losses, params = train(strategy, "cpu")
+    losses, params = train(strategy, "cpu", streams=streams)
     assert [s for s, _ in losses] == list(range(1, 24))
     assert losses == ref_losses
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))

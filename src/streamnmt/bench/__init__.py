@@ -25,8 +25,9 @@ shows the median and the min-max range of the runs. How each number is computed,
   time from the unprofiled runs.
 * **NVML util** = mean of NVML utilisation samples (share of time any kernel ran) taken every
   ~100 ms by a thread during the run; coarse for runs shorter than a couple of seconds.
-* **CPU** = this process's user+system CPU time / wall time (100 % = one core); loader workers'
-  share is in ``bench.json``.
+* **CPU** = this process's user+system CPU time / wall time (100 % = one core); **CPU+workers**
+  adds its loader worker processes' CPU time (the trainer's ``cpu_util``); each share apart is in
+  ``bench.json``.
 * **syncs**, **sync ms** = host waits counted by ``host_sync`` inside the timed loop (every
   strategy's and this benchmark's blocking calls go through it); the end-of-run drain is recorded
   separately (``end_syncs``).

@@ -16,7 +16,7 @@ import torch
 from streamnmt.config import PRESETS, RunConfig
 from streamnmt.configbase import check, check_choice, opt
 from streamnmt.engine import STRATEGY_NAMES
-from streamnmt.engine.config import DIST_BACKENDS
+from streamnmt.engine.config import DIST_BACKENDS, PIPELINE_STREAMS
 
 # Reference rows: the limit of an eager loop (batches already on the GPU, no transfers, no host
 # waits), the same for graph mode, and the loop most people write (blocking copy, loss.item()).
@@ -47,6 +47,8 @@ class BenchConfig:
     compile: bool = opt(False, "torch.compile each row's model (slow to start: one compilation per row)")
     sync_interval: int = opt(10, "interval/deep/full/graph: the host blocks every this many batches")
     loss_interval: int = opt(10, "losses are copied to the host every this many batches")
+    streams: int | None = opt(None, "the deep and full rows: CUDA streams of the pipeline, 4 (the seed layout, "
+                                    "default) or 3 (copy, forward, backward)")
     workers: int | None = opt(None, "loader worker processes for the strategies that load in workers "
                                     "(full, graph); default min(4, CPUs)")
     data: str | None = opt(None, "corpus directory; none = the built-in English->Chinese corpus")
@@ -77,6 +79,8 @@ class BenchConfig:
         check_choice(self.amp, "amp", ("auto", "bf16", "fp16", "off"))
         check(self.sync_interval >= 1, "sync_interval", f"must be at least 1; got {self.sync_interval}")
         check(self.loss_interval >= 1, "loss_interval", f"must be at least 1; got {self.loss_interval}")
+        check(self.streams is None or self.streams in PIPELINE_STREAMS, "streams",
+              f"must be 3 or 4; got {self.streams}")
         check(self.workers is None or self.workers >= 0, "workers", f"must be 0 or more; got {self.workers}")
         check(self.builtin_size >= 100, "builtin_size", f"must be at least 100; got {self.builtin_size}")
         check(self.profile_steps >= 1, "profile_steps", f"must be at least 1; got {self.profile_steps}")

@@ -98,7 +98,8 @@ def _footnotes(cfg: BenchConfig, rows: list[dict[str, Any]], peak: float | None,
         "GPU kernels: GPU time covered by kernels and copies per profiled step (--profile) / ms/step: the true busy"
         " share" + ("" if cfg.profile else " (n/a: run with --profile)") + "; NVML util: mean of ~100 ms samples of"
         " NVML's utilisation (unreliable for runs under ~2 s)",
-        "CPU: this process's CPU time / wall (100% = one core; loader workers in bench.json); syncs, sync ms: "
+        "CPU: this process's CPU time / wall (100% = one core); CPU+workers: the same with its loader worker "
+        "processes' CPU time added (the trainer's cpu_util); syncs, sync ms: "
         "counted host waits inside the timed loop (the end-of-run drain is in bench.json)",
     ]
     world = max((r.get("world", 1) for r in rows), default=1)

@@ -45,6 +45,7 @@ from streamnmt.bench.flops import training_flops
 from streamnmt.data import Batch, BatchLoader, DataConfig, make_loader
 from streamnmt.data.corpus import TokenizedCorpus
 from streamnmt.engine import STATS, DeferredLosses, EngineConfig, host_sync, make_strategy
+from streamnmt.engine.config import PIPELINES
 from streamnmt.fsutil import atomic_path
 from streamnmt.model import ModelShape, Transformer
 from streamnmt.monitor import CpuSampler, GpuTimer, NvmlSampler, TimedStep, time_graph_replays
@@ -219,7 +220,7 @@ class Runner:
             "gpu_timed_steps": self.timer.collected if self.timer.enabled else None,
             "nvml_util_pct": nvml.get("util_mean_pct"), "nvml_util_max_pct": nvml.get("util_max_pct"),
             "nvml_mem_max_mb": nvml.get("mem_max_mb"), "nvml_samples": nvml.get("samples", 0),
-            "cpu_pct": cpu["process_pct"], "workers_cpu_pct": cpu["workers_pct"],
+            "cpu_pct": cpu["process_pct"], "workers_cpu_pct": cpu["workers_pct"], "cpu_util_pct": cpu["util_pct"],
             "system_cpu_pct": cpu["system_pct"], "sync_count": count, "sync_ms": sync_ms,
             "syncs": loop_syncs, "end_syncs": end_syncs, "peak_mem_mb": peak_mb,
         }
@@ -269,8 +270,9 @@ class StrategyRunner(Runner):
         super().__init__(name, env)
         cfg = env.cfg
         engine_name = engine_name or name
+        streams = getattr(cfg, "streams", None) if engine_name in PIPELINES else None  # --streams: deep, full
         ecfg = EngineConfig(sync_strategy=engine_name, sync_interval=cfg.sync_interval,
-                            loss_interval=cfg.loss_interval, compile=cfg.compile)
+                            loss_interval=cfg.loss_interval, compile=cfg.compile, streams=streams)
         self.strategy = make_strategy(engine_name, self.device, ecfg, log=env.log)
         self.resident = resident
         if resident:
@@ -281,6 +283,8 @@ class StrategyRunner(Runner):
         self.strategy.prepare(self.step, [example_batch(s, env.shape, cfg.seed) for s in shapes])
         env.dist.agree_on_capture(self.report.get("capture_error"))  # all ranks captured, or all stop
         time_graph_replays(self.strategy, self.step)
+        if engine_name in PIPELINES and not resident:
+            self.notes.append(f"{self.strategy.n_streams} streams")
         if "fallback" in self.report:
             self.notes.append(f"ran the 'full' strategy: {self.report['fallback']}")
 

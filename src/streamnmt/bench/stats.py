@@ -68,6 +68,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             "mfu_pct": _median(rs, "mfu_pct"),
             "gpu_busy_pct": _median(rs, "gpu_busy_pct"), "nvml_util_pct": _median(rs, "nvml_util_pct"),
             "cpu_pct": _median(rs, "cpu_pct"), "workers_cpu_pct": _median(rs, "workers_cpu_pct"),
+            "cpu_util_pct": _median(rs, "cpu_util_pct"),
             "sync_count": _median(rs, "sync_count"), "sync_ms": _median(rs, "sync_ms"),
             "peak_mem_mb": max((r["peak_mem_mb"] for r in rs if r.get("peak_mem_mb") is not None), default=None),
         }
@@ -97,7 +98,7 @@ def _compare(row: dict[str, Any], key: str, fmt: str, suffix: str) -> str:
 
 
 COLUMNS = ["row", "ms/step [min-max]", "real tok/s", "padded tok/s", "vs baseline", "% of limit", "MFU", "GPU span",
-           "GPU kernels", "NVML util", "CPU", "syncs", "sync ms", "peak MB"]
+           "GPU kernels", "NVML util", "CPU", "CPU+workers", "syncs", "sync ms", "peak MB"]
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -114,7 +115,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             _compare(r, "pct_of_limit", ".0f", "%"), _num(r["mfu_pct"], ".1f", "%"),
             _num(r["gpu_busy_pct"], ".0f", "%"), _num(r.get("kernel_busy_pct"), ".0f", "%"),
             _num(r["nvml_util_pct"], ".0f", "%"),
-            _num(r["cpu_pct"], ".0f", "%"), _num(r["sync_count"], ".0f"), _num(r["sync_ms"], ".1f"),
+            _num(r["cpu_pct"], ".0f", "%"), _num(r.get("cpu_util_pct"), ".0f", "%"), _num(r["sync_count"], ".0f"), _num(r["sync_ms"], ".1f"),
             _num(r["peak_mem_mb"], ",.0f")])
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
@@ -126,4 +127,4 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 CSV_FIELDS = ["name", "world", "repeats", "ms_per_step", "ms_min", "ms_max", "tokens_per_s", "tokens_per_s_per_gpu",
               "padded_tokens_per_s", "speedup", "speedup_noise",
               "pct_of_limit", "pct_of_limit_ref", "pct_of_limit_noise", "mfu_pct", "gpu_busy_pct",
-              "kernel_busy_pct", "nvml_util_pct", "cpu_pct", "workers_cpu_pct", "sync_count", "sync_ms", "peak_mem_mb", "note"]
+              "kernel_busy_pct", "nvml_util_pct", "cpu_pct", "workers_cpu_pct", "cpu_util_pct", "sync_count", "sync_ms", "peak_mem_mb", "note"]

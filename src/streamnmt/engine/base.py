@@ -14,6 +14,7 @@ micro-batch of a global step (checkpoints and stops happen between global steps)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -93,20 +94,38 @@ def begin_micro(step: StepFunction, last: bool) -> None:
         hook(last)
 
 
+ManagerFactory = Callable[[torch.device, int], StreamManager]
+
+
 class Strategy:
+    """``manager``: what makes the stream manager (default :class:`StreamManager`); tests pass a
+    recording double that runs on the CPU and logs every stream use, event, wait and host sync."""
+
     name: ClassVar[str]
-    n_streams: ClassVar[int]
+    n_streams: ClassVar[int]  # the default; ``self.n_streams`` is the count this instance uses
     wants_workers: ClassVar[bool] = False  # full: loading in worker processes is part of the plan
 
-    def __init__(self, device: torch.device | str, cfg: EngineConfig, log: Callable[[str], None] = print):
+    def __init__(self, device: torch.device | str, cfg: EngineConfig, log: Callable[[str], None] = print,
+                 manager: ManagerFactory | None = None):
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is not None:
             # Streams, events and graph captures made without a device argument use the current one.
             torch.cuda.set_device(self.device)
         self.cfg = cfg
         self.log = log
-        self.sm = StreamManager(self.device, self.n_streams)  # created once per trainer
+        self.n_streams = self.streams_for(cfg)
+        self.sm = (manager or StreamManager)(self.device, self.n_streams)  # created once per trainer
         self.report: dict[str, Any] = {}
+
+    @classmethod
+    def streams_for(cls, cfg: EngineConfig) -> int:
+        """How many streams this strategy uses under ``cfg`` (``--streams`` where it applies)."""
+        return cls.n_streams
+
+    def counters(self) -> dict[str, int]:
+        """Per-epoch counters of the strategy's own (e.g. ``event``: how often the host was ahead),
+        returned and reset; the trainer writes them into ``sync_stats.json``."""
+        return {}
 
     @property
     def accum(self) -> int:
@@ -126,12 +145,23 @@ class Strategy:
     def run(self, batches: Iterable, step: StepFunction, losses: DeferredLosses,
             start_step: int = 0) -> Iterator[StepInfo]:
         """Drive ``step`` over ``batches``; yields once per batch. The caller's earlier work on the
-        current stream is ordered before the run, and its later work after it (device-side)."""
+        current stream is ordered before the run, and its later work after it (device-side); so is
+        what it queues there between two batches (an evaluation, an EMA weight swap)."""
         self.sm.fork()
+        run = self._run(batches, step, losses, start_step)
         try:
-            yield from self._run(batches, step, losses, start_step)
+            for info in run:
+                yield info
+                self.sm.fork()  # device-side: the caller's work of this pause comes before the next batch
+        except BaseException:  # an error, or the caller closed the run early (GeneratorExit)
+            # A device that failed (a sticky CUDA error) fails this call too: the first error is
+            # the one to report, not this one.
+            with contextlib.suppress(RuntimeError):
+                self.sm.join()
+            raise
         finally:
-            self.sm.join()
+            run.close()
+        self.sm.join()
 
     def _run(self, batches: Iterable, step: StepFunction, losses: DeferredLosses,
              start_step: int) -> Iterator[StepInfo]:
@@ -169,7 +199,8 @@ def register(cls: type[Strategy]) -> type[Strategy]:
 
 
 def make_strategy(name: str, device: torch.device | str, cfg: EngineConfig,
-                  log: Callable[[str], None] = print) -> Strategy:
+                  log: Callable[[str], None] = print, manager: ManagerFactory | None = None) -> Strategy:
+    """``manager``: see :class:`Strategy` (only the seed strategies take one; left out when None)."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
-    return STRATEGIES[name](device, cfg, log=log)
+    return STRATEGIES[name](device, cfg, log=log, **({"manager": manager} if manager is not None else {}))

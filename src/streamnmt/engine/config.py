@@ -9,6 +9,8 @@ from streamnmt.configbase import check, check_choice, opt
 
 STRATEGY_NAMES = ("baseline", "event", "interval", "deep", "full", "graph")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
+PIPELINES = ("deep", "full")  # the strategies whose stream count is a setting (--streams)
+PIPELINE_STREAMS = (3, 4)
 
 
 @dataclass(kw_only=True)
@@ -20,6 +22,8 @@ class EngineConfig:
     compile: str = opt("auto", "torch.compile the model (fused kernels): on, off, or auto = on in graph mode "
                                "when the run is long enough to win the compile time back",
                        choices=("auto", "on", "off"), const="on")
+    streams: int | None = opt(None, "deep/full: CUDA streams of the pipeline: 4 = copy N+1, forward N, backward N, "
+                                    "copy N+2 (the seed layout, default); 3 = copy, forward, backward")
     accum_steps: int = opt(1, "gradient accumulation: batches per optimizer step (the loss is normalised by "
                               "the target tokens of all of them, on all ranks)")
     dist_backend: str = opt("auto", "several processes (torchrun): torch.distributed backend; auto = nccl on "
@@ -35,6 +39,10 @@ class EngineConfig:
         check_choice(self.compile, "compile", ("auto", "on", "off"))
         check(self.sync_interval >= 1, "sync_interval", f"must be at least 1; got {self.sync_interval}")
         check(self.loss_interval >= 1, "loss_interval", f"must be at least 1; got {self.loss_interval}")
+        if self.streams is not None:
+            check(self.streams in PIPELINE_STREAMS, "streams", f"must be 3 or 4; got {self.streams}")
+            check(self.sync_strategy in ("auto", *PIPELINES), "streams",
+                  f"applies to the deep and full strategies only; --sync-strategy is {self.sync_strategy}")
         check(self.accum_steps >= 1, "accum_steps", f"must be at least 1; got {self.accum_steps}")
         check_choice(self.dist_backend, "dist_backend", DIST_BACKENDS)
         check(self.dist_timeout >= 5, "dist_timeout", f"must be at least 5 seconds; got {self.dist_timeout}")

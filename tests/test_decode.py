@@ -128,14 +128,14 @@ def test_beam_size_one_equals_greedy(model, sources):
 
 def test_finished_sentences_are_retired(model, sources, monkeypatch):
     sizes: list[int] = []
-    select = decode.CachedStepper.select
-    monkeypatch.setattr(decode.CachedStepper, "select", lambda self, index: (sizes.append(len(index)),
-                                                                             select(self, index))[1])
+    select = decode.StaticCache.select
+    monkeypatch.setattr(decode.StaticCache, "select", lambda self, index: (sizes.append(len(index)),
+                                                                           select(self, index))[1])
     beam_search(model, pad_batch(sources, "cpu"), SearchOptions(beam_size=3, max_len_b=5, sync_every=1))
     full = 3 * len(sources)
-    assert sizes[0] == full
-    assert min(sizes) < full  # the batch shrank as sentences finished
-    assert sizes[-1] < full
+    assert sizes and all(n % 3 == 0 for n in sizes)  # whole sentences (their 3 hypotheses) leave
+    assert sizes[0] < full  # the batch shrank as sentences finished ...
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) > 1  # ... step by step
 
 
 @pytest.mark.parametrize("beam,alpha", [(1, 0.6), (3, 2.0)])

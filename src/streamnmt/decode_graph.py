@@ -11,7 +11,8 @@ eager path runs, so the two give the same results.
   24, 32, 48, ... each 1.5x or 4/3 the one before), and the output width follows from the source
   width, so a file or a test set sorted by length needs a few buckets, not one per batch; padding
   rows start finished, padding source positions are masked. A bucket holds one graph per key span
-  and beam parity: the step at position t reads only the first t + 1 key slots rounded up to 16,
+  and beam parity: the step at position t reads only the first t + 1 key slots rounded up to
+  ``decode.SPAN``,
   and the beam reorder alternates between two sets of key/value buffers (even steps gather from
   the first set into the second, odd steps back). Graphs share one memory pool; the least recently
   used bucket is dropped beyond ``max_buckets``.
@@ -104,6 +105,7 @@ class GraphDecoder:
         self._flags: list[Tensor] = []  # pinned host copies of the all-finished flag
         self.failed: set[BucketKey] = set()  # buckets whose capture failed: decoded eagerly
         self._weights: tuple[int, ...] = ()
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None  # warm-up, capture
 
     def search(self, src: Tensor) -> list[list[int]]:
         return self.search_scored(src)[0]  # (B, S) padded source ids -> B output id lists
@@ -169,7 +171,9 @@ class GraphDecoder:
             self.pool = torch.cuda.graph_pool_handle()
         # Warm-up steps run on zeroed buffers (each batch's load() resets the state anyway).
         bucket.cache.src_mask[..., 0] = True
-        side = torch.cuda.Stream(device)
+        if self._streams is None:  # made once: each capture reuses them (and their cuBLAS workspaces)
+            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        side, stream = self._streams
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for span in bucket.spans:
@@ -180,7 +184,6 @@ class GraphDecoder:
             bucket.cache.pos.zero_()
             bucket.t.zero_()
         torch.cuda.current_stream(device).wait_stream(side)
-        stream = torch.cuda.Stream(device)
         for span in bucket.spans:
             for parity in bucket.parities:
                 graph = torch.cuda.CUDAGraph()

@@ -34,6 +34,13 @@ TINY = ["--device", "cpu", "--model", "tiny", "--bleu-samples", "0", "--batch-si
 INPUT = "the cat sees a dog\nbig red house\nold bird eats fish\n"
 
 
+@pytest.fixture(autouse=True)
+def home(tmp_path_factory, monkeypatch):
+    home = tmp_path_factory.getbasetemp() / "home"
+    monkeypatch.setenv("STREAMNMT_HOME", str(home))
+    return home
+
+
 def write_corpus(directory: Path, n: int = 240) -> Path:
     g = torch.Generator().manual_seed(0)
     pairs = []
@@ -213,3 +220,18 @@ def test_decoding_copy_follows_the_weights_in_place():
     again = decoding_copy(model, torch.bfloat16, copy)
     assert again is copy and [p.data_ptr() for p in again.parameters()] == ptrs
     assert torch.equal(again.generator.bias, model.generator.bias.bfloat16())
+
+
+def test_weights_fine_tunes_with_the_tokenizers_it_carries(trained, tmp_path, home):
+    corpus = write_corpus(tmp_path / "corpus2")  # a fresh corpus: no tokenizers of its own
+    best = trained["run"] / "weights" / "best.pt"
+    lines: list[str] = []
+    t = make_trainer(tmp_path, corpus, "--name", "ft", "--weights", str(best), "--max-steps", "2", "--epochs", "1",
+                     log=lines.append)
+    t.train()
+    assert not (corpus / "tokenizer").exists()  # nothing trained: the checkpoint's models were used
+    assert any(line.startswith(f"weights: tokenizers from {best}") for line in lines)
+    a = load_checkpoint(best)["tokenizers"]
+    b = load_checkpoint(tmp_path / "ft" / "weights" / "last.pt")["tokenizers"]
+    assert [a[s]["sha256"] for s in ("src", "tgt")] == [b[s]["sha256"] for s in ("src", "tgt")]
+    assert {f"{a[s]['sha256'][:16]}.model" for s in ("src", "tgt")} <= {p.name for p in (home / "tokenizers").iterdir()}

@@ -84,6 +84,8 @@ class Trainer:
         self.bleu_model: Transformer | None = None  # the model cast to bleu_dtype (made on first use)
 
         # 1. data (errors here leave nothing behind: the run dir does not exist yet)
+        if resume is None:
+            self.job = job = tokenizers_of_weights(job, log)
         self.data = prepare_data(job.data, log=log)
         if resume is not None:
             self._check_tokenizers(resume)
@@ -554,22 +556,45 @@ class Trainer:
                              {"model_shape": json.dumps(ckpt["model_shape"])})
 
 
-def _embedded_tokenizers(ckpt: dict[str, Any], path: str) -> dict[str, str]:
-    """Write the tokenizers a checkpoint embeds into its run directory (``tokenizer/``) and return
-    the data settings that name them, so that a run resumes with the very models it was trained
-    with even where the corpus directory's tokenizers are gone. Empty for older checkpoints."""
+def _embedded_tokenizers(ckpt: dict[str, Any], path: str, out: Path | None = None,
+                         shared: bool | None = None) -> dict[str, str]:
+    """Write the tokenizers a checkpoint embeds to files and return the data settings that name
+    them, so that a run goes on with the very models the checkpoint was trained with even where
+    the corpus directory's tokenizers are gone. ``out``: the directory (default: the run
+    directory's ``tokenizer/``, for --resume); ``shared``: one model for both sides (default: as
+    the checkpoint's run had it). Empty for older checkpoints, which only name their files."""
     toks = {side: embedded_tokenizer(ckpt, side, path) for side in ("src", "tgt")}
     if any(tok is None for tok in toks.values()):
         return {}
-    out = Path(path).resolve().parent.parent / "tokenizer"
+    if shared is None:
+        shared = (ckpt.get("config") or {}).get("data", {}).get("shared_vocab", False)
+    out = out or Path(path).resolve().parent.parent / "tokenizer"
     files = {}
     for side, tok in toks.items():
-        files[side] = out / f"{side}.model"
+        files[side] = out / (f"{side}.model" if out.name == "tokenizer" else f"{tok.sha256[:16]}.model")
         if not files[side].is_file() or file_sha256(files[side]) != tok.sha256:
             atomic_write(files[side], tok.model_bytes())
-    shared = (ckpt.get("config") or {}).get("data", {}).get("shared_vocab", False)
     return {"tokenizer_eng": str(files["src"])} if shared else \
         {"tokenizer_eng": str(files["src"]), "tokenizer_chn": str(files["tgt"])}
+
+
+def tokenizers_of_weights(job: TrainJob, log: Callable[[str], None]) -> TrainJob:
+    """``--weights``: fine-tune with the tokenizers the checkpoint carries (its model's vocabulary)
+    unless --tokenizer-eng/--tokenizer-chn name others; they are written, named by their hash, to
+    ``$STREAMNMT_HOME/tokenizers/``, which config.yaml then records."""
+    d = job.data
+    if not job.run.weights or d.tokenizer_eng or d.tokenizer_chn:
+        return job
+    ckpt = load_checkpoint(job.run.weights)
+    metas = ckpt.get("tokenizers") or {}
+    one = (metas.get("src") or {}).get("sha256") == (metas.get("tgt") or {}).get("sha256")
+    if d.shared_vocab and not one:
+        return job  # two models cannot serve --shared-vocab: the data directory's shared model is used
+    home = Path(os.environ.get("STREAMNMT_HOME", "~/.cache/streamnmt")).expanduser() / "tokenizers"
+    files = _embedded_tokenizers(ckpt, job.run.weights, home, shared=d.shared_vocab)
+    if files:
+        log(f"weights: tokenizers from {job.run.weights} ({', '.join(sorted(set(files.values())))})")
+    return dataclasses.replace(job, data=dataclasses.replace(d, **files)) if files else job
 
 
 @contextlib.contextmanager

@@ -131,14 +131,16 @@ class StaticCache:
     """
 
     def __init__(self, model: Transformer, n: int, src_width: int, width: int, dtype: torch.dtype,
-                 device: torch.device, exact: bool = False):
+                 device: torch.device, exact: bool = False, reorders: bool = True):
         s = model.shape
         heads, dk = s.n_heads, s.d_model // s.n_heads
         kw = dict(dtype=dtype, device=device)
         layers = range(len(model.decoder))
         self.k = [torch.zeros(width, n, heads, dk, **kw) for _ in layers]  # (W, N, h, dk) per layer
         self.v = [torch.zeros(width, n, heads, dk, **kw) for _ in layers]
-        self.spare = [torch.zeros(width, n, heads, dk, **kw) for _ in range(2 * len(layers))]  # reorder targets
+        # Reorder targets, kept for captured steps (fixed addresses); an eager step allocates its own.
+        spares = 2 * len(layers) if reorders and not exact else 0
+        self.spare = [torch.zeros(width, n, heads, dk, **kw) for _ in range(spares)]
         self.mk = [torch.zeros(n, heads, src_width, dk, **kw) for _ in layers]  # (N, h, S, dk)
         self.mv = [torch.zeros(n, heads, src_width, dk, **kw) for _ in layers]
         self.src_mask = torch.zeros(n, 1, 1, src_width, dtype=torch.bool, device=device)  # (N, 1, 1, S)
@@ -180,12 +182,15 @@ class StaticCache:
     def reorder(self, index: Tensor) -> None:
         """Beam reordering of the self-attention K/V (the cross-attention K/V are the same for
         every hypothesis of a sentence, and hypotheses never move to another sentence): gathered
-        into the spare buffers, which then become the cache."""
+        into the spare buffers, which then become the cache (eagerly: into new buffers, whose
+        slots past the span are never read before they are written)."""
         bufs = [*self.k, *self.v]
-        for buf, dst in zip(bufs, self.spare):
+        spare = self.spare or [torch.empty_like(b) for b in bufs]
+        for buf, dst in zip(bufs, spare):
             torch.index_select(buf[:self.span], 1, index, out=dst[:self.span])
         n = len(self.k)
-        self.k, self.v, self.spare = self.spare[:n], self.spare[n:], bufs
+        self.k, self.v = spare[:n], spare[n:]
+        self.spare = bufs if self.spare else []
 
     def select(self, index: Tensor) -> None:
         """Keep rows ``index`` only (the eager search retiring finished sentences)."""
@@ -216,7 +221,8 @@ class StaticSearch:
         self.greedy = beam == 1 if greedy is None else greedy  # beam 1 runs the beam algorithm unless greedy
         if self.greedy and beam != 1:
             raise ValueError(f"greedy search keeps one hypothesis; got beam {beam}")
-        self.cache = StaticCache(model, r * k, src_width, w, dtype, device, exact) if cached else None
+        self.cache = StaticCache(model, r * k, src_width, w, dtype, device, exact, reorders=not self.greedy) \
+            if cached else None
         dev = dict(device=device)
         self.t = torch.zeros((), dtype=torch.long, **dev)  # the step being decoded
         self.t_host = 0  # the same on the host (uncached decoding)

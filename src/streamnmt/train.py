@@ -557,12 +557,12 @@ class Trainer:
 
 
 def _embedded_tokenizers(ckpt: dict[str, Any], path: str, out: Path | None = None,
-                         shared: bool | None = None) -> dict[str, str]:
+                         shared: bool | None = None, by_hash: bool = False) -> dict[str, str]:
     """Write the tokenizers a checkpoint embeds to files and return the data settings that name
     them, so that a run goes on with the very models the checkpoint was trained with even where
     the corpus directory's tokenizers are gone. ``out``: the directory (default: the run
     directory's ``tokenizer/``, for --resume); ``shared``: one model for both sides (default: as
-    the checkpoint's run had it). Empty for older checkpoints, which only name their files."""
+    the checkpoint's run had it); ``by_hash``: files named by their sha256, else src/tgt. Empty for older checkpoints, which only name their files."""
     toks = {side: embedded_tokenizer(ckpt, side, path) for side in ("src", "tgt")}
     if any(tok is None for tok in toks.values()):
         return {}
@@ -571,7 +571,7 @@ def _embedded_tokenizers(ckpt: dict[str, Any], path: str, out: Path | None = Non
     out = out or Path(path).resolve().parent.parent / "tokenizer"
     files = {}
     for side, tok in toks.items():
-        files[side] = out / (f"{side}.model" if out.name == "tokenizer" else f"{tok.sha256[:16]}.model")
+        files[side] = out / (f"{tok.sha256[:16]}.model" if by_hash else f"{side}.model")
         if not files[side].is_file() or file_sha256(files[side]) != tok.sha256:
             atomic_write(files[side], tok.model_bytes())
     return {"tokenizer_eng": str(files["src"])} if shared else \
@@ -591,7 +591,7 @@ def tokenizers_of_weights(job: TrainJob, log: Callable[[str], None]) -> TrainJob
     if d.shared_vocab and not one:
         return job  # two models cannot serve --shared-vocab: the data directory's shared model is used
     home = Path(os.environ.get("STREAMNMT_HOME", "~/.cache/streamnmt")).expanduser() / "tokenizers"
-    files = _embedded_tokenizers(ckpt, job.run.weights, home, shared=d.shared_vocab)
+    files = _embedded_tokenizers(ckpt, job.run.weights, home, shared=d.shared_vocab, by_hash=True)
     if files:
         log(f"weights: tokenizers from {job.run.weights} ({', '.join(sorted(set(files.values())))})")
     return dataclasses.replace(job, data=dataclasses.replace(d, **files)) if files else job

@@ -6,6 +6,7 @@ corpus and its tokenizers can be deleted after training.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -111,6 +112,10 @@ def test_checkpoint_alone_translates_and_evaluates_without_corpus(trained, tmp_p
         assert outputs(capsys, ["eval", "--weights", str(moved / "best.pt"), "--device", "cpu",
                                 "--data", str(refs)]) .splitlines()[1] == score.splitlines()[1]  # BLEU line
         assert outputs(capsys, ["translate", "--weights", str(moved / "avg.pt"), *common]).count("\n") == 3
+        if importlib.util.find_spec("ctranslate2") is not None:  # export writes the embedded models beside it
+            assert main(["export", "--weights", str(moved / "best.pt"), "--out", str(tmp_path / "ct2")]) == 0
+            assert (tmp_path / "ct2" / "target.model").read_bytes() == \
+                load_checkpoint(moved / "best.pt")["tokenizers"]["tgt"]["model"].numpy().tobytes()
         _, src_tok, tgt_tok, _ = load_for_inference(moved / "best.pt", "cpu")
         assert src_tok.sha256 == load_checkpoint(moved / "best.pt")["tokenizers"]["src"]["sha256"]
         # an explicit --tokenizer-* still wins: the embedded model is not used for that side

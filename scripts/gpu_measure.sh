@@ -131,4 +131,11 @@ PY
   pipeline-tests)  # the engine's GPU tests: schedules == baseline (MLP, Transformer fp32), sanitizer, memory
     timeout 340 python3 -m pytest -m gpu -q -p no:cacheprovider -rs --durations=8 tests/engine/test_engine_gpu.py \
       > "$OUT/pipeline_tests.log" 2>&1; tail -25 "$OUT/pipeline_tests.log" ;;
+  decode)  # streamnmt eval end to end vs bench_decode's graph-cached rate (bf16, beam 3, batch 64, same sources),
+           # then fp32 cached vs uncached at batch 256 (beam 3); 3 repeats each
+    timeout 200 python3 scripts/bench_eval.py --batch-size 64 --beam 3 --dtype bf16 --repeats 3 \
+      --out "$OUT/eval_vs_bench.json" > "$OUT/eval_vs_bench.log" 2>&1
+    timeout 140 python3 scripts/bench_decode.py --batch-size 256 --dtypes float32 --beams 3 \
+      --variants graph,eager,uncached --repeats 3 --out "$OUT/decode_fp32_256.json" > "$OUT/decode_fp32_256.log" 2>&1
+    tail -4 "$OUT/decode_fp32_256.log"; tail -5 "$OUT/eval_vs_bench.log" ;;
 esac

@@ -40,7 +40,8 @@ def test_graph_equals_eager_cached_fp32_on_512_sentences(beam):
     gd = GraphDecoder(model, opts, batch_size=64)
     eager = translate_ids(model, srcs, opts, batch_size=64, device=dev)
     graph = translate_ids(model, srcs, opts, batch_size=64, device=dev, search_fn=gd.search)
-    assert gd.captures >= 2 and all(sorted(b.graphs) == b.spans for b in gd.buckets.values())
+    assert gd.captures >= 2 and all(sorted({s for s, _ in b.graphs}) == b.spans for b in gd.buckets.values())
+    assert all(sorted({p for _, p in b.graphs}) == ([0] if beam == 1 else [0, 1]) for b in gd.buckets.values())
     assert graph == eager
     assert len({len(h) for h in eager}) > 5  # outputs of many lengths: some stop early, some at their limit
     if beam > 1:  # same hypotheses and scores within 1e-4, batch by batch
@@ -105,3 +106,73 @@ def test_failed_capture_says_so_once_and_decodes_eagerly(monkeypatch):
     assert got == translate_ids(model, srcs, opts, batch_size=16, device=dev)
     assert len(lines) == len(gd.failed) >= 1 and not gd.buckets
     assert "capture failed (operation not permitted when stream is capturing)" in lines[0]
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_one_search_captured_equals_eager_and_no_graph(beam):
+    # the same StaticSearch: replayed from graphs (swapping its two key/value buffer sets every
+    # beam step) and eagerly on CUDA (--no-graph: exact spans, finished sentences retired)
+    dev = torch.device("cuda")
+    model = tiny_model(seed=2).to(dev)
+    srcs = sentences(96, seed=5)
+    opts = SearchOptions(beam_size=beam, len_penalty=1.0, max_len_b=7, graph=True)
+    eager = translate_ids(model, srcs, opts, batch_size=32, device=dev)
+    graph = translate_graph(model, srcs, opts, batch_size=32, device=dev)
+    assert graph == eager
+    assert len({len(h) for h in eager}) > 3
+
+
+def test_shared_decoder_captures_each_bucket_once_per_process():
+    from streamnmt.decode_graph import shared_decoder, source_bucket
+
+    dev = torch.device("cuda")
+    model = tiny_model().to(dev)
+    opts = SearchOptions(beam_size=3, graph=True)
+    first, second = sentences(256, seed=1), sentences(256, seed=2)  # lengths 2..41 tokens
+    translate_graph(model, first, opts, batch_size=64, device=dev)
+    decoder = shared_decoder(model, opts, 64)
+    captures = decoder.captures
+    widths = {source_bucket(len(s), 64) for s in first}
+    assert 0 < captures <= len(widths) + 1 <= 8  # coarse widths, not one bucket per batch
+    translate_graph(model, second, opts, batch_size=64, device=dev)  # another call: the same decoder
+    assert shared_decoder(model, opts, 64) is decoder and decoder.captures == captures
+    other = SearchOptions(beam_size=2, graph=True)
+    assert shared_decoder(model, other, 64) is not decoder  # other settings: a decoder of their own
+
+
+def test_bf16_translate_and_eval_through_the_dtype_flag(tmp_path, capsys):
+    from streamnmt.cli import main
+    from tests.test_portable import INPUT, make_trainer, write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus")
+    make_trainer(tmp_path, corpus, "--name", "g", "--epochs", "1", "--max-steps", "4").train()
+    weights = str(tmp_path / "g" / "weights" / "last.pt")
+    src = tmp_path / "in.txt"
+    src.write_text(INPUT, encoding="utf-8")
+    for dtype, name in (("auto", "bf16"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")):
+        assert main(["translate", "--weights", weights, "--device", "cuda", "--dtype", dtype, "--input", str(src)]) == 0
+        out = capsys.readouterr()
+        assert len(out.out.splitlines()) == 3 and f"on cuda, {name} (CUDA graphs)" in out.err
+    assert main(["eval", "--weights", weights, "--device", "cuda", "--data", str(corpus)]) == 0
+    out = capsys.readouterr().out
+    assert "cuda, bf16 (CUDA graphs)" in out and "BLEU = " in out
+
+
+def test_trainer_bleu_pass_decodes_a_bf16_copy(tmp_path):
+    from tests.test_portable import write_corpus
+    from streamnmt.cli import build_parser
+    from streamnmt.config import build_job
+    from streamnmt.train import Trainer
+
+    corpus = write_corpus(tmp_path / "corpus")
+    args = vars(build_parser().parse_args([
+        "train", "--device", "cuda", "--model", "tiny", "--bleu-samples", "8", "--batch-size", "16", "--max-len", "32",
+        "--src-vocab", "40", "--tgt-vocab", "40", "--data", str(corpus), "--project", str(tmp_path), "--name", "b",
+        "--epochs", "1", "--max-steps", "4", "--sync-strategy", "graph"]))
+    for key in ("_run", "command"):
+        args.pop(key)
+    t = Trainer(build_job(args), log=lambda _: None)
+    assert t.bleu_dtype == torch.bfloat16  # --eval-dtype auto on a GPU with bf16
+    t.train()
+    assert t.bleu_model is not None and next(t.bleu_model.parameters()).dtype == torch.bfloat16
+    assert next(t.model.parameters()).dtype == torch.float32  # training stays in fp32

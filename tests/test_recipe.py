@@ -209,10 +209,10 @@ def test_time_limit_in_a_real_process(tmp_path, home):
     assert len(read_csv(tmp_path / "t" / "steps.csv")) == step
 
 
-def test_resume_takes_a_new_time_limit_only(tmp_path, capsys):
-    assert main(["train", "--resume", str(tmp_path / "x.pt"), "--time-limit", "1h", "--patience", "2"]) == 2
+def test_resume_takes_a_new_time_limit_but_not_a_new_lr(tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path / "x.pt"), "--time-limit", "1h", "--lr", "2"]) == 2
     err = capsys.readouterr().err
-    assert "--patience" in err and "--time-limit" not in err
+    assert "drop --lr" in err and "--time-limit" not in err.split("drop")[1]
 
 
 # -- keep-last, tied run, output ------------------------------------------------------------------

@@ -8,6 +8,7 @@ the previous good checkpoint in place.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import random
@@ -115,6 +116,34 @@ def load_model_weights(model: torch.nn.Module, ckpt: dict[str, Any], path: str |
     model.load_state_dict(state)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+
+
+def tokenizer_entry(tok: Any) -> dict[str, Any]:
+    """A checkpoint's record of one tokenizer: where it was, its hash and size, and the model itself.
+
+    The SentencePiece model travels inside the checkpoint (as a uint8 tensor, so that
+    ``weights_only`` loading accepts it on every torch version): a checkpoint copied alone to
+    another machine translates, evaluates and exports without the corpus directory.
+    """
+    data = tok.model_bytes()
+    return {"path": str(Path(tok.path).resolve()), "sha256": tok.sha256, "vocab_size": tok.vocab_size,
+            "model": torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()}
+
+
+def embedded_tokenizer(ckpt: dict[str, Any], side: str, path: str | Path) -> Any | None:
+    """The ``side`` ("src"/"tgt") tokenizer embedded in ``ckpt`` (None in checkpoints that only name
+    a path); its bytes must hash to the recorded sha256."""
+    from streamnmt.data import Tokenizer
+
+    meta = (ckpt.get("tokenizers") or {}).get(side) or {}
+    blob = meta.get("model")
+    if blob is None:
+        return None
+    data = blob.numpy().tobytes() if isinstance(blob, torch.Tensor) else bytes(blob)
+    name = f"{path}#{side}.model"
+    if meta.get("sha256") and hashlib.sha256(data).hexdigest() != meta["sha256"]:
+        raise InputError(f"{name}: the embedded {side} tokenizer is damaged (sha256 differs from the record)")
+    return Tokenizer.from_bytes(data, name)
 
 
 def keep_step_copy(last: Path, step: int, keep: int) -> Path:

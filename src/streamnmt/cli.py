@@ -35,15 +35,17 @@ def _train(args: dict) -> int:
 
 
 def _run_trainer(args: dict, config_file: str | None, resume: str | None) -> int:
-    from streamnmt.config import build_job
+    from streamnmt.config import RESUME_SETTINGS, build_job
     from streamnmt.train import Trainer
 
     if resume is not None:
-        extra = sorted(set(args) - {"device", "time_limit"})
+        extra = sorted(set(args) - {"device", *RESUME_SETTINGS})
         if extra or config_file:
-            raise ConfigError(f"--resume continues a run with the settings in its checkpoint; drop "
-                              f"{', '.join('--' + k.replace('_', '-') for k in extra) or '--config'}")
-        trainer = Trainer.from_checkpoint(resume, device=args.get("device"), time_limit=args.get("time_limit"))
+            raise ConfigError(f"--resume continues a run with the settings in its checkpoint (it takes new "
+                              f"--device and limits only: {', '.join('--' + k.replace('_', '-') for k in RESUME_SETTINGS)}"
+                              f"); drop {', '.join('--' + k.replace('_', '-') for k in extra) or '--config'}")
+        trainer = Trainer.from_checkpoint(resume, device=args.get("device"),
+                                          changes={k: args[k] for k in RESUME_SETTINGS if k in args})
     else:
         trainer = Trainer(build_job(args, config_file))
     result = trainer.train()

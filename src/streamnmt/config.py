@@ -98,6 +98,8 @@ class RunConfig:
                                       "in a row were skipped for a non-finite loss or gradient (0 = never)")
     bleu_samples: int = opt(500, "dev sentences decoded for BLEU at each epoch end (0 = off)")
     beam_size: int = opt(3, "beam size of the epoch-end BLEU decoding")
+    eval_dtype: str = opt("auto", "weights' dtype of the BLEU decoding: auto (bf16 on a GPU that has it natively, "
+                                  "else fp32), bf16, fp16 (CUDA only) or fp32", choices=("auto", "bf16", "fp16", "fp32"))
     eval_every: int = opt(0, "also evaluate (val loss, BLEU, best.pt, patience) every N optimizer steps "
                              "(0 = at epoch ends only)")
     best_metric: str = opt("auto", "what chooses best.pt and drives --patience: bleu (higher is better) or "
@@ -124,6 +126,7 @@ class RunConfig:
               f"{self.max_skipped_steps}")
         check(self.bleu_samples >= 0, "bleu_samples", f"must be 0 or more; got {self.bleu_samples}")
         check(self.beam_size >= 1, "beam_size", f"must be at least 1; got {self.beam_size}")
+        check_choice(self.eval_dtype, "eval_dtype", ("auto", "bf16", "fp16", "fp32"))
         check_recipe(self)
         if self.device is not None:
             import torch
@@ -136,6 +139,11 @@ class RunConfig:
                 check(idx < torch.cuda.device_count(), "device",
                       f"{dev} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
 
+
+# Settings a resumed run may change: they change neither the model nor the data order, so the run
+# continues exactly as it would have with them from the start (where the schedule does not depend on them).
+RESUME_SETTINGS = ("epochs", "max_steps", "time_limit", "patience", "save_every", "eval_every", "keep_last",
+                   "verbose", "tensorboard")
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
                              "engine": EngineConfig, "run": RunConfig}

@@ -6,26 +6,21 @@ its bookkeeping there too: scores, histories and finished hypotheses are tensors
 waits for the device only to retire finished sentences every few steps (see :func:`sync_interval`)
 and to fetch the results; both go through the counted ``host_sync`` (sites ``decode.*``).
 
-How the decoder is run is one small interface, :class:`Stepper` (one new position for every live
-row, and row re-selection), with two implementations:
-
-* :class:`CachedStepper`: incremental decoding through the model's :class:`DecoderCache`. The
-  encoder runs once; cross-attention keys/values are projected once per sentence; each step costs
-  one position. This is the one to use.
-* :class:`FullStepper`: the reference. It re-runs the full decoder over the whole prefix at every
-  step. It is slower, and the tests and ``scripts/bench_decode.py`` compare it with the cached one.
-
-Both search functions use either stepper unchanged, so cached and uncached decoding differ only in
-how the next-token log-probabilities are computed. :mod:`streamnmt.decode_graph` runs the same
-searches with fixed shapes on a preallocated cache, one CUDA graph replay per token; this module is
-the eager reference it is tested against, and what the CPU runs.
+There is one search, :class:`StaticSearch`: its state (tokens, scores, histories, finished
+pools, the step counter) is a set of fixed-shape tensors, the decoder's keys/values live in a
+preallocated :class:`StaticCache`, and one step has no host sync, so it can be captured in a CUDA
+graph. :func:`greedy_search` and :func:`beam_search_scored` run it eagerly (what the CPU and
+``--no-graph`` use), shrinking the batch as sentences finish; :mod:`streamnmt.decode_graph` runs
+the same step replayed from CUDA graphs. ``SearchOptions.cached=False`` computes each step's
+log-probabilities by re-running the decoder over the whole prefix instead (the slow reference that
+the tests and ``scripts/bench_decode.py`` compare with).
 """
 
 from __future__ import annotations
 
+import copy as copy_module
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +28,16 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from streamnmt import masks
+from streamnmt.configbase import check, check_choice
 from streamnmt.engine.syncstats import host_sync
 from streamnmt.model import Transformer
 
 NEG_INF = float("-inf")
+# A captured step reads its self-attention keys in spans of this many slots (StaticCache): one
+# graph per span, so early steps do not read a long output's full width; 32 keeps the graphs of
+# the usual outputs (50-100 tokens) to 2-4 per beam parity, and reading up to 31 masked slots
+# costs little beside the step's matrix products.
+SPAN = 32
 
 # Each decoding step brings new attention shapes (the keys grow by one position). cuDNN's fused
 # attention builds a plan for every new shape: in bf16 on an H100 that made single benchmark runs
@@ -52,9 +53,51 @@ class SearchOptions:
     len_penalty: float = 0.6  # GNMT alpha: score / ((5 + len) / 6) ** alpha; 0 = raw log-prob
     max_len_a: float = 1.5  # output limit = max_len_a * source tokens + max_len_b ...
     max_len_b: int = 10  # ... capped by the model's max_positions - 1
-    cached: bool = True  # False = FullStepper (re-run the decoder over the prefix each step)
+    cached: bool = True  # False = re-run the decoder over the whole prefix each step (the reference)
     sync_every: int = 0  # check for finished sentences every N steps; 0 = auto (sync_interval)
     graph: bool = False  # on CUDA, decode through CUDA graphs (decode_graph.translate_ids); CPU: ignored
+
+
+DTYPES = ("auto", "bf16", "fp16", "fp32")  # --dtype of translate and eval, --eval-dtype of train
+_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` is a GPU with bf16 arithmetic in hardware (not emulated)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # torch without the including_emulation argument
+        return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def decode_dtype(name: str, device: torch.device, key: str = "dtype") -> torch.dtype:
+    """The weights' dtype for decoding: ``auto`` is bf16 on a GPU that has it natively, else fp32.
+    ``key`` names the setting in errors (``dtype`` for translate/eval, ``eval_dtype`` for train)."""
+    check_choice(name, key, DTYPES)
+    if name == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    check(name != "fp16" or device.type == "cuda", key, "fp16 decoding needs a CUDA device; use bf16 or fp32 on the CPU")
+    return _DTYPE[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in _DTYPE.items()}.get(dtype, str(dtype))
+
+
+def decoding_copy(model: Transformer, dtype: torch.dtype, copy: Transformer | None = None) -> Transformer:
+    """``model`` itself for its own dtype, else ``copy`` (a cast copy made on the first call) with
+    ``model``'s current weights copied in: the trainer decodes its BLEU pass in bf16 while it trains
+    in fp32, and the copy's weights stay at the same addresses, so captured decoding graphs stay valid."""
+    if next(model.parameters()).dtype == dtype:
+        return model
+    if copy is None:
+        copy = copy_module.deepcopy(model).to(dtype)
+    with torch.no_grad():
+        for dst, src in zip(copy.parameters(), model.parameters()):
+            dst.copy_(src)
+    return copy.train(model.training)
 
 
 def sync_interval(device: torch.device) -> int:
@@ -72,77 +115,295 @@ def sync_interval(device: torch.device) -> int:
     return 1 if device.type == "cpu" else 4
 
 
-# -- steppers: how the next-token log-probabilities are computed ---------------------------
+# -- the static-cache search: state of fixed shapes, one step at a time ----------------------
 
 
-class Stepper(Protocol):
-    def step(self, y: Tensor) -> Tensor:
-        """(N,) ids of the newest position -> (N, V) log-probabilities of the next token."""
+class StaticCache:
+    """Decoder cache of ``n`` rows in preallocated buffers; the methods of DecoderCache.
+
+    Self-attention keys/values live in buffers ``width`` slots long, laid out (W, N, h, dk) so
+    that the first ``span`` slots are one contiguous block; a step writes slot ``pos`` (a device
+    value: ``index_copy_``, no ``cat``) and reads the first ``span`` slots (a host value, fixed per
+    captured graph) through the mask ``slot <= pos``; the eager search reads exactly pos + 1 slots
+    (``exact``) and needs no mask. Beam reordering gathers the used slots into a second set of
+    buffers and swaps the two (one read and one write of the cache, not two of each). The
+    cross-attention keys/values of the encoder output are projected once per batch.
+    """
+
+    def __init__(self, model: Transformer, n: int, src_width: int, width: int, dtype: torch.dtype,
+                 device: torch.device, exact: bool = False, reorders: bool = True):
+        s = model.shape
+        heads, dk = s.n_heads, s.d_model // s.n_heads
+        kw = dict(dtype=dtype, device=device)
+        layers = range(len(model.decoder))
+        self.k = [torch.zeros(width, n, heads, dk, **kw) for _ in layers]  # (W, N, h, dk) per layer
+        self.v = [torch.zeros(width, n, heads, dk, **kw) for _ in layers]
+        # Reorder targets, kept for captured steps (fixed addresses); an eager step allocates its own.
+        spares = 2 * len(layers) if reorders and not exact else 0
+        self.spare = [torch.zeros(width, n, heads, dk, **kw) for _ in range(spares)]
+        self.mk = [torch.zeros(n, heads, src_width, dk, **kw) for _ in layers]  # (N, h, S, dk)
+        self.mv = [torch.zeros(n, heads, src_width, dk, **kw) for _ in layers]
+        self.src_mask = torch.zeros(n, 1, 1, src_width, dtype=torch.bool, device=device)  # (N, 1, 1, S)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)  # positions decoded so far
+        self.keys = torch.arange(width, device=device)  # (W,) position of each key slot
+        self.span = width  # key slots the next step reads (must exceed pos)
+        self.exact = exact  # span is exactly pos + 1 (eager decoding): every slot read is visible
+
+    def load(self, model: Transformer, mem: Tensor, src_mask: Tensor, index: Tensor) -> None:
+        """Cross-attention K/V of ``mem`` (B, S, D) for rows ``index`` (n,): row r is sentence
+        index[r]; rows past n attend to one zero key. Clears the self-attention K/V."""
+        n, s = index.numel(), mem.size(1)
+        for i, layer in enumerate(model.decoder):
+            mk, mv = layer.cross_attn.project_kv(mem)  # 2 x (B, h, S, dk)
+            for dst, src in ((self.mk[i], mk), (self.mv[i], mv)):
+                dst.zero_()
+                dst[:n, :, :s] = src.index_select(0, index)
+        for buf in (*self.k, *self.v, *self.spare):
+            buf.zero_()  # masked slots are multiplied by 0: they must hold no NaN
+        self.src_mask.zero_()
+        self.src_mask[:n, :, :, :s] = src_mask.index_select(0, index)
+        self.src_mask[n:, :, :, 0] = True  # padding rows: one visible key (see masks.py)
+        self.pos.zero_()
+
+    # -- DecoderCache's interface ------------------------------------------------------------
+    def append(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        ks, vs = self.k[i][:self.span], self.v[i][:self.span]  # (span, N, h, dk), contiguous
+        ks.index_copy_(0, self.pos.view(1), k.permute(2, 0, 1, 3))  # (1, N, h, dk) into slot pos
+        vs.index_copy_(0, self.pos.view(1), v.permute(2, 0, 1, 3))
+        mask = None if self.exact else (self.keys[:self.span] <= self.pos)[None, None, None]  # (1, 1, 1, span)
+        return ks.permute(1, 2, 0, 3), vs.permute(1, 2, 0, 3), mask  # (N, h, span, dk) views
+
+    def memory(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.mk[i], self.mv[i]
+
+    def advance(self) -> None:
+        self.pos.add_(1)
+
+    def reorder(self, index: Tensor) -> None:
+        """Beam reordering of the self-attention K/V (the cross-attention K/V are the same for
+        every hypothesis of a sentence, and hypotheses never move to another sentence): gathered
+        into the spare buffers, which then become the cache (eagerly: into new buffers, whose
+        slots past the span are never read before they are written)."""
+        bufs = [*self.k, *self.v]
+        spare = self.spare or [torch.empty_like(b) for b in bufs]
+        for buf, dst in zip(bufs, spare):
+            torch.index_select(buf[:self.span], 1, index, out=dst[:self.span])
+        n = len(self.k)
+        self.k, self.v = spare[:n], spare[n:]
+        self.spare = bufs if self.spare else []
 
     def select(self, index: Tensor) -> None:
-        """Keep/reorder live rows (beam reordering, retiring finished sentences)."""
-
-
-class CachedStepper:
-    """Incremental decoding: each step runs one position against cached keys/values."""
-
-    def __init__(self, model: Transformer, mem: Tensor, src_mask: Tensor, index: Tensor):
-        self.model = model
-        self.cache = model.init_cache(mem)  # cross-attention K/V, projected once per sentence
-        self.src_mask = src_mask  # (B, 1, 1, S)
-        self.select(index)  # one row per sentence -> one per hypothesis
-
-    def step(self, y: Tensor) -> Tensor:
-        return self.model.decode_step(y, self.src_mask, self.cache)  # (N, V)
-
-    def select(self, index: Tensor) -> None:
-        self.cache.select(index)
+        """Keep rows ``index`` only (the eager search retiring finished sentences)."""
+        self.k = [b.index_select(1, index) for b in self.k]
+        self.v = [b.index_select(1, index) for b in self.v]
+        self.spare = [b.index_select(1, index) for b in self.spare]
+        self.mk = [b.index_select(0, index) for b in self.mk]
+        self.mv = [b.index_select(0, index) for b in self.mv]
         self.src_mask = self.src_mask.index_select(0, index)
 
 
-class FullStepper:
-    """Reference decoding: re-runs the whole decoder over the prefix at every step (no cache)."""
+class StaticSearch:
+    """Greedy (``beam`` 1) or beam search over ``rows`` sentences as tensors of fixed shapes.
 
-    def __init__(self, model: Transformer, mem: Tensor, src_mask: Tensor, index: Tensor):
-        self.model = model
-        self.mem, self.src_mask = mem, src_mask  # (B, S, D), (B, 1, 1, S)
-        self.prefix = torch.empty(mem.size(0), 0, dtype=torch.long, device=mem.device)  # (B, t)
-        self.select(index)
+    The one implementation of both searches: :func:`greedy_search` / :func:`beam_search_scored`
+    run it eagerly (retiring finished sentences every few steps), :mod:`streamnmt.decode_graph`
+    captures :meth:`step` in CUDA graphs. A step has fixed shapes and no host sync: rows are never
+    removed by it, a finished sentence keeps running with its result frozen, so results do not
+    depend on when the host looks. ``cached=False`` re-runs the decoder over the whole prefix at
+    every step instead of using the cache (the slow reference; eager only).
+    """
 
-    def step(self, y: Tensor) -> Tensor:
-        self.prefix = torch.cat([self.prefix, y[:, None]], dim=1)  # (N, t+1), BOS first
-        h = self.model.decode(self.mem, self.src_mask, self.prefix)[:, -1]  # (N, D)
-        return F.log_softmax(self.model.generator(h).float(), dim=-1)  # (N, V)
+    def __init__(self, model: Transformer, rows: int, beam: int, src_width: int, width: int, opts: SearchOptions,
+                 dtype: torch.dtype, device: torch.device, *, greedy: bool | None = None, cached: bool = True,
+                 exact: bool = False):
+        r, k, w, v = rows, beam, width, model.shape.tgt_vocab
+        self.model, self.rows, self.beam, self.width = model, rows, beam, width
+        self.greedy = beam == 1 if greedy is None else greedy  # beam 1 runs the beam algorithm unless greedy
+        if self.greedy and beam != 1:
+            raise ValueError(f"greedy search keeps one hypothesis; got beam {beam}")
+        self.cache = StaticCache(model, r * k, src_width, w, dtype, device, exact, reorders=not self.greedy) \
+            if cached else None
+        dev = dict(device=device)
+        self.t = torch.zeros((), dtype=torch.long, **dev)  # the step being decoded
+        self.t_host = 0  # the same on the host (uncached decoding)
+        self.y = torch.full((r * k,), masks.BOS, dtype=torch.long, **dev)  # (N,) newest tokens
+        self.limits = torch.ones(r, dtype=torch.long, **dev)  # (R,) EOS forced from this step on
+        self.done = torch.zeros(r, dtype=torch.bool, **dev)  # (R,) sentence finished
+        self.all_done = torch.zeros((), dtype=torch.bool, **dev)
+        self.sent = torch.arange(r, **dev)  # (R,) sentence of each row (rows are retired eagerly)
+        self.cols = torch.arange(w, **dev)  # (W,)
+        if self.greedy:
+            self.out = torch.full((r, w), masks.PAD, dtype=torch.long, **dev)  # (R, W) tokens
+            return
+        self.scores = torch.zeros(r, k, **dev)  # (R, k) summed log-probs of live hypotheses
+        self.hist = torch.zeros(r, k, w, dtype=torch.long, **dev)  # (R, k, W) their tokens
+        self.pool_score = torch.zeros(r, k, **dev)  # (R, k) finished, normalised, best first
+        self.pool_tok = torch.zeros(r, k, w, dtype=torch.long, **dev)  # (R, k, W)
+        self.pool_n = torch.zeros(r, dtype=torch.long, **dev)  # (R,) hypotheses that entered the pool
+        self.vocab = torch.arange(v, **dev)
+        self.first_k = torch.arange(2 * k, **dev) < k  # (2k,)
+        self.row_base = torch.arange(r, **dev)[:, None] * k  # (R, 1) first hypothesis row of a sentence
+        # Length normalisation per step: on CUDA a multiplication by the float32 reciprocal (what
+        # dividing a float32 tensor by a Python float does there), on the CPU a division.
+        lp = torch.tensor([length_penalty(t + 1, opts.len_penalty) for t in range(w)], dtype=torch.float32)
+        lp = lp.reciprocal() if device.type == "cuda" else lp
+        # From pinned memory the copy is asynchronous (no host wait).
+        self.lp = lp.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else lp  # (W,)
 
-    def select(self, index: Tensor) -> None:
-        self.mem = self.mem.index_select(0, index)
-        self.src_mask = self.src_mask.index_select(0, index)
-        self.prefix = self.prefix.index_select(0, index)
+    # -- per batch -----------------------------------------------------------------------------
+    def load(self, mem: Tensor, src_mask: Tensor, limits: Tensor) -> None:
+        """Start a batch of ``limits.numel()`` sentences (the rest are padding, finished at once)."""
+        b, k = limits.numel(), self.beam
+        index = torch.arange(b * k, device=mem.device) // k  # row i -> sentence i // k
+        if self.cache is not None:
+            self.cache.load(self.model, mem, src_mask, index)
+        else:
+            self.mem, self.src_mask = mem.index_select(0, index), src_mask.index_select(0, index)
+        self.t.zero_()
+        self.t_host = 0
+        self.y.fill_(masks.BOS)
+        self.limits.fill_(1)
+        self.limits[:b] = limits
+        self.done.fill_(True)
+        self.done[:b] = False
+        self.all_done.fill_(False)
+        n = self.sent.numel()  # rows, padding included
+        self.result = torch.full((n, self.width), masks.PAD, dtype=torch.long, device=mem.device)  # (R, W)
+        self.result_score = torch.full((n,), NEG_INF, device=mem.device)  # (R,)
+        if self.greedy:
+            self.out.fill_(masks.PAD)
+            return
+        self.scores.fill_(NEG_INF)
+        self.scores[:, 0] = 0.0  # the k rows start as copies: only the first may be extended at step 0
+        self.hist.zero_()
+        self.pool_score.fill_(NEG_INF)
+        self.pool_tok.fill_(masks.PAD)
+        self.pool_n.zero_()
+
+    def span(self, t: int) -> int:
+        """Key slots the step at position ``t`` reads: t + 1 rounded up to a multiple of SPAN."""
+        return min(-(-(t + 1) // SPAN) * SPAN, self.width)
+
+    def step(self, span: int) -> None:
+        """One token for every row, reading ``span`` key slots; fixed shapes, no host sync (capturable)."""
+        if self.cache is not None:
+            self.cache.span = span
+        (self._greedy_step if self.greedy else self._beam_step)()
+        self.t.add_(1)
+        self.t_host += 1
+
+    def _logp(self) -> Tensor:
+        """(N, V) log-probabilities of the next token of every row."""
+        if self.cache is not None:
+            return self.model.decode_step(self.y, self.cache.src_mask, self.cache)
+        t, n = self.t_host, self.y.numel()  # uncached: the decoder over BOS and every token so far
+        toks = self.out[:, :t] if self.greedy else self.hist.view(n, self.width)[:, :t]
+        prefix = torch.cat([torch.full((n, 1), masks.BOS, dtype=torch.long, device=toks.device), toks], 1)
+        h = self.model.decode(self.mem, self.src_mask, prefix)[:, -1]  # (N, D)
+        return F.log_softmax(self.model.generator(h).float(), dim=-1)
+
+    def _greedy_step(self) -> None:
+        y = self._logp().argmax(-1).masked_fill(self.t >= self.limits, masks.EOS)  # (R,)
+        self.out.index_copy_(1, self.t.view(1), y[:, None])  # tokens after a row's first EOS are cut later
+        self.done |= y == masks.EOS
+        self.all_done.copy_(self.done.all())
+        self.y.copy_(y)
+
+    def _beam_step(self) -> None:
+        r, k, w, v = self.rows, self.beam, self.width, self.model.shape.tgt_vocab
+        t = self.t
+        # 1. scores of all k*V extensions; EOS forced at the sentence's length limit
+        logp = self._logp().view(r, k, v)  # (R, k, V)
+        forced = (t >= self.limits)[:, None, None] & (self.vocab != masks.EOS)  # (R, 1, V)
+        cand = (self.scores[:, :, None] + logp.masked_fill(forced, NEG_INF)).view(r, k * v)
+        top, idx = cand.topk(2 * k)  # (R, 2k)
+        origin, tok = idx // v, idx % v  # (R, 2k) hypothesis extended, token appended
+        eos = tok == masks.EOS
+
+        # 2. EOS extensions among the first k enter the pool of sentences not yet done
+        fin = eos & self.first_k & ~self.done[:, None] & (top > NEG_INF)  # (R, 2k)
+        fin_tok = self.hist.gather(1, origin[:, :, None].expand(r, 2 * k, w))  # (R, 2k, W)
+        fin_tok = fin_tok.masked_fill(self.cols >= t, masks.PAD).masked_fill(self.cols == t, masks.EOS)
+        lp = self.lp.index_select(0, t.view(1))  # (1,)
+        norm = top * lp if self.lp.is_cuda else top / lp
+        merged = torch.cat([self.pool_score, torch.where(fin, norm, NEG_INF)], 1)  # (R, 3k)
+        pool_score, j = merged.topk(k)  # (R, k), best first
+        self.pool_tok.copy_(torch.cat([self.pool_tok, fin_tok], 1).gather(1, j[:, :, None].expand(r, k, w)))
+        self.pool_score.copy_(pool_score)
+        self.pool_n.add_(fin.sum(1))
+        self.done |= self.pool_n >= k
+        self.all_done.copy_(self.done.all())
+
+        # 3. the best k non-EOS extensions live on; reorder the decoder state to follow them
+        scores, j = top.masked_fill(eos, NEG_INF).topk(k)  # (R, k)
+        origin, tok = origin.gather(1, j), tok.gather(1, j)  # (R, k)
+        hist = self.hist.gather(1, origin[:, :, None].expand(r, k, w))
+        self.hist.copy_(hist.index_copy_(2, t.view(1), tok[:, :, None]))  # (R, k, W), column t = tok
+        self.scores.copy_(scores)
+        if self.cache is not None:
+            self.cache.reorder((self.row_base + origin).view(-1))
+        self.y.copy_(tok.view(-1))
+
+    # -- results and (eagerly) retiring finished sentences ---------------------------------------
+    def _collect(self) -> None:
+        """Write the results of the live rows (final for finished sentences) to their sentences."""
+        if self.greedy:
+            self.result[self.sent] = self.out
+            return
+        self.result[self.sent] = torch.where(self.done[:, None], self.pool_tok[:, 0], masks.PAD)
+        self.result_score[self.sent] = torch.where(self.done, self.pool_score[:, 0], NEG_INF)
+
+    def retire(self, keep: Tensor) -> None:
+        """Keep only the sentence rows ``keep`` (m,), e.g. those not finished (not capturable)."""
+        self._collect()
+        m, k = keep.numel(), self.beam
+        beams = (keep[:, None] * k + torch.arange(k, device=keep.device)).view(-1)  # (m*k,)
+        self.rows, self.sent, self.limits, self.done = m, self.sent[keep], self.limits[keep], self.done[keep]
+        self.y = self.y[beams]
+        if self.cache is not None:
+            self.cache.select(beams)
+        else:
+            self.mem, self.src_mask = self.mem[beams], self.src_mask[beams]
+        if self.greedy:
+            self.out = self.out[keep]
+            return
+        self.scores, self.hist, self.pool_n = self.scores[keep], self.hist[keep], self.pool_n[keep]
+        self.pool_score, self.pool_tok = self.pool_score[keep], self.pool_tok[keep]
+        self.row_base = torch.arange(m, device=keep.device)[:, None] * k
+
+    def results(self, b: int) -> tuple[list[list[int]], list[float] | None]:
+        """Output ids (and beam scores; None for greedy) of the first ``b`` sentences."""
+        self._collect()
+        if self.greedy:
+            # Needed: the ids go to the tokenizer.
+            return _unpad(host_sync("decode.result", lambda: self.result[:b].tolist())), None
+        # Needed: the ids go to the tokenizer.
+        ids, best = host_sync("decode.result", lambda: (self.result[:b].tolist(), self.result_score[:b].tolist()))
+        return _unpad(ids), best
 
 
 # -- search ----------------------------------------------------------------------------------
 
 
-def _start(model: Transformer, src: Tensor, opts: SearchOptions, beam: int
-           ) -> tuple[Stepper, Tensor, int, int]:
-    """Encode once; return (stepper, per-sentence output limits (B,), max steps, sync interval)."""
-    if model.training:
-        raise ValueError("decoding needs model.eval(): dropout would perturb the search")
-    b, s = src.shape
-    cap = model.shape.max_positions - 1  # position of the last token fed to the decoder
+def output_limits(model: Transformer, src: Tensor, opts: SearchOptions) -> tuple[int, Tensor]:
+    """(max steps, (B,) per-sentence output limits) of a padded source batch. The loop bound comes
+    from the padded width (a host value), so no sync is needed for it; the per-sentence limits stay
+    on the device, clamped to it."""
+    s = src.size(1)
     if s > model.shape.max_positions:
         raise ValueError(f"source of {s} tokens is longer than the model's {model.shape.max_positions} positions")
-    src_mask = masks.src_mask(src)  # (B, 1, 1, S)
-    mem = model.encode(src, src_mask)  # (B, S, D)
-    # The loop bound comes from the padded width (a host value), so no sync is needed for it;
-    # per-sentence limits stay on the device and are clamped to it.
+    cap = model.shape.max_positions - 1  # position of the last token fed to the decoder
     max_steps = min(max(int(opts.max_len_a * s + opts.max_len_b), 1), cap)
     lens = (src != masks.PAD).sum(1)  # (B,)
-    limits = (lens * opts.max_len_a + opts.max_len_b).floor().long().clamp(1, max_steps)  # (B,)
-    index = torch.arange(b * beam, device=src.device) // beam  # (B * beam,) row i -> sentence i // beam
-    stepper_cls = CachedStepper if opts.cached else FullStepper
-    every = opts.sync_every or sync_interval(src.device)
-    return stepper_cls(model, mem, src_mask, index), limits, max_steps, every
+    return max_steps, (lens * opts.max_len_a + opts.max_len_b).floor().long().clamp(1, max_steps)
+
+
+def check_search(model: Transformer, beam: int) -> None:
+    if model.training:
+        raise ValueError("decoding needs model.eval(): dropout would perturb the search")
+    v = model.shape.tgt_vocab
+    if not 1 <= beam <= v // 2:
+        raise ValueError(f"beam_size must be between 1 and half the target vocabulary ({v // 2}); got {beam}")
 
 
 def _unpad(rows: list[list[int]]) -> list[list[int]]:
@@ -152,30 +413,35 @@ def _unpad(rows: list[list[int]]) -> list[list[int]]:
 
 @torch.inference_mode()
 @sdpa_kernel(DECODE_ATTENTION)
-def greedy_search(model: Transformer, src: Tensor, opts: SearchOptions = SearchOptions()) -> list[list[int]]:
-    """(B, S) padded source ids -> B output id lists (no BOS/EOS); ``opts.beam_size`` is ignored."""
-    stepper, limits, max_steps, every = _start(model, src, opts, beam=1)
-    b, dev = src.size(0), src.device
-    rows = torch.arange(b, device=dev)  # (n,) sentence of each live row
-    out = torch.full((b, max_steps + 1), masks.PAD, dtype=torch.long, device=dev)  # (B, T)
-    y = torch.full((b,), masks.BOS, dtype=torch.long, device=dev)  # (n,)
-    finished = torch.zeros(b, dtype=torch.bool, device=dev)  # (n,)
+def search_scored(model: Transformer, src: Tensor, opts: SearchOptions, beam: int, greedy: bool = False
+                  ) -> tuple[list[list[int]], list[float] | None]:
+    """The :class:`StaticSearch` run eagerly on a (B, S) padded source batch: encode once, step,
+    and every few steps retire finished sentences (the last step finishes them all)."""
+    check_search(model, beam)
+    b = src.size(0)
+    max_steps, limits = output_limits(model, src, opts)
+    src_mask = masks.src_mask(src)  # (B, 1, 1, S)
+    mem = model.encode(src, src_mask)  # (B, S, D)
+    state = StaticSearch(model, b, beam, src.size(1), max_steps + 1, opts, mem.dtype, src.device,
+                         greedy=greedy, cached=opts.cached, exact=True)
+    state.load(mem, src_mask, limits)
+    every = opts.sync_every or sync_interval(src.device)
     for t in range(max_steps + 1):
-        # 1. next token; EOS forced at the sentence's length limit
-        y = stepper.step(y).argmax(-1).masked_fill(t >= limits, masks.EOS)  # (n,)
-        out[rows, t] = y  # tokens after a row's first EOS are cut by _unpad
-        finished |= y == masks.EOS
-        # 2. every few steps, retire finished sentences (the last step finishes them all)
+        state.step(t + 1)  # every key so far, no padding slots
         if (t + 1) % every or t == max_steps:
             continue
         # Needed: the host must know how many sentences are left to shrink the batch (or stop).
-        keep = host_sync("decode.retire", lambda: torch.nonzero(~finished).squeeze(1))  # (m,)
+        keep = host_sync("decode.retire", lambda: torch.nonzero(~state.done).squeeze(1))  # (m,)
         if keep.numel() == 0:
             break
-        if keep.numel() < rows.numel():
-            rows, y, finished, limits = rows[keep], y[keep], finished[keep], limits[keep]
-            stepper.select(keep)
-    return _unpad(host_sync("decode.result", lambda: out.tolist()))  # needed: the ids go to the tokenizer
+        if keep.numel() < state.rows:
+            state.retire(keep)
+    return state.results(b)
+
+
+def greedy_search(model: Transformer, src: Tensor, opts: SearchOptions = SearchOptions()) -> list[list[int]]:
+    """(B, S) padded source ids -> B output id lists (no BOS/EOS); ``opts.beam_size`` is ignored."""
+    return search_scored(model, src, opts, 1, greedy=True)[0]
 
 
 def length_penalty(length: int, alpha: float) -> float:
@@ -188,8 +454,6 @@ def beam_search(model: Transformer, src: Tensor, opts: SearchOptions = SearchOpt
     return beam_search_scored(model, src, opts)[0]
 
 
-@torch.inference_mode()
-@sdpa_kernel(DECODE_ATTENTION)
 def beam_search_scored(model: Transformer, src: Tensor, opts: SearchOptions = SearchOptions()
                        ) -> tuple[list[list[int]], list[float]]:
     """(B, S) padded source ids -> (B best output id lists (no BOS/EOS), their normalised scores).
@@ -201,72 +465,9 @@ def beam_search_scored(model: Transformer, src: Tensor, opts: SearchOptions = Se
     forced. A done sentence's pool is frozen, so the result does not depend on how soon the host
     notices and retires it.
     """
-    k, v = opts.beam_size, model.shape.tgt_vocab
-    if not 1 <= k <= v // 2:
-        raise ValueError(f"beam_size must be between 1 and half the target vocabulary ({v // 2}); got {k}")
-    stepper, limits, max_steps, every = _start(model, src, opts, beam=k)
-    b, dev, width = src.size(0), src.device, max_steps + 1
-    rows = torch.arange(b, device=dev)  # (n,) sentence of each live row
-    out = torch.full((b, width), masks.PAD, dtype=torch.long, device=dev)  # (B, T)
-    out_score = torch.full((b,), NEG_INF, device=dev)  # (B,) score of each result
-    y = torch.full((b * k,), masks.BOS, dtype=torch.long, device=dev)  # (n*k,)
-    scores = torch.full((b, k), NEG_INF, device=dev)  # (n, k) summed log-probs of live hypotheses
-    scores[:, 0] = 0.0  # the k rows start as copies: only the first may be extended at step 0
-    hist = torch.empty(b, k, 0, dtype=torch.long, device=dev)  # (n, k, t) their tokens
-    pool_score = torch.full((b, k), NEG_INF, device=dev)  # (n, k) finished, normalised, best first
-    pool_tok = torch.full((b, k, width), masks.PAD, dtype=torch.long, device=dev)  # (n, k, T)
-    pool_n = torch.zeros(b, dtype=torch.long, device=dev)  # (n,) hypotheses that entered the pool
-    done = torch.zeros(b, dtype=torch.bool, device=dev)  # (n,)
-    vocab = torch.arange(v, device=dev)
-    first_k = torch.arange(2 * k, device=dev) < k  # (2k,)
-    for t in range(max_steps + 1):
-        n = rows.numel()  # a shape, known to the host
-        # 1. scores of all k*V extensions; EOS forced at the sentence's length limit
-        logp = stepper.step(y).view(n, k, v)  # (n, k, V)
-        forced = (t >= limits)[:, None, None] & (vocab != masks.EOS)  # (n, 1, V)
-        cand = (scores[:, :, None] + logp.masked_fill(forced, NEG_INF)).view(n, k * v)
-        top, idx = cand.topk(2 * k)  # (n, 2k)
-        origin, tok = idx // v, idx % v  # (n, 2k) hypothesis extended, token appended
-        eos = tok == masks.EOS
-
-        # 2. EOS extensions among the first k enter the pool of sentences not yet done
-        fin = eos & first_k & ~done[:, None] & (top > NEG_INF)  # (n, 2k)
-        fin_tok = torch.full((n, 2 * k, width), masks.PAD, dtype=torch.long, device=dev)
-        fin_tok[:, :, :t] = hist.gather(1, origin[:, :, None].expand(n, 2 * k, t))
-        fin_tok[:, :, t] = masks.EOS  # (n, 2k, T)
-        merged = torch.cat([pool_score, torch.where(fin, top / length_penalty(t + 1, opts.len_penalty), NEG_INF)], 1)
-        pool_score, j = merged.topk(k)  # (n, k), best first
-        pool_tok = torch.cat([pool_tok, fin_tok], 1).gather(1, j[:, :, None].expand(n, k, width))
-        pool_n = pool_n + fin.sum(1)
-        done = done | (pool_n >= k)
-
-        # 3. the best k non-EOS extensions live on; reorder the decoder state to follow them
-        scores, j = top.masked_fill(eos, NEG_INF).topk(k)  # (n, k)
-        origin, tok = origin.gather(1, j), tok.gather(1, j)  # (n, k)
-        hist = torch.cat([hist.gather(1, origin[:, :, None].expand(n, k, t)), tok[:, :, None]], 2)  # (n, k, t+1)
-        stepper.select((torch.arange(n, device=dev)[:, None] * k + origin).view(-1))
-        y = tok.view(-1)  # (n*k,)
-
-        # 4. every few steps, retire done sentences (the last step finishes them all)
-        if (t + 1) % every and t < max_steps:
-            continue
-        out[rows] = torch.where(done[:, None], pool_tok[:, 0], out[rows])  # (n, T) results so far
-        out_score[rows] = torch.where(done, pool_score[:, 0], out_score[rows])
-        if t == max_steps:
-            break
-        # Needed: the host must know how many sentences are left to shrink the batch (or stop).
-        keep = host_sync("decode.retire", lambda: torch.nonzero(~done).squeeze(1))  # (m,)
-        if keep.numel() == 0:
-            break
-        if keep.numel() < n:
-            rows, limits, done, pool_n = rows[keep], limits[keep], done[keep], pool_n[keep]
-            scores, hist, pool_score, pool_tok = scores[keep], hist[keep], pool_score[keep], pool_tok[keep]
-            beams = (keep[:, None] * k + torch.arange(k, device=dev)).view(-1)  # (m*k,)
-            y = y[beams]
-            stepper.select(beams)
-    # Needed: the ids go to the tokenizer.
-    ids, best = host_sync("decode.result", lambda: (out.tolist(), out_score.tolist()))
-    return _unpad(ids), best
+    ids, scores = search_scored(model, src, opts, opts.beam_size)
+    assert scores is not None  # the beam algorithm scores its results
+    return ids, scores
 
 
 def search(model: Transformer, src: Tensor, opts: SearchOptions = SearchOptions()) -> list[list[int]]:

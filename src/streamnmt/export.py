@@ -53,8 +53,10 @@ class ExportConfig:
     quantization: str = opt("none", "CTranslate2 weight type; none keeps float32 (what translate computes)",
                             choices=QUANTIZATIONS)
     force: bool = opt(False, "replace --out if it exists")
-    tokenizer_src: str | None = opt(None, "source SentencePiece model; none = the one the checkpoint names")
-    tokenizer_tgt: str | None = opt(None, "target SentencePiece model; none = the one the checkpoint names")
+    tokenizer_src: str | None = opt(None, "source SentencePiece model; none = the one embedded in the checkpoint "
+                                          "(older checkpoints: the file it names)")
+    tokenizer_tgt: str | None = opt(None, "target SentencePiece model; none = the one embedded in the checkpoint "
+                                          "(older checkpoints: the file it names)")
 
     def __post_init__(self) -> None:
         check(bool(self.weights), "weights", "is required: the checkpoint to export, "
@@ -206,8 +208,8 @@ def export_ctranslate2(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenize
         for f in model_dir.iterdir():
             os.replace(f, tmp / f.name)
         model_dir.rmdir()
-        shutil.copyfile(src_tok.path, tmp / "source.model")
-        shutil.copyfile(tgt_tok.path, tmp / "target.model")
+        (tmp / "source.model").write_bytes(src_tok.model_bytes())  # the model may exist only in the checkpoint
+        (tmp / "target.model").write_bytes(tgt_tok.model_bytes())
     return out
 
 

@@ -136,9 +136,10 @@ class PositionalEncoding(nn.Module):
 class DecoderCache:
     """Per-layer cached keys/values of one batch of decoder states (rows can be re-selected).
 
-    Self-attention keys/values grow by one position per step (``torch.cat``). The preallocated,
-    fixed-length cache of graph decoding (:class:`streamnmt.decode_graph.StaticCache`) offers the
-    same methods, so :meth:`Transformer.decode_step` runs either.
+    Self-attention keys/values grow by one position per step (``torch.cat``): the simplest cache,
+    which the tests hold the search's preallocated one against. The search itself decodes on
+    :class:`streamnmt.decode.StaticCache` (fixed width, the same methods), which
+    :meth:`Transformer.decode_step` runs unchanged.
     """
 
     def __init__(self, layers: list[dict]):

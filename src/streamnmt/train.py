@@ -29,16 +29,18 @@ import numpy as np
 import torch
 
 from streamnmt.checkpoint import (keep_step_copy, load_checkpoint, load_model_weights, rng_state, save_checkpoint,
-                                  save_safetensors, set_rng_state)
-from streamnmt.config import TrainJob, job_from_dict
+                                  embedded_tokenizer, save_safetensors, set_rng_state, tokenizer_entry)
+from streamnmt.config import RESUME_SETTINGS, TrainJob, job_from_dict
 from streamnmt import dist as distributed
 from streamnmt.errors import ConfigError, InputError, NonFiniteLoss
 from streamnmt.fsutil import atomic_write
+from streamnmt.data.tokenizer import file_sha256
 from streamnmt.data import batch_plan, make_loader, prepare_data, read_pairs
 from streamnmt.devices import resolve_device
 from streamnmt.engine import STATS, DeferredLosses, host_sync, make_strategy
 from streamnmt.engine.auto import choose_compile, choose_strategy
 from streamnmt.engine.syncstats import format_table
+from streamnmt.decode import decode_dtype, decoding_copy
 from streamnmt.evaluation import bleu_on_pairs
 from streamnmt.model import ModelShape, Transformer
 from streamnmt.step import example_batch, make_step, noam_lr
@@ -92,9 +94,13 @@ class Trainer:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         seed_everything(job.run.seed)
+        self.bleu_dtype = decode_dtype(job.run.eval_dtype, self.device, "eval_dtype")
+        self.bleu_model: Transformer | None = None  # the model cast to bleu_dtype (made on first use)
 
     def _build_data(self, resume: dict[str, Any] | None) -> None:
         """Tokenizers and tokenized splits; then the settings that depend on the data (--compile auto)."""
+        if resume is None:  # --weights: the tokenizers its checkpoint carries (identical files on every rank)
+            self.job = tokenizers_of_weights(self.job, self.log)
         self.data = distributed.prepare_once(self.dist, lambda: prepare_data(self.job.data, log=self.log),
                                              lambda bundle: bundle.fingerprint())
         if resume is not None:
@@ -222,8 +228,11 @@ class Trainer:
             f"padding {100 * (1 - self.train_loader.num_tokens()['tgt_fill']):.1f} % of the target positions")
 
     @classmethod
-    def from_checkpoint(cls, path: str, log: Callable[[str], None] = print,
-                        device: str | None = None, time_limit: str | None = None) -> Trainer:
+    def from_checkpoint(cls, path: str, log: Callable[[str], None] = print, device: str | None = None,
+                        time_limit: str | None = None, changes: dict[str, Any] | None = None) -> Trainer:
+        """Continue the run of checkpoint ``path``. ``changes`` gives new values for settings of
+        :data:`streamnmt.config.RESUME_SETTINGS` (a longer run, a new time slot, ...); the change
+        is said in one line. The tokenizers come from the checkpoint where it embeds them."""
         ckpt = load_checkpoint(path, flag="--resume")
         if "optimizer" not in ckpt:
             raise InputError(f"--resume: {path} holds weights only (e.g. an averaged checkpoint); "
@@ -231,9 +240,21 @@ class Trainer:
         config = {**ckpt["config"], "run": {**ckpt["config"].get("run", {})}}
         if device is not None:  # validated here, not the device the checkpoint was written on
             config["run"]["device"] = device
+        changes = dict(changes or {})
         if time_limit is not None:  # a new time slot for the resumed run
-            config["run"]["time_limit"] = time_limit
+            changes["time_limit"] = time_limit
+        unknown = sorted(set(changes) - set(RESUME_SETTINGS))
+        if unknown:
+            raise ConfigError(f"--resume: {', '.join('--' + k.replace('_', '-') for k in unknown)} cannot change "
+                              f"when a run continues; start a new run (--weights) instead")
+        before = job_from_dict(config).run
+        config["run"].update(changes)
+        config["data"] = {**config.get("data", {}), **_embedded_tokenizers(ckpt, path)}
         job = job_from_dict(config)
+        said = [f"--{k.replace('_', '-')} {getattr(before, k)} -> {getattr(job.run, k)}" for k in changes
+                if getattr(before, k) != getattr(job.run, k)]
+        if said:
+            log(f"resume: {', '.join(said)}")
         run = dataclasses.replace(job.run, resume=str(path))
         return cls(dataclasses.replace(job, run=run), log=log, resume=ckpt)
 
@@ -428,7 +449,8 @@ class Trainer:
         cpu_util = cpu.stop()["util_pct"]  # % of one core, loader workers included
         train_stats = STATS.reset()
         # 5. validation loss and BLEU (timed separately from training); best.pt as of the epoch's end
-        self.epoch, self.epoch_pos = epoch + 1, 0
+        if self.epoch_pos >= len(self.train_loader):  # else --max-steps ended the run mid-epoch: a resume
+            self.epoch, self.epoch_pos = epoch + 1, 0  # with a larger one goes on from the same position
         val_loss, bleu, bleu_s = self._evaluate(epoch)
         finite = [v for v in losses if math.isfinite(v)]
         row = {"epoch": epoch + 1, "train_loss": sum(finite) / max(len(finite), 1), "val_loss": val_loss,
@@ -543,7 +565,8 @@ class Trainer:
         if n == 0:
             return None, 0.0
         pairs = read_pairs(self.job.data, "dev")[:n]
-        res = bleu_on_pairs(self.model, self.data.src_tok, self.data.tgt_tok, pairs, device=self.device,
+        self.bleu_model = model = decoding_copy(self.model, self.bleu_dtype, self.bleu_model)
+        res = bleu_on_pairs(model, self.data.src_tok, self.data.tgt_tok, pairs, device=self.device,
                             beam_size=self.job.run.beam_size, tgt_lang=self.job.data.tgt_lang)
         return res["bleu"], res["seconds"]
 
@@ -553,9 +576,8 @@ class Trainer:
             "model_shape": dataclasses.asdict(self.shape),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler else None,
-            "tokenizers": {side: {"path": str(Path(tok.path).resolve()), "sha256": tok.sha256,
-                                  "vocab_size": tok.vocab_size}
-                           for side, tok in (("src", self.data.src_tok), ("tgt", self.data.tgt_tok))},
+            "tokenizers": {side: tokenizer_entry(tok) for side, tok in (("src", self.data.src_tok),
+                                                                          ("tgt", self.data.tgt_tok))},
             "config": self.job.to_dict(),
             "step": self.global_step, "best_val": self.best_val,
             "sampler": {**self.train_loader.state_dict(), "epoch": self.epoch, "position": self.epoch_pos},
@@ -606,6 +628,47 @@ def _running(strategy) -> str:
     """The strategy that actually runs: graph mode's fallback names itself."""
     fallback = getattr(strategy, "fallback", None)
     return f"{fallback.name} (in place of graph)" if fallback is not None else strategy.name
+
+
+def _embedded_tokenizers(ckpt: dict[str, Any], path: str, out: Path | None = None,
+                         shared: bool | None = None, by_hash: bool = False) -> dict[str, str]:
+    """Write the tokenizers a checkpoint embeds to files and return the data settings that name
+    them, so that a run goes on with the very models the checkpoint was trained with even where
+    the corpus directory's tokenizers are gone. ``out``: the directory (default: the run
+    directory's ``tokenizer/``, for --resume); ``shared``: one model for both sides (default: as
+    the checkpoint's run had it); ``by_hash``: files named by their sha256, else src/tgt. Empty for older checkpoints, which only name their files."""
+    toks = {side: embedded_tokenizer(ckpt, side, path) for side in ("src", "tgt")}
+    if any(tok is None for tok in toks.values()):
+        return {}
+    if shared is None:
+        shared = (ckpt.get("config") or {}).get("data", {}).get("shared_vocab", False)
+    out = out or Path(path).resolve().parent.parent / "tokenizer"
+    files = {}
+    for side, tok in toks.items():
+        files[side] = out / (f"{tok.sha256[:16]}.model" if by_hash else f"{side}.model")
+        if not files[side].is_file() or file_sha256(files[side]) != tok.sha256:
+            atomic_write(files[side], tok.model_bytes())
+    return {"tokenizer_eng": str(files["src"])} if shared else \
+        {"tokenizer_eng": str(files["src"]), "tokenizer_chn": str(files["tgt"])}
+
+
+def tokenizers_of_weights(job: TrainJob, log: Callable[[str], None]) -> TrainJob:
+    """``--weights``: fine-tune with the tokenizers the checkpoint carries (its model's vocabulary)
+    unless --tokenizer-eng/--tokenizer-chn name others; they are written, named by their hash, to
+    ``$STREAMNMT_HOME/tokenizers/``, which config.yaml then records."""
+    d = job.data
+    if not job.run.weights or d.tokenizer_eng or d.tokenizer_chn:
+        return job
+    ckpt = load_checkpoint(job.run.weights)
+    metas = ckpt.get("tokenizers") or {}
+    one = (metas.get("src") or {}).get("sha256") == (metas.get("tgt") or {}).get("sha256")
+    if d.shared_vocab and not one:
+        return job  # two models cannot serve --shared-vocab: the data directory's shared model is used
+    home = Path(os.environ.get("STREAMNMT_HOME", "~/.cache/streamnmt")).expanduser() / "tokenizers"
+    files = _embedded_tokenizers(ckpt, job.run.weights, home, shared=d.shared_vocab, by_hash=True)
+    if files:
+        log(f"weights: tokenizers from {job.run.weights} ({', '.join(sorted(set(files.values())))})")
+    return dataclasses.replace(job, data=dataclasses.replace(d, **files)) if files else job
 
 
 @contextlib.contextmanager

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from streamnmt.checkpoint import load_checkpoint, load_model_weights
+from streamnmt.checkpoint import embedded_tokenizer, load_checkpoint, load_model_weights
 from streamnmt.config import RunConfig
 from streamnmt.configbase import check, check_choice, from_dict, opt, pick
 from streamnmt.data import DataConfig, Tokenizer, read_pairs
-from streamnmt.decode import SearchOptions
+from streamnmt.decode import DTYPES, SearchOptions, decode_dtype, dtype_name
 from streamnmt.errors import ConfigError, InputError
 from streamnmt.fsutil import atomic_write
 from streamnmt.model import ModelShape, Transformer
@@ -50,8 +50,10 @@ class InferenceConfig:
 
     weights: str | None = opt(None, "checkpoint written by streamnmt train, e.g. runs/train/exp/weights/best.pt "
                                     "(required)")
-    tokenizer_src: str | None = opt(None, "source SentencePiece model; none = the one the checkpoint names")
-    tokenizer_tgt: str | None = opt(None, "target SentencePiece model; none = the one the checkpoint names")
+    tokenizer_src: str | None = opt(None, "source SentencePiece model; none = the one embedded in the checkpoint "
+                                          "(older checkpoints: the file it names)")
+    tokenizer_tgt: str | None = opt(None, "target SentencePiece model; none = the one embedded in the checkpoint "
+                                          "(older checkpoints: the file it names)")
     beam_size: int = opt(3, "beam size (1 = greedy search)")
     len_penalty: float = opt(0.6, "length penalty alpha: finished hypotheses are ranked by "
                                   "log-prob / ((5 + length) / 6) ** alpha; 0 = plain log-prob")
@@ -63,6 +65,8 @@ class InferenceConfig:
                              "decoder over the whole prefix at each step (slow; for checking)")
     sync_every: int = opt(0, "look for finished sentences every N decoding steps, one host-GPU sync "
                              "each; 0 = every step on CPU, every 4th on CUDA")
+    dtype: str = opt("auto", "weights' dtype for decoding: auto (bf16 on a GPU that has it natively, else fp32), "
+                             "bf16, fp16 (CUDA only) or fp32", choices=DTYPES)
     graph: bool = opt(True, "on CUDA, decode with a preallocated cache and each step replayed from a CUDA "
                             "graph (same results, faster); --no-graph runs the eager cached search. The CPU "
                             "always runs the eager search")
@@ -78,6 +82,7 @@ class InferenceConfig:
               "must be positive when --max-len-a is 0 (outputs would have no room)")
         check(self.batch_size >= 1, "batch_size", f"must be a positive integer; got {self.batch_size}")
         check(self.sync_every >= 0, "sync_every", f"must be 0 (auto) or positive; got {self.sync_every}")
+        check_choice(self.dtype, "dtype", DTYPES)
         RunConfig(device=self.device)  # the trainer's --device check
 
     def search_options(self) -> SearchOptions:
@@ -115,13 +120,13 @@ class EvalConfig(InferenceConfig):
 
 
 def load_for_inference(path: str | Path, device: torch.device | str, tokenizer_src: str | None = None,
-                       tokenizer_tgt: str | None = None
+                       tokenizer_tgt: str | None = None, dtype: torch.dtype = torch.float32
                        ) -> tuple[Transformer, Tokenizer, Tokenizer, dict[str, Any]]:
     """Load a checkpoint for decoding: (model in eval mode on ``device``, src_tok, tgt_tok, config).
 
-    The file is read with ``weights_only=True``, so nothing in it is executed. Tokenizers are the
-    ones the checkpoint names unless ``tokenizer_src``/``tokenizer_tgt`` are given; each must have
-    the model's vocabulary size. Every problem is an InputError naming the file.
+    The file is read with ``weights_only=True``, so nothing in it is executed. Tokenizers are
+    ``tokenizer_src``/``tokenizer_tgt`` where given, else the models embedded in the checkpoint
+    (older checkpoints: the files they name); each must have the model's vocabulary size. Every problem is an InputError naming the file.
     """
     ckpt = load_checkpoint(path, "--weights")
     for key in ("model", "model_shape", "tokenizers"):
@@ -135,7 +140,7 @@ def load_for_inference(path: str | Path, device: torch.device | str, tokenizer_s
     tgt_tok = _tokenizer(ckpt, path, "tgt", tokenizer_tgt, shape.tgt_vocab)
     model = Transformer(shape)
     load_model_weights(model, ckpt, path)
-    return model.to(device).eval(), src_tok, tgt_tok, ckpt.get("config") or {}
+    return model.to(device, dtype).eval(), src_tok, tgt_tok, ckpt.get("config") or {}
 
 
 def _tokenizer(ckpt: dict[str, Any], path: str | Path, side: str, override: str | None,
@@ -143,6 +148,9 @@ def _tokenizer(ckpt: dict[str, Any], path: str | Path, side: str, override: str 
     """The ``side`` ("src"/"tgt") tokenizer: ``override`` or the checkpoint's, checked against the model."""
     flag = f"--tokenizer-{side}"
     meta = ckpt["tokenizers"].get(side) or {}
+    embedded = None if override else embedded_tokenizer(ckpt, side, path)
+    if embedded is not None:
+        return _check_vocab(embedded, side, flag, vocab_size)
     tok_path = override or meta.get("path")
     if not tok_path:
         raise InputError(f"--weights: {path} names no {side} tokenizer; pass one with {flag} PATH")
@@ -151,21 +159,26 @@ def _tokenizer(ckpt: dict[str, Any], path: str | Path, side: str, override: str 
             raise InputError(f"{flag}: tokenizer model not found: {tok_path}")
         raise InputError(f"{tok_path}: {side} tokenizer named by checkpoint {path} not found; "
                          f"pass a copy of it with {flag} PATH")
-    tok = Tokenizer(tok_path)
-    if tok.vocab_size != vocab_size:
-        raise InputError(f"{tok_path}: tokenizer has {tok.vocab_size} pieces but the model's {side} vocabulary "
-                         f"has {vocab_size}; pass the tokenizer it was trained with ({flag} PATH)")
+    tok = _check_vocab(Tokenizer(tok_path), side, flag, vocab_size)
     if meta.get("sha256") and tok.sha256 != meta["sha256"]:
         warn(f"{tok_path}: not the {side} tokenizer the model was trained with (sha256 differs; same "
              f"vocabulary size); translations may be wrong")
     return tok
 
 
+def _check_vocab(tok: Tokenizer, side: str, flag: str, vocab_size: int) -> Tokenizer:
+    if tok.vocab_size != vocab_size:
+        raise InputError(f"{tok.path}: tokenizer has {tok.vocab_size} pieces but the model's {side} vocabulary "
+                         f"has {vocab_size}; pass the tokenizer it was trained with ({flag} PATH)")
+    return tok
+
+
 def _mode(cfg: InferenceConfig, device: torch.device) -> str:
     """The device and, on CUDA, how the search ran (for the summary line)."""
+    dtype = dtype_name(decode_dtype(cfg.dtype, device))
     if device.type != "cuda":
-        return str(device)
-    return f"{device} ({'CUDA graphs' if cfg.search_options().graph else 'eager'})"
+        return f"{device}, {dtype}"
+    return f"{device}, {dtype} ({'CUDA graphs' if cfg.search_options().graph else 'eager'})"
 
 
 def _check_beam(beam_size: int, tgt_tok: Tokenizer) -> None:
@@ -204,7 +217,9 @@ def read_lines(path: str | None) -> tuple[str, list[str]]:
 def run_translate(cfg: TranslateConfig) -> int:
     """Translate ``cfg.input`` line by line; empty lines stay empty. Returns the exit code."""
     device = resolve_device(cfg.device)
-    model, src_tok, tgt_tok, _ = load_for_inference(cfg.weights, device, cfg.tokenizer_src, cfg.tokenizer_tgt)
+    dtype = decode_dtype(cfg.dtype, device)
+    model, src_tok, tgt_tok, _ = load_for_inference(cfg.weights, device, cfg.tokenizer_src, cfg.tokenizer_tgt,
+                                                    dtype=dtype)
     _check_beam(cfg.beam_size, tgt_tok)
     name, lines = read_lines(cfg.input)
     todo = [i for i, line in enumerate(lines) if line.strip()]  # empty lines are not sent to the model
@@ -246,7 +261,9 @@ def eval_data_config(config: dict[str, Any], data: str | None) -> DataConfig:
 def run_eval(cfg: EvalConfig) -> int:
     """Print BLEU and chrF of the checkpoint on a split. Returns the exit code."""
     device = resolve_device(cfg.device)
-    model, src_tok, tgt_tok, config = load_for_inference(cfg.weights, device, cfg.tokenizer_src, cfg.tokenizer_tgt)
+    dtype = decode_dtype(cfg.dtype, device)
+    model, src_tok, tgt_tok, config = load_for_inference(cfg.weights, device, cfg.tokenizer_src, cfg.tokenizer_tgt,
+                                                         dtype=dtype)
     _check_beam(cfg.beam_size, tgt_tok)
     try:
         dcfg = eval_data_config(config, cfg.data)

@@ -58,8 +58,21 @@ class Tokenizer:
             raise InputError(f"{self.path}: cannot read tokenizer model: {e.strerror}") from None
         self._load(data)
 
+    @classmethod
+    def from_bytes(cls, data: bytes, name: str) -> Tokenizer:
+        """A tokenizer from a model's bytes (e.g. embedded in a checkpoint); ``name`` is for messages."""
+        tok = cls.__new__(cls)
+        tok.path = Path(name)
+        tok._load(data)
+        return tok
+
+    def model_bytes(self) -> bytes:
+        """The SentencePiece model as loaded (the bytes of its .model file, whose hash is ``sha256``)."""
+        return self._bytes
+
     def _load(self, data: bytes) -> None:
         self.sha256 = hashlib.sha256(data).hexdigest()
+        self._bytes = data
         self._sp = spm.SentencePieceProcessor()
         try:
             self._sp.LoadFromSerializedProto(data)

@@ -1,0 +1,242 @@
+"""A model you can take away: checkpoints carry their tokenizers, resume takes new limits, --dtype.
+
+CPU, tiny model, a corpus directory of its own (the tokenizers are trained into it), so that the
+corpus and its tokenizers can be deleted after training.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamnmt.average import average_checkpoints
+from streamnmt.checkpoint import embedded_tokenizer, load_checkpoint, save_checkpoint
+from streamnmt.cli import build_parser, main
+from streamnmt.config import RESUME_SETTINGS, build_job
+from streamnmt.decode import decode_dtype, decoding_copy
+from streamnmt.errors import ConfigError
+from streamnmt.model import make_model
+from streamnmt.runs import read_csv
+from streamnmt.train import Trainer
+from streamnmt.translate import EvalConfig, TranslateConfig, load_for_inference
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+EN = "the a cat dog sees likes big small red house tree runs eats fish bird green old new".split()
+ZH = "猫狗看喜欢大小红房子树跑吃鱼鸟绿老新的一个"
+TINY = ["--device", "cpu", "--model", "tiny", "--bleu-samples", "0", "--batch-size", "16", "--max-len", "32",
+        "--dropout", "0", "--sync-strategy", "event", "--loss-interval", "1", "--src-vocab", "40",
+        "--tgt-vocab", "40", "--eval-dtype", "fp32"]
+INPUT = "the cat sees a dog\nbig red house\nold bird eats fish\n"
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path_factory, monkeypatch):
+    home = tmp_path_factory.getbasetemp() / "home"
+    monkeypatch.setenv("STREAMNMT_HOME", str(home))
+    return home
+
+
+def write_corpus(directory: Path, n: int = 240) -> Path:
+    g = torch.Generator().manual_seed(0)
+    pairs = []
+    for _ in range(n):
+        k = int(torch.randint(3, 8, (1,), generator=g))
+        en = " ".join(EN[i] for i in torch.randint(len(EN), (k,), generator=g).tolist())
+        zh = "".join(ZH[i] for i in torch.randint(len(ZH), (k + 1,), generator=g).tolist())
+        pairs.append({"en": en, "ch": zh + "。"})
+    directory.mkdir(parents=True)
+    for split, chunk in (("train", pairs[:200]), ("dev", pairs[200:220]), ("test", pairs[220:])):
+        (directory / f"{split}.json").write_text(json.dumps(chunk, ensure_ascii=False), encoding="utf-8")
+    return directory
+
+
+def make_trainer(root: Path, corpus: Path, *flags: str, log=None) -> Trainer:
+    args = vars(build_parser().parse_args(["train", *TINY, "--data", str(corpus), "--project", str(root), *flags]))
+    for key in ("_run", "command"):
+        args.pop(key)
+    return Trainer(build_job(args), log=log or (lambda _: None))
+
+
+def step_losses(run: Path) -> list[tuple[str, str]]:
+    return [(r["step"], r["loss"]) for r in read_csv(run / "steps.csv")]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("portable")
+    corpus = write_corpus(root / "corpus")
+    make_trainer(root, corpus, "--name", "run", "--epochs", "1", "--max-steps", "8", "--ema", "0.9",
+                 "--best-metric", "val_loss").train()
+    return {"root": root, "corpus": corpus, "run": root / "run"}
+
+
+def outputs(capsys, argv: list[str]) -> str:
+    capsys.readouterr()
+    assert main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_checkpoint_alone_translates_and_evaluates_without_corpus(trained, tmp_path, capsys):
+    run, corpus = trained["run"], trained["corpus"]
+    src = tmp_path / "in.txt"
+    src.write_text(INPUT, encoding="utf-8")
+    refs = tmp_path / "refs"
+    refs.mkdir()
+    shutil.copy(corpus / "test.json", refs / "test.json")  # eval needs references, not the corpus
+    common = ["--device", "cpu", "--beam-size", "2", "--input", str(src)]
+    before = {name: outputs(capsys, ["translate", "--weights", str(run / "weights" / name), *common])
+              for name in ("best.pt", "last.pt", "ema.pt")}
+    score = outputs(capsys, ["eval", "--weights", str(run / "weights" / "best.pt"), "--device", "cpu",
+                             "--data", str(refs)])
+    # the checkpoints alone, elsewhere; the corpus, its tokenizers and the run directory gone
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for name in before:
+        shutil.copy(run / "weights" / name, moved / name)
+    avg = average_checkpoints([moved / "best.pt", moved / "last.pt"])
+    save_checkpoint(moved / "avg.pt", avg)
+    tmp_corpus, tmp_run = tmp_path / "corpus.bak", tmp_path / "run.bak"
+    shutil.move(corpus, tmp_corpus)
+    shutil.move(run, tmp_run)
+    try:
+        assert not (corpus / "tokenizer").exists()
+        for name, text in before.items():
+            assert outputs(capsys, ["translate", "--weights", str(moved / name), *common]) == text
+            assert len(text.splitlines()) == 3 and any(text.splitlines())
+        assert outputs(capsys, ["eval", "--weights", str(moved / "best.pt"), "--device", "cpu",
+                                "--data", str(refs)]) .splitlines()[1] == score.splitlines()[1]  # BLEU line
+        assert outputs(capsys, ["translate", "--weights", str(moved / "avg.pt"), *common]).count("\n") == 3
+        if importlib.util.find_spec("ctranslate2") is not None:  # export writes the embedded models beside it
+            assert main(["export", "--weights", str(moved / "best.pt"), "--out", str(tmp_path / "ct2")]) == 0
+            assert (tmp_path / "ct2" / "target.model").read_bytes() == \
+                load_checkpoint(moved / "best.pt")["tokenizers"]["tgt"]["model"].numpy().tobytes()
+        _, src_tok, tgt_tok, _ = load_for_inference(moved / "best.pt", "cpu")
+        assert src_tok.sha256 == load_checkpoint(moved / "best.pt")["tokenizers"]["src"]["sha256"]
+        # an explicit --tokenizer-* still wins: the embedded model is not used for that side
+        other = tmp_path / "other.model"
+        other.write_bytes(tgt_tok.model_bytes())
+        _, _, tok, _ = load_for_inference(moved / "best.pt", "cpu", tokenizer_tgt=str(other))
+        assert tok.path == other
+    finally:
+        shutil.move(tmp_corpus, corpus)
+        shutil.move(tmp_run, run)
+
+
+def test_damaged_embedded_tokenizer_is_named(trained, tmp_path):
+    ckpt = load_checkpoint(trained["run"] / "weights" / "best.pt")
+    blob = ckpt["tokenizers"]["src"]["model"].clone()
+    blob[10] ^= 0xFF
+    ckpt["tokenizers"]["src"]["model"] = blob
+    bad = tmp_path / "bad.pt"
+    save_checkpoint(bad, ckpt)
+    assert main(["translate", "--weights", str(bad), "--device", "cpu", "--input", "/dev/null"]) == 1
+    from streamnmt.errors import InputError
+    with pytest.raises(InputError, match="embedded src tokenizer is damaged"):
+        embedded_tokenizer(ckpt, "src", bad)
+
+
+def test_resume_with_larger_max_steps_continues_exactly(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus")
+    ref = make_trainer(tmp_path, corpus, "--name", "ref", "--epochs", "3", "--max-steps", "24", "--seed", "3")
+    ref.train()
+    short = make_trainer(tmp_path, corpus, "--name", "short", "--epochs", "1", "--max-steps", "10", "--seed", "3")
+    assert short.train()["steps"] == 10
+    # the corpus's tokenizers go: the run continues with the models its checkpoint carries
+    shutil.rmtree(corpus / "tokenizer")
+    capsys.readouterr()
+    last = tmp_path / "short" / "weights" / "last.pt"
+    assert main(["train", "--resume", str(last), "--max-steps", "24", "--epochs", "3", "--patience", "0"]) == 0
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if line.startswith("resume: ")]
+    assert said == ["resume: --epochs 1 -> 3, --max-steps 10 -> 24"]  # --patience did not change: not said
+    assert step_losses(tmp_path / "short") == step_losses(tmp_path / "ref")
+    assert len(step_losses(tmp_path / "ref")) == 24
+    a = torch.load(tmp_path / "ref" / "weights" / "last.pt", weights_only=True)
+    b = torch.load(last, weights_only=True)
+    assert a["step"] == b["step"] == 24
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert (tmp_path / "short" / "tokenizer" / "src.model").is_file()
+
+
+@pytest.mark.parametrize("flag", ["--batch-size 8", "--lr 2", "--seed 4", "--d-model 32", "--data x",
+                                  "--warmup 10", "--beam-size 2", "--ema 0.5", "--eval-dtype bf16",
+                                  "--accum-steps 2", "--name other"])
+def test_resume_refuses_other_settings_naming_the_flag(tmp_path, capsys, flag):
+    assert main(["train", "--resume", str(tmp_path / "x.pt"), "--epochs", "3", *flag.split()]) == 2
+    err = capsys.readouterr().err
+    assert flag.split()[0] in err and "drop" in err and "--epochs," not in err.split("drop")[1]
+
+
+@pytest.mark.parametrize("setting", RESUME_SETTINGS)
+def test_resume_accepts_new_limits(tmp_path, capsys, setting):
+    value = {"time_limit": "1h", "verbose": None, "tensorboard": None}.get(setting, "3")
+    flag = "--" + setting.replace("_", "-")
+    argv = [flag] if value is None else [flag, value]
+    assert main(["train", "--resume", str(tmp_path / "missing.pt"), *argv]) == 1  # accepted; no such file
+    assert "checkpoint not found" in capsys.readouterr().err
+
+
+def test_from_checkpoint_refuses_other_changes_by_name(trained):
+    with pytest.raises(ConfigError, match="--lr"):
+        Trainer.from_checkpoint(str(trained["run"] / "weights" / "last.pt"), changes={"lr": 1.0})
+
+
+# -- --dtype -------------------------------------------------------------------------------------
+
+def test_dtype_validation_names_the_flag(trained, capsys):
+    weights = str(trained["run"] / "weights" / "best.pt")
+    assert main(["translate", "--weights", weights, "--device", "cpu", "--dtype", "fp8"]) == 2
+    assert "--dtype" in capsys.readouterr().err
+    assert main(["translate", "--weights", weights, "--device", "cpu", "--dtype", "fp16", "--input", "/dev/null"]) == 2
+    assert "--dtype" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--eval-dtype"):
+        decode_dtype("fp16", torch.device("cpu"), "eval_dtype")
+    with pytest.raises(ConfigError, match="--dtype"):
+        TranslateConfig(weights="x", dtype="half")
+    assert decode_dtype("auto", torch.device("cpu")) == torch.float32
+    assert decode_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    assert EvalConfig(weights="x").dtype == "auto"
+
+
+def test_bf16_translate_on_cpu_runs_and_says_its_dtype(trained, tmp_path, capsys):
+    src = tmp_path / "in.txt"
+    src.write_text(INPUT, encoding="utf-8")
+    assert main(["translate", "--weights", str(trained["run"] / "weights" / "best.pt"), "--device", "cpu",
+                 "--dtype", "bf16", "--input", str(src)]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.splitlines()) == 3 and "on cpu, bf16" in captured.err
+
+
+def test_decoding_copy_follows_the_weights_in_place():
+    torch.manual_seed(0)
+    model = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64, tie_embeddings="decoder")
+    assert decoding_copy(model, torch.float32) is model
+    copy = decoding_copy(model, torch.bfloat16)
+    ptrs = [p.data_ptr() for p in copy.parameters()]
+    assert copy.generator.weight is copy.tgt_embed.weight  # still tied
+    with torch.no_grad():
+        model.generator.bias.add_(1.0)
+    again = decoding_copy(model, torch.bfloat16, copy)
+    assert again is copy and [p.data_ptr() for p in again.parameters()] == ptrs
+    assert torch.equal(again.generator.bias, model.generator.bias.bfloat16())
+
+
+def test_weights_fine_tunes_with_the_tokenizers_it_carries(trained, tmp_path, home):
+    corpus = write_corpus(tmp_path / "corpus2")  # a fresh corpus: no tokenizers of its own
+    best = trained["run"] / "weights" / "best.pt"
+    lines: list[str] = []
+    t = make_trainer(tmp_path, corpus, "--name", "ft", "--weights", str(best), "--max-steps", "2", "--epochs", "1",
+                     log=lines.append)
+    t.train()
+    assert not (corpus / "tokenizer").exists()  # nothing trained: the checkpoint's models were used
+    assert any(line.startswith(f"weights: tokenizers from {best}") for line in lines)
+    a = load_checkpoint(best)["tokenizers"]
+    b = load_checkpoint(tmp_path / "ft" / "weights" / "last.pt")["tokenizers"]
+    assert [a[s]["sha256"] for s in ("src", "tgt")] == [b[s]["sha256"] for s in ("src", "tgt")]
+    assert {f"{a[s]['sha256'][:16]}.model" for s in ("src", "tgt")} <= {p.name for p in (home / "tokenizers").iterdir()}

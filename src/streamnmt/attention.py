@@ -57,15 +57,21 @@ def dense_masks(src_seg: torch.Tensor, tgt_seg: torch.Tensor) -> tuple[torch.Ten
     return enc[:, None], dec[:, None], cross[:, None]
 
 
-def flex_available(device: torch.device) -> str | None:
-    """None if FlexAttention can run on ``device``, else why not."""
+def flex_importable() -> str | None:
+    """None if this torch has FlexAttention, else why not."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
     except ImportError:
         return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
-    if device.type not in ("cuda", "cpu"):
-        return f"FlexAttention does not run on {device.type}"
     return None
+
+
+def flex_available(device: torch.device) -> str | None:
+    """None if FlexAttention can train on ``device``, else why not (it has no CPU backward)."""
+    why = flex_importable()
+    if why is None and device.type != "cuda":
+        why = f"FlexAttention trains on CUDA only (no backward on {device.type})"
+    return why
 
 
 def resolve_attention(choice: str, device: torch.device, log=print) -> str:

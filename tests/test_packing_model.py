@@ -118,3 +118,18 @@ def test_flex_equals_sdpa_on_cpu():
         pytest.skip(f"FlexAttention does not run on this CPU build: {type(e).__name__}: {e}")
     real = b.tgt_out != masks.PAD
     torch.testing.assert_close(flex[real], sdpa[real], atol=1e-4, rtol=1e-4)
+
+
+def test_start_line_padding_under_five_percent_with_pack(tmp_path, capsys):
+    import re
+
+    from streamnmt import cli
+
+    code = cli.main(["train", "--device", "cpu", "--model", "tiny", "--builtin-size", "2000", "--epochs", "1",
+                     "--max-steps", "2", "--bleu-samples", "0", "--workers", "0", "--pack",
+                     "--project", str(tmp_path), "--name", "packed"])
+    out = capsys.readouterr().out
+    assert code == 0
+    m = re.search(r"in 1 shape\(s\); padding ([0-9.]+) % of the target positions", out)
+    assert m is not None, out
+    assert float(m.group(1)) < 5.0

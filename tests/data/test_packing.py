@@ -84,7 +84,9 @@ def test_global_steps_are_the_same_pairs_for_any_split(world, accum):
     steps = [sorted(sum((p[i] for p in per_rank), [])) for i in range(len(per_rank[0]))]
     assert steps == pairs_by_step(one, 1)  # the same pairs in the same global steps
     flat = sum(steps, [])
-    assert sorted(flat) == list(range(len(c)))  # disjoint, each pair once per epoch
+    assert len(set(flat)) == len(flat)  # disjoint: each pair at most once per epoch
+    # only the rows of a partial last global step wait for another epoch (at most 16 pairs a row)
+    assert len(c) - 16 * (3 * world * accum - 1) <= len(flat) < len(c)
     for s in ranks:  # every micro-batch has the one shape; the normaliser counts the whole step
         for p in s.plan(0):
             assert p.shape == shape
@@ -127,13 +129,14 @@ def test_shape_and_padding_share():
     assert shape == pack_shape(c.src_lengths, c.tgt_lengths, max_len=32, max_tokens=512, batch_size=32,
                                pad_multiple=8)
     assert shape[0] == 512 // 32 and shape[2] == 32
+    counted = loader.num_tokens()  # of the epoch about to be served
     real = padded = 0
     for b in loader:
         assert b.shape == shape
         real += b.ntokens
         padded += shape[0] * shape[2]
-    assert real == loader.num_tokens()["tgt_tokens"]
-    assert abs(loader.num_tokens()["tgt_fill"] - real / padded) < 1e-9
+    assert real == counted["tgt_tokens"]
+    assert abs(counted["tgt_fill"] - real / padded) < 1e-9
     assert real / padded > 0.9
 
 

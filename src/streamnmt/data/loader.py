@@ -137,14 +137,10 @@ class BatchLoader:
                 "tgt_fill": (tgt + n) / padded if padded else 0.0}
 
     def _packed_tokens(self) -> dict[str, float]:
-        """Real vs padded target positions of the current epoch's packed batches (empty rows of a
-        short last global step included)."""
-        src, tgt = self.corpus.num_tokens()
-        n = len(self.corpus)
-        rows, _, width = self.sampler.shape
-        padded = len(self.sampler) * rows * width
-        return {"pairs": n, "src_tokens": src + n, "tgt_tokens": tgt + n, "padded_per_side": padded,
-                "tgt_fill": (tgt + n) / padded if padded else 0.0}
+        """Real vs padded target positions of this rank's packed batches in the current epoch."""
+        src, tgt, padded = self.sampler.tokens()
+        return {"pairs": len(self.corpus), "src_tokens": src, "tgt_tokens": tgt, "padded_per_side": padded,
+                "tgt_fill": tgt / padded if padded else 0.0}
 
     def _batches_per_bucket(self) -> list[int]:
         sizes = self.sampler.bucket_sizes()

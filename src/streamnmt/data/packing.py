@@ -20,8 +20,10 @@ each window is packed first-fit-decreasing (a pair goes into the first open row 
 source and its target fit). Rows are then shuffled and served in the global-step layout of
 :mod:`streamnmt.data.sampler`: global batch ``g`` holds ``world * accum * rows`` rows, rank ``r``
 serves micro-batches ``r*K .. r*K+K-1`` of it (every rank the same shape, disjoint pairs), and a
-short last global batch is filled with empty rows. ``position`` counts the micro-batches served, so
-a saved state resumes exactly; the plan is a pure function of ``(seed, epoch)``.
+rows that do not fill a last global step are left out of the epoch (``drop_last``: those pairs
+train in other epochs, which shuffle anew), so no step is mostly padding; a corpus smaller than one
+global step is served as one step filled with empty rows. ``position`` counts the micro-batches
+served, so a saved state resumes exactly; the plan is a pure function of ``(seed, epoch)``.
 """
 
 from __future__ import annotations
@@ -144,6 +146,8 @@ class PackSampler:
             return self._plan[2]
         rows = self._rows(epoch)
         r, k, g = self.shape[0], self.accum, self.accum * self.world
+        if len(rows) > r * g and len(rows) % (r * g):
+            rows = rows[:len(rows) - len(rows) % (r * g)]  # drop the partial last step (see module doc)
         out: list[PackedPlan] = []
         empty = np.zeros(0, np.int64)
         for start in range(0, len(rows), r * g):
@@ -160,6 +164,14 @@ class PackSampler:
     def __len__(self) -> int:
         """Micro-batches this rank serves in the current epoch (``accum`` per global step)."""
         return len(self.plan(self.epoch))
+
+    def tokens(self) -> tuple[int, int, int]:
+        """(real source, real target, padded target) tokens this rank serves in the current epoch."""
+        src = tgt = 0
+        for p in self.plan(self.epoch):
+            src += int(self.src_len[p.pairs].sum())
+            tgt += int(self.tgt_len[p.pairs].sum())
+        return src, tgt, len(self) * self.shape[0] * self.shape[2]
 
     def bucket_sizes(self) -> dict[int, int]:
         return {self.shape[2]: len(self.src_len)}

@@ -144,3 +144,15 @@ def test_validation_stays_unpacked():
     c = random_corpus(50, seed=8)
     loader = make_loader(c, DataConfig(max_len=32, pack=True), train=False, seed=0, pin_memory=False)
     assert all(not b.packed for b in loader)
+
+
+def test_state_of_one_rank_resumes_on_two_at_the_same_share():
+    c = random_corpus(400, seed=9)
+    one = PackSampler(c.src_lengths, c.tgt_lengths, (2, 40, 32), shuffle=True, seed=3)
+    one.position = 10
+    state = one.state_dict()
+    two = PackSampler(c.src_lengths, c.tgt_lengths, (2, 40, 32), shuffle=True, seed=3, world=2, rank=1)
+    two.load_state_dict(state)
+    assert two.position == -(-10 * len(two) // len(one))
+    with pytest.raises(InputError, match="another training corpus"):
+        PackSampler(c.src_lengths[1:], c.tgt_lengths[1:], (2, 40, 32), shuffle=True).load_state_dict(state)

@@ -192,9 +192,12 @@ class PackSampler:
         if epoch != self.epoch:
             self.epoch, self.position = epoch, 0
 
+    def _fingerprint(self) -> list[int]:
+        return [len(self.src_len), int(self.src_len.sum()), int(self.tgt_len.sum())]
+
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "num_batches": len(self), "accum": self.accum, "world": self.world, "packed": list(self.shape)}
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_batches": len(self),
+                "accum": self.accum, "world": self.world, "packed": list(self.shape), "corpus": self._fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` saved with the same data and packing; another global batch
@@ -203,22 +206,23 @@ class PackSampler:
         if list(state.get("packed") or []) != list(self.shape):
             raise InputError(f"data order state: saved for batches of shape {state.get('packed') or 'bucketed'}, "
                              f"but this loader packs {list(self.shape)}; the corpus or the batching settings "
-                             f"(--pack, --max-tokens, --max-len) changed since the checkpoint (a run saved with length buckets "
-                             f"resumes with --no-pack)")
+                             f"(--pack, --max-tokens, --max-len) changed since the checkpoint (a run saved with "
+                             f"length buckets resumes with --no-pack)")
+        if list(state.get("corpus") or self._fingerprint()) != self._fingerprint():
+            raise InputError("data order state: saved for another training corpus (pairs or token counts "
+                             "differ), so it cannot resume exactly")
         self.seed = int(state.get("seed", self.seed))
-        epoch = int(state["epoch"])
+        epoch, position = int(state["epoch"]), int(state["position"])
         now = len(self.plan(epoch))
         old_k, old_n = int(state.get("accum", 1)), int(state.get("world", 1))
-        position = int(state["position"])
-        saved = int(state.get("num_batches", now))
-        if (old_k, old_n) != (self.accum, self.world) and saved:
-            done, old_steps, new_steps = position // old_k, saved // old_k, now // self.accum
-            position = min(-(-done * new_steps // old_steps), new_steps) * self.accum
-            saved = now
-        if saved != now or not 0 <= position <= saved:
-            raise InputError(f"data order state: saved for {saved} batches per epoch (at batch {position}), "
-                             f"but this loader has {now}; the corpus or the batching settings changed since "
-                             f"the checkpoint, so it cannot resume exactly")
+        if (old_k, old_n) != (self.accum, self.world):
+            then = PackSampler(self.src_len - 1, self.tgt_len - 1, self.shape, shuffle=self.shuffle, seed=self.seed,
+                               accum=old_k, world=old_n, window=self.window)
+            done, old_steps, new_steps = position // old_k, len(then.plan(epoch)) // old_k, now // self.accum
+            position = min(-(-done * new_steps // max(old_steps, 1)), new_steps) * self.accum
+        if not 0 <= position <= now:
+            raise InputError(f"data order state: saved at batch {position} of epoch {epoch}, but this loader has "
+                             f"{now}; the batching settings changed since the checkpoint, so it cannot resume exactly")
         self.epoch, self.position = epoch, position
 
 

@@ -40,6 +40,7 @@ from streamnmt.errors import InputError
 from streamnmt.masks import BOS, EOS, PAD
 
 WINDOW = 8192  # pairs packed together (first-fit-decreasing inside a window)
+_ROWS_CACHE: dict[tuple, list[np.ndarray]] = {}  # see PackSampler._rows
 SRC_SLACK = 1.25  # source width / (target width x the corpus's source/target token ratio)
 
 
@@ -132,12 +133,21 @@ class PackSampler:
         return [self.shape]
 
     def _rows(self, epoch: int) -> list[np.ndarray]:
+        """The epoch's rows in serving order. Remembered for the last few (corpus, settings, epoch):
+        the trainer plans epoch 0 several times before it starts (compile choice, shapes, loader)."""
+        key = (hash(self.src_len.tobytes()), hash(self.tgt_len.tobytes()), self.shape, self.shuffle, self.seed,
+               epoch, self.window)
+        if key in _ROWS_CACHE:
+            return _ROWS_CACHE[key]
         n = len(self.src_len)
         rng = np.random.default_rng([self.seed & (2**63 - 1), epoch]) if self.shuffle else None
         order = rng.permutation(n) if rng is not None else np.arange(n)
         rows = pack_rows(self.src_len, self.tgt_len, order, self.shape[1], self.shape[2], self.window)
         if rng is not None:
             rows = [rows[k] for k in rng.permutation(len(rows))]
+        while len(_ROWS_CACHE) >= 4:
+            _ROWS_CACHE.pop(next(iter(_ROWS_CACHE)))
+        _ROWS_CACHE[key] = rows
         return rows
 
     def plan(self, epoch: int) -> list[PackedPlan]:

@@ -81,7 +81,8 @@ class BenchConfig:
               f"must be 0 (off) or at least --max-len ({self.max_len}); got {self.max_tokens}")
         check(self.max_len >= 4, "max_len", f"must be at least 4; got {self.max_len}")
         check_choice(self.attention, "attention", ("auto", "sdpa", "flex"))
-        check(self.vocab is None or self.vocab == 0 or self.vocab >= 16, "vocab", f"must be 0 (the corpus's) or at least 16; got {self.vocab}")
+        check(self.vocab is None or self.vocab == 0 or self.vocab >= 16, "vocab",
+              f"must be 0 (the corpus's) or at least 16; got {self.vocab}")
         check(0.0 <= self.label_smoothing < 1.0, "label_smoothing", f"must be in [0, 1); got {self.label_smoothing}")
         check(self.pad_multiple >= 1, "pad_multiple", f"must be a positive integer; got {self.pad_multiple}")
         check_choice(self.model, "model", ("auto", *PRESETS))

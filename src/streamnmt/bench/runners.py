@@ -122,7 +122,8 @@ class Env:
         model = Transformer(self.shape).to(self.device)
         model.set_attention(self.attention)
         step = make_step(model, self.device, d_model=self.shape.d_model, lr=1.0, warmup=4000, amp=self.cfg.amp,
-                         clip=1.0, label_smoothing=self.cfg.label_smoothing, compile=self.cfg.compile, shapes=len(self.loader(0).shapes()),
+                         clip=1.0, label_smoothing=self.cfg.label_smoothing, compile=self.cfg.compile,
+                         shapes=len(self.loader(0).shapes()),
                          ddp=self.dist.active)
         if self.dist.rank > 0:  # same weights everywhere, each rank its own dropout stream (as the trainer)
             torch.manual_seed(self.cfg.seed + 1_000_003 * self.dist.rank)

@@ -5,6 +5,12 @@ attention through ``F.scaled_dot_product_attention`` (fused kernels on the GPU),
 positions, source and target embeddings scaled by sqrt(d_model), and a generator to the target
 vocabulary (optionally tied: ``ModelShape.tie_embeddings``). Layers are pre-norm with a final
 LayerNorm (the Annotated Transformer's layout), which trains stably without a long warm-up.
+Self-attention projects queries, keys and values with one fused matrix; embeddings start from
+N(0, d_model^-0.5) with the PAD row zero.
+
+Packed batches (several pairs per row, :mod:`streamnmt.data.packing`) pass ``segments`` to
+``forward``: attention stays inside each pair (:mod:`streamnmt.attention`) and positions restart
+for each pair, so every pair computes what it would alone.
 
 Besides ``forward`` for training, the decoder supports incremental decoding: the encoder output's
 keys/values are projected once per layer and the self-attention keys/values of earlier positions

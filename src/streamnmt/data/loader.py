@@ -1,4 +1,7 @@
-"""BatchLoader: a DataLoader over planned bucket batches, with resumable order and pinned output.
+"""BatchLoader: a DataLoader over planned batches, with resumable order and pinned output.
+
+Training batches are packed (:mod:`streamnmt.data.packing`, ``--pack``) or bucketed by length
+(:mod:`streamnmt.data.sampler`); evaluation batches are always bucketed.
 
 The GPU strategies need the host to have the next batch ready before the current step ends, so
 batches are built ahead in worker processes. Order must not depend on how many workers there are:

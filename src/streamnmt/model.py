@@ -232,7 +232,7 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Xavier-uniform matrices (each of q, k, v as its own D x D block), embeddings from
+        """Xavier-uniform matrices (the fused qkv as a q block and a kv block), embeddings from
         N(0, d_model^-0.5) with the PAD row zero: scaled by sqrt(d_model) they have unit variance,
         on the scale of the positional signal whatever the vocabulary size (Xavier's bound shrinks
         with it)."""
@@ -242,9 +242,9 @@ class Transformer(nn.Module):
                 nn.init.xavier_uniform_(p)
         for m in self.modules():
             if isinstance(m, MultiHeadAttention) and m.fused:
-                with torch.no_grad():
-                    for block in m.qkv.weight.chunk(3):
-                        nn.init.xavier_uniform_(block)
+                with torch.no_grad():  # as the separate q (D x D) and kv (2D x D) projections were
+                    nn.init.xavier_uniform_(m.qkv.weight[:m.d])
+                    nn.init.xavier_uniform_(m.qkv.weight[m.d:])
         for emb in (self.src_embed, self.tgt_embed):  # tied: the same tensor twice, same init
             nn.init.normal_(emb.weight, 0.0, self.shape.d_model ** -0.5)
             with torch.no_grad():

@@ -138,4 +138,25 @@ PY
     timeout 140 python3 scripts/bench_decode.py --batch-size 256 --dtypes float32 --beams 3 \
       --variants graph,eager,uncached --repeats 3 --out "$OUT/decode_fp32_256.json" > "$OUT/decode_fp32_256.log" 2>&1
     tail -4 "$OUT/decode_fp32_256.log"; tail -5 "$OUT/eval_vs_bench.log" ;;
+  packing)  # packed batches (one shape) vs length buckets vs the compile-ro peer at the packed shape, sdpa vs
+            # flex, on the built-in and the long-tail corpus; base, bf16, vocabulary 32k; then the compile time
+    B="python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 --max-tokens ${TOKENS:-16384} --max-len 128"
+    [ -d /tmp/lt ] || python3 scripts/make_longtail.py --out /tmp/lt --pairs 100000 > /dev/null
+    for corpus in builtin longtail; do
+      D=""; [ $corpus = longtail ] && D="--data /tmp/lt"
+      timeout 290 $B $D --strategies graph,compile-ro --no-references --out /tmp/pk_$corpus \
+        > "$OUT/pack_${corpus}.log" 2>&1
+      timeout 290 $B $D --no-pack --strategies graph --no-references --out /tmp/pk_${corpus}_buckets \
+        > "$OUT/pack_${corpus}_buckets.log" 2>&1
+      timeout 290 $B $D --attention flex --strategies graph --no-references --out /tmp/pk_${corpus}_flex \
+        > "$OUT/pack_${corpus}_flex.log" 2>&1
+      for f in "" _buckets _flex; do cp /tmp/pk_$corpus$f/bench.json "$OUT/pack_$corpus$f.json" 2>/dev/null; done
+    done
+    timeout 290 $B --compile --strategies graph --no-references --repeats 1 --steps 50 --out /tmp/pk_compile \
+      > "$OUT/pack_compile.log" 2>&1
+    for f in "$OUT"/pack_*.log; do
+      echo "== $(basename "$f" .log): $(grep -o 'padding [0-9.]* % of the target positions' "$f" | head -1)"
+      grep -E "ready in" "$f"
+      grep -E "^(graph|compile-ro) " "$f" | cut -c1-120
+    done ;;
 esac

@@ -31,7 +31,14 @@ def weights(run) -> dict[str, torch.Tensor]:
     gradient is zero but for rounding, and Adam (eps 1e-9) turns that noise into full-size steps
     whose values depend on the summation order. They do not change what the model computes."""
     state = torch.load(run / "weights" / "last.pt", weights_only=True)["model"]
-    return {k: (v[v.numel() // 2:] if k.endswith("kv.bias") else v) for k, v in state.items()}
+    return {k: _no_key_bias(k, v) for k, v in state.items()}
+
+
+def _no_key_bias(name: str, v: torch.Tensor) -> torch.Tensor:
+    if name.endswith("qkv.bias"):  # (q, k, v) of self-attention
+        d = v.numel() // 3
+        return torch.cat([v[:d], v[2 * d:]])
+    return v[v.numel() // 2:] if name.endswith("kv.bias") else v
 
 
 def assert_same_training(a, b, steps: int, tol: float = 1e-5) -> None:

@@ -70,7 +70,7 @@ def test_cpu_run_picks_full_and_says_why(tmp_path, capsys):
 
 
 def test_max_tokens_batches_respect_the_budget():
-    cfg = DataConfig(builtin_size=400, max_tokens=200, max_len=64, pad_multiple=8)
+    cfg = DataConfig(builtin_size=400, max_tokens=200, max_len=64, pad_multiple=8, pack=False)
     bundle = prepare_data(cfg, log=lambda s: None)
     loader = make_loader(bundle.train, cfg, train=True, seed=0, pin_memory=False)
     seen = 0

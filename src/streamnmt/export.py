@@ -113,7 +113,10 @@ def build_spec(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer) -> An
     def norm(dst: Any, name: str) -> None:
         dst.gamma, dst.beta = _np(sd[f"{name}.weight"]), _np(sd[f"{name}.bias"])
 
-    def fused_qkv(dst: Any, name: str) -> None:  # streamnmt: q and a fused (k, v); CTranslate2: (q, k, v)
+    def fused_qkv(dst: Any, name: str) -> None:  # CTranslate2: one (q, k, v) matrix, as streamnmt's qkv
+        if f"{name}.qkv.weight" in sd:
+            dst.weight, dst.bias = _np(sd[f"{name}.qkv.weight"]), _np(sd[f"{name}.qkv.bias"])
+            return
         dst.weight = np.concatenate([_np(sd[f"{name}.q.weight"]), _np(sd[f"{name}.kv.weight"])])
         dst.bias = np.concatenate([_np(sd[f"{name}.q.bias"]), _np(sd[f"{name}.kv.bias"])])
 

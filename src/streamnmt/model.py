@@ -5,6 +5,12 @@ attention through ``F.scaled_dot_product_attention`` (fused kernels on the GPU),
 positions, source and target embeddings scaled by sqrt(d_model), and a generator to the target
 vocabulary (optionally tied: ``ModelShape.tie_embeddings``). Layers are pre-norm with a final
 LayerNorm (the Annotated Transformer's layout), which trains stably without a long warm-up.
+Self-attention projects queries, keys and values with one fused matrix; embeddings start from
+N(0, d_model^-0.5) with the PAD row zero.
+
+Packed batches (several pairs per row, :mod:`streamnmt.data.packing`) pass ``segments`` to
+``forward``: attention stays inside each pair (:mod:`streamnmt.attention`) and positions restart
+for each pair, so every pair computes what it would alone.
 
 Besides ``forward`` for training, the decoder supports incremental decoding: the encoder output's
 keys/values are projected once per layer and the self-attention keys/values of earlier positions
@@ -16,12 +22,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from streamnmt import masks
+from streamnmt.attention import SegmentMasks, is_block_mask, flex, segment_masks
 
 
 @dataclass(frozen=True)
@@ -38,33 +46,64 @@ class ModelShape:
 
 
 class MultiHeadAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, dropout: float):
+    """Multi-head attention. A self-attention module (``fused``) projects queries, keys and values
+    with one (3D, D) matrix ``qkv`` (one GEMM); cross-attention keeps ``q`` and a fused ``kv``.
+    ``mask``: a boolean tensor (True = may attend), a FlexAttention BlockMask (packed batches with
+    ``--attention flex``), or None."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float, fused: bool = False):
         super().__init__()
-        self.h, self.dk = n_heads, d_model // n_heads
-        self.q = nn.Linear(d_model, d_model)
-        self.kv = nn.Linear(d_model, 2 * d_model)
+        self.h, self.dk, self.d = n_heads, d_model // n_heads, d_model
+        self.fused = fused
+        if fused:
+            self.qkv = nn.Linear(d_model, 3 * d_model)
+            self._register_load_state_dict_pre_hook(self._fuse_old_weights)
+        else:
+            self.q = nn.Linear(d_model, d_model)
+            self.kv = nn.Linear(d_model, 2 * d_model)
         self.out = nn.Linear(d_model, d_model)
         self.dropout = dropout
+
+    @staticmethod
+    def _fuse_old_weights(state_dict: dict, prefix: str, *args) -> None:
+        """Checkpoints written before the fused projection hold ``q`` and ``kv``: concatenate them."""
+        for kind in ("weight", "bias"):
+            q, kv = f"{prefix}q.{kind}", f"{prefix}kv.{kind}"
+            if q in state_dict and kv in state_dict and f"{prefix}qkv.{kind}" not in state_dict:
+                state_dict[f"{prefix}qkv.{kind}"] = torch.cat([state_dict.pop(q), state_dict.pop(kv)])
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         return x.view(b, t, self.h, self.dk).transpose(1, 2)  # (B, h, T, dk)
 
+    def _project_q(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return F.linear(x, self.qkv.weight[:self.d], self.qkv.bias[:self.d])
+        return self.q(x)
+
     def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.kv(x).chunk(2, dim=-1)
+        kv = F.linear(x, self.qkv.weight[self.d:], self.qkv.bias[self.d:]) if self.fused else self.kv(x)
+        k, v = kv.chunk(2, dim=-1)
         return self.split(k), self.split(v)  # 2 x (B, h, S, dk)
 
     def attend(self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
-        q = self.split(self.q(x))  # (B, h, T, dk)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-            dropout_p=self.dropout if self.training else 0.0)
+        return self._attention(self.split(self._project_q(x)), k, v, mask, causal)  # (B, T, D)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, causal: bool) -> torch.Tensor:
+        if is_block_mask(mask):  # FlexAttention (packed batches); it has no attention dropout
+            y = flex(q, k, v, mask)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                dropout_p=self.dropout if self.training else 0.0)
         b, _, t, _ = y.shape
         return self.out(y.transpose(1, 2).reshape(b, t, self.h * self.dk))  # (B, T, D)
 
-    def forward(self, x: torch.Tensor, mem: torch.Tensor, mask: torch.Tensor | None,
-                causal: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mem: torch.Tensor, mask: Any, causal: bool = False) -> torch.Tensor:
+        if self.fused and mem is x:  # self-attention: one GEMM for queries, keys and values
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            return self._attention(self.split(q), self.split(k), self.split(v), mask, causal)
         k, v = self.project_kv(mem)
         return self.attend(x, k, v, mask, causal)
 
@@ -82,7 +121,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(s.d_model), nn.LayerNorm(s.d_model)
-        self.attn = MultiHeadAttention(s.d_model, s.n_heads, s.dropout)
+        self.attn = MultiHeadAttention(s.d_model, s.n_heads, s.dropout, fused=True)
         self.ff = FeedForward(s.d_model, s.d_ff, s.dropout)
         self.drop = nn.Dropout(s.dropout)
 
@@ -96,7 +135,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
         self.ln1, self.ln2, self.ln3 = (nn.LayerNorm(s.d_model) for _ in range(3))
-        self.self_attn = MultiHeadAttention(s.d_model, s.n_heads, s.dropout)
+        self.self_attn = MultiHeadAttention(s.d_model, s.n_heads, s.dropout, fused=True)
         self.cross_attn = MultiHeadAttention(s.d_model, s.n_heads, s.dropout)
         self.ff = FeedForward(s.d_model, s.d_ff, s.dropout)
         self.drop = nn.Dropout(s.dropout)
@@ -127,7 +166,10 @@ class PositionalEncoding(nn.Module):
         pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * div), torch.cos(pos * div)
         self.register_buffer("pe", pe, persistent=False)
 
-    def forward(self, x: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int | torch.Tensor = 0, positions: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        if positions is not None:  # (B, T) positions of a packed batch (restarting for each pair)
+            return x + F.embedding(positions, self.pe)
         if isinstance(start, torch.Tensor):  # a position held on the device (graph decoding): one row
             return x + self.pe.index_select(0, start.view(1))
         return x + self.pe[start:start + x.size(1)]
@@ -187,9 +229,33 @@ class Transformer(nn.Module):
         self.generator = nn.Linear(s.d_model, s.tgt_vocab)
         self.scale = math.sqrt(s.d_model)
         self.tie_weights()
+        self.attention = "sdpa"  # how packed batches attend: sdpa (dense masks) or flex (set_attention)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform matrices (the fused qkv as a q block and a kv block), embeddings from
+        N(0, d_model^-0.5) with the PAD row zero: scaled by sqrt(d_model) they have unit variance,
+        on the scale of the positional signal whatever the vocabulary size (Xavier's bound shrinks
+        with it)."""
+        embeds = {id(self.src_embed.weight), id(self.tgt_embed.weight)}
         for p in self.parameters():  # a shared tensor is listed (and initialised) once
-            if p.dim() > 1:
+            if p.dim() > 1 and id(p) not in embeds:
                 nn.init.xavier_uniform_(p)
+        for m in self.modules():
+            if isinstance(m, MultiHeadAttention) and m.fused:
+                with torch.no_grad():  # as the separate q (D x D) and kv (2D x D) projections were
+                    nn.init.xavier_uniform_(m.qkv.weight[:m.d])
+                    nn.init.xavier_uniform_(m.qkv.weight[m.d:])
+        for emb in (self.src_embed, self.tgt_embed):  # tied: the same tensor twice, same init
+            nn.init.normal_(emb.weight, 0.0, self.shape.d_model ** -0.5)
+            with torch.no_grad():
+                emb.weight[masks.PAD].zero_()
+
+    def set_attention(self, kind: str) -> None:
+        """``sdpa`` or ``flex``: how packed batches' segment masks are applied (see streamnmt.attention)."""
+        if kind not in ("sdpa", "flex"):
+            raise ValueError(f"attention must be sdpa or flex; got {kind!r}")
+        self.attention = kind
 
     def tie_weights(self) -> None:
         """Make the tied embeddings one Parameter (Press & Wolf 2017): the generator's (V, D) weight
@@ -205,24 +271,39 @@ class Transformer(nn.Module):
         if tie == "all":
             self.src_embed.weight = self.tgt_embed.weight
 
-    def encode(self, src: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
-        x = self.drop(self.pos(self.src_embed(src) * self.scale))  # (B, S, D)
+    def encode(self, src: torch.Tensor, src_mask: Any, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, S) ids -> (B, S, D); ``positions`` (B, S): a packed batch's positions within each pair."""
+        x = self.drop(self.pos(self.src_embed(src) * self.scale, positions=positions))  # (B, S, D)
         for layer in self.encoder:
             x = layer(x, src_mask)
         return self.enc_norm(x)
 
-    def decode(self, mem: torch.Tensor, src_mask: torch.Tensor, tgt: torch.Tensor,
-               tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, mem: torch.Tensor, src_mask: Any, tgt: torch.Tensor,
+               tgt_mask: Any = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """All target positions at once; ``tgt_mask`` None means causal (fused kernel path)."""
-        x = self.drop(self.pos(self.tgt_embed(tgt) * self.scale))  # (B, T, D)
+        x = self.drop(self.pos(self.tgt_embed(tgt) * self.scale, positions=positions))  # (B, T, D)
         for layer in self.decoder:
             x = layer(x, mem, src_mask, tgt_mask)
         return self.dec_norm(x)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_mask: torch.Tensor,
-                tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, S) source ids, (B, T) decoder input ids -> (B, T, V) logits."""
-        return self.generator(self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask))
+                tgt_mask: torch.Tensor | None = None,
+                segments: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """(B, S) source ids, (B, T) decoder input ids -> (B, T, V) logits.
+
+        ``segments``: ``(src_seg, tgt_seg, src_pos, tgt_pos)`` of a packed batch (``Batch.segments()``):
+        attention stays inside each pair and positions restart per pair; ``src_mask`` and
+        ``tgt_mask`` are then not used."""
+        return self.generator(self.features(src, tgt, src_mask, tgt_mask, segments))
+
+    def features(self, src: torch.Tensor, tgt: torch.Tensor, src_mask: torch.Tensor,
+                 tgt_mask: torch.Tensor | None = None,
+                 segments: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """:meth:`forward` without the generator: the (B, T, D) decoder output."""
+        if segments is None:
+            return self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask)
+        m: SegmentMasks = segment_masks(self.attention, *segments)
+        return self.decode(self.encode(src, m.enc, m.src_pos), m.cross, tgt, m.dec, m.tgt_pos)
 
     # -- incremental decoding -------------------------------------------------------------
     def init_cache(self, mem: torch.Tensor) -> DecoderCache:

@@ -113,7 +113,8 @@ class NMTStep:
         ls = self.ls if label_smoothing is None else label_smoothing
         dev_type = batch.src.device.type
         with torch.autocast(dev_type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
-            logits = self.model(batch.src, batch.tgt_in, masks.src_mask(batch.src))  # (B, T, V)
+            segments = batch.segments() if hasattr(batch, "segments") else None  # packed rows
+            logits = self.model(batch.src, batch.tgt_in, masks.src_mask(batch.src), segments=segments)  # (B, T, V)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.tgt_out.flatten(),
                                    ignore_index=masks.PAD, reduction="sum", label_smoothing=ls)
         return loss, (batch.tgt_out != masks.PAD).sum()
@@ -238,9 +239,14 @@ def _fit_compile_cache(shapes: int) -> None:
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), shapes + 2))
 
 
-def example_batch(shape: tuple[int, int, int], model: ModelShape, seed: int) -> Batch:
+def example_batch(shape: tuple[int, int, int], model: ModelShape, seed: int, packed: bool = False) -> Batch:
     """A batch of random tokens of ``shape`` (B, S, T), e.g. to capture a graph for that shape. It
-    carries a loss normaliser as the loader's batches do (graph mode keys graphs on every tensor)."""
+    carries a loss normaliser as the loader's batches do (graph mode keys graphs on every tensor);
+    ``packed``: and the segment tensors of a packed batch."""
+    if packed:
+        from streamnmt.data.packing import example_packed
+
+        return example_packed(shape, model.src_vocab, model.tgt_vocab, seed)
     b, s, t = shape
     g = torch.Generator().manual_seed(seed)
     src = torch.randint(4, model.src_vocab, (b, s), generator=g)

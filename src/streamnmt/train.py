@@ -35,6 +35,7 @@ from streamnmt import dist as distributed
 from streamnmt.errors import ConfigError, InputError, NonFiniteLoss
 from streamnmt.fsutil import atomic_write
 from streamnmt.data.tokenizer import file_sha256
+from streamnmt.attention import resolve_attention
 from streamnmt.data import batch_plan, make_loader, prepare_data, read_pairs
 from streamnmt.devices import resolve_device
 from streamnmt.engine import STATS, DeferredLosses, host_sync, make_strategy
@@ -115,6 +116,7 @@ class Trainer:
                                 m.n_layers, m.n_heads, m.d_ff, m.dropout,
                                 max_positions=max(1024, job.data.max_len + 8), tie_embeddings=m.tie_embeddings)
         self.model = Transformer(self.shape).to(self.device)
+        self.model.set_attention(resolve_attention(m.attention, self.device, self.log))
         if job.run.weights and resume is None:
             load_model_weights(self.model, load_checkpoint(job.run.weights), job.run.weights)
             self.log(f"weights: started from {job.run.weights}")
@@ -124,7 +126,7 @@ class Trainer:
                                  warmup=job.optim.warmup, amp=job.optim.amp, clip=job.optim.clip_grad,
                                  label_smoothing=m.label_smoothing, compile=job.engine.compile == "on",
                                  shapes=len({*batch_plan(self.data.train, job.data)[1],  # validation's too
-                                             *batch_plan(self.data.dev, job.data)[1]}), ema=job.run.ema,
+                                             *batch_plan(self.data.dev, job.data, train=False)[1]}), ema=job.run.ema,
                                  ddp=self.dist.active)
         self.optimizer, self.schedule, self.scaler = (self.step_fn.optimizer, self.step_fn.schedule,
                                                       self.step_fn.scaler)
@@ -169,7 +171,8 @@ class Trainer:
     def _prepare_engine(self) -> None:
         """The strategy's set-up (graph capture). Graph capture restores every state tensor and the
         RNG after its warm-up, so it is correct before or after a restore."""
-        self.strategy.prepare(self.step_fn, [example_batch(shape, self.shape, self.job.run.seed)
+        self.strategy.prepare(self.step_fn, [example_batch(shape, self.shape, self.job.run.seed,
+                                                           packed=self.job.data.pack)
                                              for shape in self.train_loader.shapes()])
         # Several ranks: graph capture succeeded everywhere, or every rank stops with one line.
         self.dist.agree_on_capture(self.strategy.report.get("capture_error"))

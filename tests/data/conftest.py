@@ -87,8 +87,9 @@ def logs() -> tuple[list[str], Callable[[str], None]]:
 
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory: pytest.TempPathFactory):
-    """One prepared corpus shared by the batching tests (they only read it)."""
+    """One prepared corpus shared by the batching tests (they only read it); length buckets (the
+    packing tests turn ``pack`` on)."""
     directory = tmp_path_factory.mktemp("prepared")
     write_corpus(directory, n_train=400)
-    cfg = small_config(directory)
+    cfg = small_config(directory, pack=False)
     return cfg, prepare_data(cfg, log=lambda _: None)

@@ -39,6 +39,14 @@ class BenchConfig:
     batch_size: int = opt(32, "sentences per batch (ignored with --max-tokens)")
     max_tokens: int = opt(0, "token budget per batch, as the trainer's --max-tokens (0 = by sentences)")
     max_len: int = opt(32, "longest sentence in tokens")
+    pack: bool = opt(True, "packed batches as training runs them (one shape; see the trainer's --pack); "
+                           "--no-pack = length buckets")
+    attention: str = opt("auto", "attention of packed batches: sdpa (dense segment masks), flex "
+                                 "(FlexAttention block masks); auto = sdpa", choices=("auto", "sdpa", "flex"))
+    vocab: int | None = opt(None, "source and target vocabulary: the corpus's pairs keep their lengths but "
+                                  "get random token ids over this many pieces, as a real corpus's output layer "
+                                  "costs; 0 = the corpus's own tokenizers; default 32000 on CUDA, 0 on CPU")
+    label_smoothing: float = opt(0.1, "label smoothing of the loss (the training default)")
     pad_multiple: int = opt(8, "batch lengths are padded to a multiple of this; set it to --max-len for fixed "
                                "(batch-size x max-len) shapes")
     model: str = opt("auto", "model preset; auto = base on CUDA, tiny on CPU", choices=("auto", *PRESETS))
@@ -74,6 +82,10 @@ class BenchConfig:
         check(self.max_tokens == 0 or self.max_tokens >= self.max_len, "max_tokens",
               f"must be 0 (off) or at least --max-len ({self.max_len}); got {self.max_tokens}")
         check(self.max_len >= 4, "max_len", f"must be at least 4; got {self.max_len}")
+        check_choice(self.attention, "attention", ("auto", "sdpa", "flex"))
+        check(self.vocab is None or self.vocab == 0 or self.vocab >= 16, "vocab",
+              f"must be 0 (the corpus's) or at least 16; got {self.vocab}")
+        check(0.0 <= self.label_smoothing < 1.0, "label_smoothing", f"must be in [0, 1); got {self.label_smoothing}")
         check(self.pad_multiple >= 1, "pad_multiple", f"must be a positive integer; got {self.pad_multiple}")
         check_choice(self.model, "model", ("auto", *PRESETS))
         check_choice(self.amp, "amp", ("auto", "bf16", "fp16", "off"))
@@ -148,7 +160,8 @@ class BenchConfig:
         if amp == "auto":
             amp = "bf16" if cuda and torch.cuda.is_bf16_supported() else "off"
         workers = self.workers if self.workers is not None else min(4, _cpus())
-        return dataclasses.replace(self, device=str(device), model=model, amp=amp, workers=workers)
+        vocab = self.vocab if self.vocab is not None else (32000 if cuda else 0)
+        return dataclasses.replace(self, device=str(device), model=model, amp=amp, workers=workers, vocab=vocab)
 
 
 def _cpus() -> int:

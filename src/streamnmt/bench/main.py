@@ -35,6 +35,7 @@ from streamnmt.bench.profile import (ALL_REDUCE, GRAPH_BRANCHES, analyze_trace, 
 from streamnmt.bench.runners import Env, Runner, make_runner
 from streamnmt.bench.scaling import merge_ranks
 from streamnmt.bench.stats import CSV_FIELDS, format_table, limit_of, summarize
+from streamnmt.bench.synthvocab import random_tokens
 from streamnmt.config import PRESETS
 from streamnmt.configbase import check, to_dict
 from streamnmt.data import DataConfig, prepare_data
@@ -81,7 +82,8 @@ def _progress(name: str, repeat: int, repeats: int, r: dict[str, Any]) -> str:
 def _footnotes(cfg: BenchConfig, rows: list[dict[str, Any]], peak: float | None, device_name: str,
                notes: dict[str, list[str]]) -> str:
     names = [r["name"] for r in rows]
-    mfu = (f"model FLOPs (3 x forward matmuls of the padded batch) / wall / {peak / 1e12:.0f} TFLOP/s "
+    mfu = (f"model FLOPs of the real tokens only (3 x forward matmuls as if each pair ran alone: "
+           f"padding and attention across packed pairs not counted) / wall / {peak / 1e12:.0f} TFLOP/s "
            f"({device_name}, {precision(cfg.amp)} dense peak)" if peak else
            f"n/a: no peak rate known for '{device_name}' at {precision(cfg.amp)}")
     lines = [
@@ -168,18 +170,19 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
 
     # 1. data: the trainer's loader over the same corpus for every row (rank 0 prepares it first)
     data_cfg = DataConfig(data=cfg.data, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, max_len=cfg.max_len,
-                          pad_multiple=cfg.pad_multiple, builtin_size=cfg.builtin_size)
+                          pad_multiple=cfg.pad_multiple, builtin_size=cfg.builtin_size, pack=cfg.pack)
     if not d.main:
         d.agree(False, "dist.setup")  # Needed: rank 0 writes the tokenizers and cache; the others read them
     bundle = prepare_data(data_cfg, log=log)
     if d.main:
         d.agree(False, "dist.setup")
     dm, n, h, ff = PRESETS[cfg.model]
-    shape = ModelShape(bundle.src_tok.vocab_size, bundle.tgt_tok.vocab_size, dm, n, h, ff, dropout=0.1,
-                       max_positions=max(1024, cfg.max_len + 8))
+    train = random_tokens(bundle.train, cfg.vocab, cfg.seed) if cfg.vocab else bundle.train
+    vocab = (cfg.vocab, cfg.vocab) if cfg.vocab else (bundle.src_tok.vocab_size, bundle.tgt_tok.vocab_size)
+    shape = ModelShape(*vocab, dm, n, h, ff, dropout=0.1, max_positions=max(1024, cfg.max_len + 8))
     info = device_info(device)
     peak = peak_flops(info["name"], cfg.amp) if device.type == "cuda" else None
-    env = Env(cfg, device, shape, data_cfg, bundle.train, peak, log, dist=d)
+    env = Env(cfg, device, shape, data_cfg, train, peak, log, dist=d)
     empty = env.loader(0).sampler.empty_rank() if d.active else None
     check(empty is None, "nproc", f"{d.world} processes leave rank {empty} without a single pair "
                                   f"({len(bundle.train)} pairs in batches of {cfg.batch_size} per rank); use fewer "
@@ -194,8 +197,11 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
         f"{cfg.repeats} x ({cfg.warmup} warm-up + {cfg.steps} timed steps) each; out {out}")
     for note in skipped:
         log(f"bench: {note}")
-    log(f"bench: {len(env.loader(0).shapes())} batch shape(s); padding "
-        f"{100 * (1 - env.loader(0).num_tokens()['tgt_fill']):.1f} % of the target positions")
+    log(f"bench: {len(env.loader(0).shapes())} batch shape(s) {'(packed)' if cfg.pack else '(length buckets)'}; "
+        f"padding "
+        f"{100 * (1 - env.loader(0).num_tokens()['tgt_fill']):.1f} % of the target positions; vocabulary "
+        f"{shape.tgt_vocab}{' (random ids)' if cfg.vocab else ''}; attention {env.attention}; label smoothing "
+        f"{cfg.label_smoothing}")
 
     try:
         # 2. every row built once: model from the same seed, strategy and streams, graph capture

@@ -41,7 +41,8 @@ import torch
 
 from streamnmt.bench.config import BenchConfig
 from streamnmt.dist import Dist
-from streamnmt.bench.flops import training_flops
+from streamnmt.attention import resolve_attention
+from streamnmt.bench.flops import real_token_flops, training_flops
 from streamnmt.data import Batch, BatchLoader, DataConfig, make_loader
 from streamnmt.data.corpus import TokenizedCorpus
 from streamnmt.engine import STATS, DeferredLosses, EngineConfig, host_sync, make_strategy
@@ -84,6 +85,7 @@ class Env:
         self._loaders: dict[int, BatchLoader] = {}
         self._staged: list[Batch] | None = None
         self._flops: dict[tuple[int, int, int], int] = {}
+        self.attention = resolve_attention(cfg.attention, device, log)
 
     def loader(self, workers: int) -> BatchLoader:
         if workers not in self._loaders:
@@ -107,12 +109,22 @@ class Env:
             self._flops[shape] = training_flops(self.shape, *shape)
         return self._flops[shape]
 
+    def real_flops(self, batch: Batch) -> int:
+        """Training FLOPs of the batch's real tokens (the MFU column; see flops.real_token_flops)."""
+        return real_token_flops(self.shape, batch.src_tokens, batch.ntokens)
+
+    def example(self, shape: tuple[int, int, int]) -> Batch:
+        """A random batch of ``shape`` as the loader makes them (packed or not), for capture/compile."""
+        return example_batch(shape, self.shape, self.cfg.seed, packed=self.data_cfg.pack)
+
     def new_step(self) -> NMTStep:
         """A model and its step function, initialised from the benchmark's seed (same for every row)."""
         torch.manual_seed(self.cfg.seed)
         model = Transformer(self.shape).to(self.device)
+        model.set_attention(self.attention)
         step = make_step(model, self.device, d_model=self.shape.d_model, lr=1.0, warmup=4000, amp=self.cfg.amp,
-                         clip=1.0, compile=self.cfg.compile, shapes=len(self.loader(0).shapes()),
+                         clip=1.0, label_smoothing=self.cfg.label_smoothing, compile=self.cfg.compile,
+                         shapes=len(self.loader(0).shapes()),
                          ddp=self.dist.active)
         if self.dist.rank > 0:  # same weights everywhere, each rank its own dropout stream (as the trainer)
             torch.manual_seed(self.cfg.seed + 1_000_003 * self.dist.rank)
@@ -191,9 +203,10 @@ class Runner:
             self.cpu.start()
             self.nvml.start()
             t0 = time.perf_counter()
-            steps = tokens = padded = flops = 0
+            steps = tokens = padded = flops = real_flops = 0
             for batch in self.loop(islice(src, cfg.steps)):
                 steps, tokens, flops = steps + 1, tokens + batch.ntokens, flops + env.flops(batch.shape)
+                real_flops += env.real_flops(batch)
                 padded += batch.tgt_out.numel()  # a shape: no device access
             loop_syncs = STATS.reset()
             self.finish("bench.end")
@@ -215,7 +228,9 @@ class Runner:
             "repeat": repeat, "steps": steps, "wall_s": wall, "ms_per_step": 1e3 * wall / steps,
             "tokens": tokens, "tokens_per_s": tokens / wall, "padded_tokens_per_s": padded / wall,
             "model_tflops": flops / wall / 1e12,
-            "mfu_pct": 100 * flops / wall / env.peak_flops if env.peak_flops else None,
+            "mfu_pct": 100 * real_flops / wall / env.peak_flops if env.peak_flops else None,
+            "padded_mfu_pct": 100 * flops / wall / env.peak_flops if env.peak_flops else None,
+            "real_share_pct": 100 * tokens / padded if padded else None,
             "gpu_ms": gpu_ms, "gpu_busy_pct": None if gpu_ms is None else 100 * gpu_ms / (1e3 * wall),
             "gpu_timed_steps": self.timer.collected if self.timer.enabled else None,
             "nvml_util_pct": nvml.get("util_mean_pct"), "nvml_util_max_pct": nvml.get("util_max_pct"),
@@ -280,7 +295,7 @@ class StrategyRunner(Runner):
         elif self.strategy.wants_workers:
             self.workers = cfg.workers  # as the trainer does for these strategies
         shapes = env.loader(self.workers).shapes()
-        self.strategy.prepare(self.step, [example_batch(s, env.shape, cfg.seed) for s in shapes])
+        self.strategy.prepare(self.step, [env.example(s) for s in shapes])
         env.dist.agree_on_capture(self.report.get("capture_error"))  # all ranks captured, or all stop
         time_graph_replays(self.strategy, self.step)
         if engine_name in PIPELINES and not resident:
@@ -361,7 +376,7 @@ class CompiledPeerRunner(Runner):
         inner.model = torch.compile(base, mode="reduce-overhead", dynamic=False)
         # Compile (and record the graph trees) for every batch shape now, not inside a timed run.
         for shape in env.loader(0).shapes():
-            b = example_batch(shape, env.shape, env.cfg.seed).to(self.device, non_blocking=True)
+            b = env.example(shape).to(self.device, non_blocking=True)
             torch.compiler.cudagraph_mark_step_begin()
             loss = self.step.forward(b)
             self.step.backward(loss)

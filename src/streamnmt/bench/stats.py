@@ -65,7 +65,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             "name": name, "repeats": len(rs), "ms_per_step": s.median, "ms_min": s.lo, "ms_max": s.hi,
             "world": world, "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_gpu": None if tokens_per_s is None else tokens_per_s / world, "padded_tokens_per_s": _median(rs, "padded_tokens_per_s"),
-            "mfu_pct": _median(rs, "mfu_pct"),
+            "mfu_pct": _median(rs, "mfu_pct"), "real_share_pct": _median(rs, "real_share_pct"),
             "gpu_busy_pct": _median(rs, "gpu_busy_pct"), "nvml_util_pct": _median(rs, "nvml_util_pct"),
             "cpu_pct": _median(rs, "cpu_pct"), "workers_cpu_pct": _median(rs, "workers_cpu_pct"),
             "cpu_util_pct": _median(rs, "cpu_util_pct"),
@@ -97,8 +97,8 @@ def _compare(row: dict[str, Any], key: str, fmt: str, suffix: str) -> str:
     return NOISE if row[key + "_noise"] else format(row[key], fmt) + suffix
 
 
-COLUMNS = ["row", "ms/step [min-max]", "real tok/s", "padded tok/s", "vs baseline", "% of limit", "MFU", "GPU span",
-           "GPU kernels", "NVML util", "CPU", "CPU+workers", "syncs", "sync ms", "peak MB"]
+COLUMNS = ["row", "ms/step [min-max]", "real tok/s", "padded tok/s", "real %", "vs baseline", "% of limit", "MFU",
+           "GPU span", "GPU kernels", "NVML util", "CPU", "CPU+workers", "syncs", "sync ms", "peak MB"]
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -111,6 +111,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         cells.append([
             r["name"], f"{r['ms_per_step']:.2f} [{r['ms_min']:.2f}-{r['ms_max']:.2f}]",
             _num(r["tokens_per_s"], ",.0f"), *per_gpu, _num(r.get("padded_tokens_per_s"), ",.0f"),
+            _num(r.get("real_share_pct"), ".1f", "%"),
             _compare(r, "speedup", ".2f", "x"),
             _compare(r, "pct_of_limit", ".0f", "%"), _num(r["mfu_pct"], ".1f", "%"),
             _num(r["gpu_busy_pct"], ".0f", "%"), _num(r.get("kernel_busy_pct"), ".0f", "%"),
@@ -125,6 +126,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 CSV_FIELDS = ["name", "world", "repeats", "ms_per_step", "ms_min", "ms_max", "tokens_per_s", "tokens_per_s_per_gpu",
-              "padded_tokens_per_s", "speedup", "speedup_noise",
+              "padded_tokens_per_s", "real_share_pct", "speedup", "speedup_noise",
               "pct_of_limit", "pct_of_limit_ref", "pct_of_limit_noise", "mfu_pct", "gpu_busy_pct",
               "kernel_busy_pct", "nvml_util_pct", "cpu_pct", "workers_cpu_pct", "cpu_util_pct", "sync_count", "sync_ms", "peak_mem_mb", "note"]

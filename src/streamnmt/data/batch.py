@@ -37,6 +37,9 @@ class Batch:
         norm: () float32 tensor ``1 / norm_tokens``, travelling with the batch to the device: the
             step multiplies its summed loss by it (a static input of graph mode). None: the step
             normalises by the batch's own tokens.
+        src_seg, tgt_seg, src_pos, tgt_pos: packed batches only (:mod:`streamnmt.data.packing`):
+            int64 segment ids (1, 2, ... per pair in a row, 0 on padding) and positions restarting
+            at 0 for each pair, shaped as ``src`` and ``tgt_in``. None: one sentence per row.
     """
 
     src: torch.Tensor
@@ -47,6 +50,22 @@ class Batch:
     index: np.ndarray | None = None
     norm: torch.Tensor | None = None
     norm_tokens: int = 0
+    src_seg: torch.Tensor | None = None
+    src_pos: torch.Tensor | None = None
+    tgt_seg: torch.Tensor | None = None
+    tgt_pos: torch.Tensor | None = None
+
+    SEGMENT_FIELDS = ("src_seg", "src_pos", "tgt_seg", "tgt_pos")
+
+    @property
+    def packed(self) -> bool:
+        return self.src_seg is not None
+
+    def segments(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(src_seg, tgt_seg, src_pos, tgt_pos) of a packed batch (the model's ``segments``), or None."""
+        if self.src_seg is None:
+            return None
+        return self.src_seg, self.tgt_seg, self.src_pos, self.tgt_pos
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -63,23 +82,22 @@ class Batch:
         """:func:`streamnmt.masks.tgt_mask` of ``tgt_in``, on the tensors' device."""
         return tgt_mask(self.tgt_in)
 
+    def _tensor_fields(self) -> tuple[str, ...]:
+        return ("src", "tgt_in", "tgt_out", "norm", *self.SEGMENT_FIELDS)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         # non_blocking overlaps the copy only from pinned memory (see pin_memory).
-        return dataclasses.replace(
-            self, src=self.src.to(device, non_blocking=non_blocking),
-            tgt_in=self.tgt_in.to(device, non_blocking=non_blocking),
-            tgt_out=self.tgt_out.to(device, non_blocking=non_blocking),
-            norm=None if self.norm is None else self.norm.to(device, non_blocking=non_blocking))
+        return dataclasses.replace(self, **{
+            k: t.to(device, non_blocking=non_blocking) for k in self._tensor_fields()
+            if (t := getattr(self, k)) is not None})
 
     def pin_memory(self) -> Batch:
         """Page-locked copies of the tensors (called by DataLoader's pin-memory thread)."""
-        return dataclasses.replace(self, src=self.src.pin_memory(), tgt_in=self.tgt_in.pin_memory(),
-                                   tgt_out=self.tgt_out.pin_memory(),
-                                   norm=None if self.norm is None else self.norm.pin_memory())
+        return dataclasses.replace(self, **{k: t.pin_memory() for k in self._tensor_fields()
+                                            if (t := getattr(self, k)) is not None})
 
     def is_pinned(self) -> bool:
-        return all(t.is_pinned() for t in (self.src, self.tgt_in, self.tgt_out)
-                   if t is not None) and (self.norm is None or self.norm.is_pinned())
+        return all(t.is_pinned() for k in self._tensor_fields() if (t := getattr(self, k)) is not None)
 
 
 @dataclass

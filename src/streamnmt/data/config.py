@@ -26,6 +26,8 @@ class DataConfig:
     max_len: int = opt(128, "longest sentence in tokens (bos/eos included) the model is fed")
     overlong: str = opt("truncate", "what to do with sentences over --max-len",
                         choices=("truncate", "drop"))
+    pack: bool = opt(True, "pack several sentence pairs into each training row (one batch shape, little "
+                           "padding; validation stays one sentence per row); --no-pack = length buckets")
     pad_multiple: int = opt(8, "padded lengths are rounded up to a multiple of this (bounds batch shapes)")
     workers: int = opt(0, "DataLoader worker processes (0 = load in the main process)")
     prefetch_factor: int = opt(4, "batches each worker loads ahead")

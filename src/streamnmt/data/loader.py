@@ -1,4 +1,7 @@
-"""BatchLoader: a DataLoader over planned bucket batches, with resumable order and pinned output.
+"""BatchLoader: a DataLoader over planned batches, with resumable order and pinned output.
+
+Training batches are packed (:mod:`streamnmt.data.packing`, ``--pack``) or bucketed by length
+(:mod:`streamnmt.data.sampler`); evaluation batches are always bucketed.
 
 The GPU strategies need the host to have the next batch ready before the current step ends, so
 batches are built ahead in worker processes. Order must not depend on how many workers there are:
@@ -30,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset
 from streamnmt.data.batch import Batch, HostBatch, collate_host
 from streamnmt.data.config import DataConfig
 from streamnmt.data.corpus import TokenizedCorpus
+from streamnmt.data.packing import PackedHostBatch, PackedPlan, PackSampler, collate_packed, pack_shape
 from streamnmt.data.sampler import BucketSampler, PlannedBatch, bucket_lengths
 
 
@@ -39,7 +43,9 @@ class _PlannedBatches(Dataset):
     def __init__(self, corpus: TokenizedCorpus) -> None:
         self.corpus = corpus
 
-    def __getitem__(self, item: PlannedBatch) -> HostBatch:
+    def __getitem__(self, item: PlannedBatch | PackedPlan) -> HostBatch | PackedHostBatch:
+        if isinstance(item, PackedPlan):
+            return collate_packed(self.corpus, item)
         length, rows, group = item
         return collate_host(self.corpus, rows, length, group)
 
@@ -71,9 +77,7 @@ class BatchLoader:
                  pin_memory: bool, accum: int = 1, world: int = 1, rank: int = 0) -> None:
         self.corpus = corpus
         self.train = train
-        buckets = bucket_lengths(corpus.src_lengths, corpus.tgt_lengths, cfg.pad_multiple)
-        self.sampler = BucketSampler(buckets, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens,
-                                     shuffle=train, seed=seed, accum=accum, world=world, rank=rank)
+        self.sampler = make_sampler(corpus, cfg, train=train, seed=seed, accum=accum, world=world, rank=rank)
         # Pinning needs a CUDA driver; on a machine without one it is not attempted.
         self.pin_memory = bool(pin_memory and torch.cuda.is_available())
         extra: dict[str, Any] = {}
@@ -127,11 +131,19 @@ class BatchLoader:
 
     def num_tokens(self) -> dict[str, float]:
         """Real vs padded token counts of one epoch (filler rows included in the padded count)."""
+        if isinstance(self.sampler, PackSampler):
+            return self._packed_tokens()
         src, tgt = self.corpus.num_tokens()
         n = len(self.corpus)
         padded = sum(b * L * len_ for (b, L, _), len_ in zip(self.shapes(), self._batches_per_bucket()))
         return {"pairs": n, "src_tokens": src + n, "tgt_tokens": tgt + n, "padded_per_side": padded,
                 "tgt_fill": (tgt + n) / padded if padded else 0.0}
+
+    def _packed_tokens(self) -> dict[str, float]:
+        """Real vs padded target positions of this rank's packed batches in the current epoch."""
+        src, tgt, padded = self.sampler.tokens()
+        return {"pairs": len(self.corpus), "src_tokens": src, "tgt_tokens": tgt, "padded_per_side": padded,
+                "tgt_fill": tgt / padded if padded else 0.0}
 
     def _batches_per_bucket(self) -> list[int]:
         sizes = self.sampler.bucket_sizes()
@@ -140,6 +152,19 @@ class BatchLoader:
     def __repr__(self) -> str:
         return (f"BatchLoader({self.corpus.name!r}, batches={len(self)}, shapes={len(self.shapes())}, "
                 f"train={self.train}, workers={self.workers}, pin_memory={self.pin_memory})")
+
+
+def make_sampler(corpus: TokenizedCorpus, cfg: DataConfig, *, train: bool, seed: int, accum: int = 1,
+                 world: int = 1, rank: int = 0) -> BucketSampler | PackSampler:
+    """Packed rows for training with ``cfg.pack`` (:mod:`streamnmt.data.packing`), else length buckets."""
+    if train and cfg.pack:
+        shape = pack_shape(corpus.src_lengths, corpus.tgt_lengths, max_len=cfg.max_len, max_tokens=cfg.max_tokens,
+                           batch_size=cfg.batch_size, pad_multiple=cfg.pad_multiple)
+        return PackSampler(corpus.src_lengths, corpus.tgt_lengths, shape, shuffle=True, seed=seed, accum=accum,
+                           world=world, rank=rank)
+    buckets = bucket_lengths(corpus.src_lengths, corpus.tgt_lengths, cfg.pad_multiple)
+    return BucketSampler(buckets, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens,
+                         shuffle=train, seed=seed, accum=accum, world=world, rank=rank)
 
 
 def make_loader(corpus: TokenizedCorpus, cfg: DataConfig, *, train: bool, seed: int,

@@ -11,8 +11,14 @@ from streamnmt.data.corpus import TokenizedCorpus
 from streamnmt.data.sampler import BucketSampler, bucket_lengths
 
 
-def batch_plan(corpus: TokenizedCorpus, cfg: DataConfig) -> tuple[int, list[tuple[int, int, int]]]:
-    """(batches per epoch, the batch shapes (B, src length, tgt length)) of ``corpus`` under ``cfg``."""
+def batch_plan(corpus: TokenizedCorpus, cfg: DataConfig, train: bool = True) -> tuple[int, list[tuple[int, int, int]]]:
+    """(batches per epoch, the batch shapes (B, src length, tgt length)) of ``corpus`` under ``cfg``;
+    ``train``: as the training loader batches it (packed with ``cfg.pack``), else as evaluation does."""
+    if train and cfg.pack:
+        from streamnmt.data.loader import make_sampler
+
+        packed = make_sampler(corpus, cfg, train=True, seed=0)  # epoch 0 of seed 0: a typical epoch
+        return len(packed), packed.shapes()
     sampler = BucketSampler(bucket_lengths(corpus.src_lengths, corpus.tgt_lengths, cfg.pad_multiple),
                             batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, shuffle=False)
     return len(sampler), sampler.shapes()

@@ -1,0 +1,158 @@
+"""Packed batches: placement, the batch tensors, global steps across ranks/accumulation, resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from streamnmt.data import DataConfig, make_loader
+from streamnmt.data.corpus import TokenizedCorpus
+from streamnmt.data.packing import PackSampler, collate_packed, pack_rows, pack_shape
+from streamnmt.errors import InputError
+from streamnmt.masks import BOS, EOS, PAD
+
+
+def corpus_of(pairs: list[tuple[list[int], list[int]]]) -> TokenizedCorpus:
+    def side(k: int) -> tuple[np.ndarray, np.ndarray]:
+        toks = [np.asarray(p[k], np.int64) for p in pairs]
+        offsets = np.concatenate([[0], np.cumsum([len(t) for t in toks])]).astype(np.int64)
+        return np.concatenate(toks) if toks else np.zeros(0, np.int64), offsets
+
+    st, so = side(0)
+    tt, to = side(1)
+    return TokenizedCorpus({"src_tokens": st, "src_offsets": so, "tgt_tokens": tt, "tgt_offsets": to,
+                            "index": np.arange(len(pairs), dtype=np.int64)}, name="t")
+
+
+def random_corpus(n: int, seed: int = 0, longest: int = 14) -> TokenizedCorpus:
+    rng = np.random.default_rng(seed)
+    return corpus_of([(list(rng.integers(4, 50, rng.integers(1, longest))),
+                       list(rng.integers(4, 50, rng.integers(1, longest)))) for _ in range(n)])
+
+
+def test_rows_hold_whole_pairs_within_both_widths():
+    c = random_corpus(500)
+    s, t = c.src_lengths + 1, c.tgt_lengths + 1
+    rows = pack_rows(s, t, np.random.default_rng(1).permutation(len(c)), 40, 32, window=128)
+    placed = np.concatenate(rows)
+    assert sorted(placed.tolist()) == list(range(len(c)))  # every pair once
+    assert all(s[r].sum() <= 40 and t[r].sum() <= 32 for r in rows)
+    assert t.sum() / (32 * len(rows)) > 0.85  # rows are mostly full
+
+
+def test_collate_places_pairs_back_to_back_with_segments_and_positions():
+    c = corpus_of([([10, 11], [20, 21, 22]), ([12], [23]), ([13, 14, 15], [24, 25])])
+    s = PackSampler(c.src_lengths, c.tgt_lengths, (2, 8, 8), shuffle=False)
+    (plan,) = s.plan(0)
+    b = collate_packed(c, plan).to_batch()
+    assert b.shape == (2, 8, 8) and b.packed
+    row = int(plan.slots[plan.pairs.tolist().index(0)])
+    order = plan.pairs[plan.slots == row].tolist()
+    src, tgt_in, tgt_out = b.src[row].tolist(), b.tgt_in[row].tolist(), b.tgt_out[row].tolist()
+    col_s = col_t = 0
+    for k, p in enumerate(order, 1):
+        st, tt = c[p]
+        n, m = len(st), len(tt)
+        assert src[col_s:col_s + n + 1] == [*st.tolist(), EOS]
+        assert tgt_out[col_t:col_t + m + 1] == [*tt.tolist(), EOS]
+        assert tgt_in[col_t:col_t + m + 1] == [BOS, *tt.tolist()]
+        assert b.src_seg[row, col_s:col_s + n + 1].tolist() == [k] * (n + 1)
+        assert b.tgt_pos[row, col_t:col_t + m + 1].tolist() == list(range(m + 1))
+        assert b.src_pos[row, col_s:col_s + n + 1].tolist() == list(range(n + 1))
+        col_s, col_t = col_s + n + 1, col_t + m + 1
+    assert set(src[col_s:]) <= {PAD} and set(b.src_seg[row, col_s:].tolist()) <= {0}
+    assert b.ntokens == int((b.tgt_out != PAD).sum()) == 3 + 1 + 2 + 3 == b.norm_tokens
+    assert abs(float(b.norm) - 1 / 9) < 1e-7
+
+
+def pairs_by_step(sampler: PackSampler, micro: int) -> list[list[int]]:
+    """Pairs of each global step as this sampler serves them (``micro`` micro-batches a step)."""
+    plan = sampler.plan(sampler.epoch)
+    return [sorted(np.concatenate([p.pairs for p in plan[k:k + micro]]).tolist())
+            for k in range(0, len(plan), micro)]
+
+
+@pytest.mark.parametrize("world,accum", [(2, 1), (1, 2), (2, 2)])
+def test_global_steps_are_the_same_pairs_for_any_split(world, accum):
+    c = random_corpus(300, seed=2)
+    shape = (3, 40, 32)
+    one = PackSampler(c.src_lengths, c.tgt_lengths, (3 * world * accum, 40, 32), shuffle=True, seed=5)
+    ranks = [PackSampler(c.src_lengths, c.tgt_lengths, shape, shuffle=True, seed=5, world=world, accum=accum,
+                         rank=r) for r in range(world)]
+    per_rank = [pairs_by_step(s, accum) for s in ranks]
+    assert len({len(p) for p in per_rank}) == 1 and len({len(s) for s in ranks}) == 1  # same step count
+    steps = [sorted(sum((p[i] for p in per_rank), [])) for i in range(len(per_rank[0]))]
+    assert steps == pairs_by_step(one, 1)  # the same pairs in the same global steps
+    flat = sum(steps, [])
+    assert len(set(flat)) == len(flat)  # disjoint: each pair at most once per epoch
+    # only the rows of a partial last global step wait for another epoch (at most 16 pairs a row)
+    assert len(c) - 16 * (3 * world * accum - 1) <= len(flat) < len(c)
+    for s in ranks:  # every micro-batch has the one shape; the normaliser counts the whole step
+        for p in s.plan(0):
+            assert p.shape == shape
+            b = collate_packed(c, p)
+            assert b.norm_tokens == int(c.tgt_lengths[p.group].sum()) + len(p.group)
+
+
+def test_plan_depends_on_seed_and_epoch_only():
+    c = random_corpus(200, seed=3)
+    a = PackSampler(c.src_lengths, c.tgt_lengths, (2, 40, 32), shuffle=True, seed=1)
+    b = PackSampler(c.src_lengths, c.tgt_lengths, (2, 40, 32), shuffle=True, seed=1)
+    same = [p.pairs.tolist() for p in a.plan(0)]
+    assert same == [p.pairs.tolist() for p in b.plan(0)]
+    assert same != [p.pairs.tolist() for p in b.plan(1)]
+
+
+def test_resume_mid_epoch_serves_the_rest(tmp_path):
+    c = random_corpus(200, seed=4)
+    cfg = DataConfig(max_len=32, max_tokens=96, pack=True)
+    a = make_loader(c, cfg, train=True, seed=7, pin_memory=False)
+    it = iter(a)
+    for _ in range(3):
+        next(it)
+    state = a.state_dict()
+    rest = [x.tgt_out.clone() for x in it]
+    b = make_loader(c, cfg, train=True, seed=7, pin_memory=False)
+    b.load_state_dict(state)
+    again = [x.tgt_out for x in b]
+    assert len(rest) == len(again) > 0 and all((x == y).all() for x, y in zip(rest, again))
+    other = make_loader(c, DataConfig(max_len=32, max_tokens=64, pack=True), train=True, seed=7, pin_memory=False)
+    with pytest.raises(InputError, match="packs"):
+        other.load_state_dict(state)
+
+
+def test_shape_and_padding_share():
+    c = random_corpus(2000, seed=6)
+    cfg = DataConfig(max_len=32, max_tokens=512, pack=True)
+    loader = make_loader(c, cfg, train=True, seed=0, pin_memory=False)
+    (shape,) = loader.shapes()
+    assert shape == pack_shape(c.src_lengths, c.tgt_lengths, max_len=32, max_tokens=512, batch_size=32,
+                               pad_multiple=8)
+    assert shape[0] == 512 // 32 and shape[2] == 32
+    counted = loader.num_tokens()  # of the epoch about to be served
+    real = padded = 0
+    for b in loader:
+        assert b.shape == shape
+        real += b.ntokens
+        padded += shape[0] * shape[2]
+    assert real == counted["tgt_tokens"]
+    assert abs(counted["tgt_fill"] - real / padded) < 1e-9
+    assert real / padded > 0.9
+
+
+def test_validation_stays_unpacked():
+    c = random_corpus(50, seed=8)
+    loader = make_loader(c, DataConfig(max_len=32, pack=True), train=False, seed=0, pin_memory=False)
+    assert all(not b.packed for b in loader)
+
+
+def test_state_of_one_rank_resumes_on_two_at_the_same_share():
+    c = random_corpus(400, seed=9)
+    one = PackSampler(c.src_lengths, c.tgt_lengths, (2, 40, 32), shuffle=True, seed=3)
+    one.position = 10
+    state = one.state_dict()
+    two = PackSampler(c.src_lengths, c.tgt_lengths, (2, 40, 32), shuffle=True, seed=3, world=2, rank=1)
+    two.load_state_dict(state)
+    assert two.position == -(-10 * len(two) // len(one))
+    with pytest.raises(InputError, match="another training corpus"):
+        PackSampler(c.src_lengths[1:], c.tgt_lengths[1:], (2, 40, 32), shuffle=True).load_state_dict(state)

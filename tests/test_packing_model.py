@@ -1,0 +1,135 @@
+"""A packed batch computes what its pairs compute alone: losses, gradients, isolation, flex == sdpa."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from streamnmt import masks
+from streamnmt.attention import flex_importable
+from streamnmt.data import collate
+from streamnmt.data.packing import PackSampler, collate_packed
+from streamnmt.model import make_model
+from tests.data.test_packing import corpus_of
+
+
+def tiny(seed: int = 0):
+    torch.manual_seed(seed)
+    return make_model(60, 60, d_model=32, n_layers=2, n_heads=4, d_ff=64, dropout=0.0, max_positions=64)  # fp32
+
+
+def pairs(seed: int = 0, n: int = 7):
+    rng = np.random.default_rng(seed)
+    return [(list(rng.integers(4, 60, rng.integers(1, 9))), list(rng.integers(4, 60, rng.integers(1, 9))))
+            for _ in range(n)]
+
+
+def packed_batch(corpus, shape=(3, 24, 20)):
+    (plan,) = PackSampler(corpus.src_lengths, corpus.tgt_lengths, shape, shuffle=False).plan(0)
+    return collate_packed(corpus, plan).to_batch(), plan
+
+
+def token_losses(model, b) -> torch.Tensor:
+    logits = model(b.src, b.tgt_in, masks.src_mask(b.src), segments=b.segments())
+    return F.cross_entropy(logits.flatten(0, 1), b.tgt_out.flatten(), ignore_index=masks.PAD,
+                           reduction="none").view(b.tgt_out.shape)
+
+
+def per_pair_packed(model, corpus):
+    b, plan = packed_batch(corpus)
+    loss = token_losses(model, b)
+    out = {}
+    for p, row in zip(plan.pairs.tolist(), plan.slots.tolist()):
+        k = int(plan.pairs[plan.slots == row].tolist().index(p)) + 1
+        out[p] = loss[row][b.tgt_seg[row] == k].sum()
+    return out
+
+
+def test_packed_losses_and_gradients_equal_unpacked():
+    c = corpus_of(pairs())
+    model = tiny()
+    packed = per_pair_packed(model, c)
+    assert len(packed) == len(c)
+    torch.stack(list(packed.values())).sum().backward()
+    g_packed = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    total = 0
+    for i in range(len(c)):  # each pair alone, one sentence per row
+        b = collate(c, np.array([i]), int(max(c.src_lengths[i], c.tgt_lengths[i])) + 1)
+        alone = token_losses(model, b).sum()
+        torch.testing.assert_close(packed[i], alone, atol=1e-5, rtol=1e-5)
+        total = total + alone
+    total.backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(g_packed[n], p.grad, atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_changing_one_pair_changes_no_other_pair():
+    ps = pairs(1)
+    model = tiny(1)
+    before = per_pair_packed(model, corpus_of(ps))
+    ps[2] = (ps[2][0][:-1] + [5, 6], [7] * len(ps[2][1]))  # other tokens, other source length
+    after = per_pair_packed(model, corpus_of(ps))
+    assert not torch.allclose(before[2], after[2])
+    for k in before:
+        if k != 2:
+            torch.testing.assert_close(before[k], after[k], atol=1e-6, rtol=1e-6)
+
+
+def test_old_checkpoint_with_separate_q_and_kv_loads():
+    model = tiny(2)
+    state = model.state_dict()
+    old = {}
+    for k, v in state.items():  # rewrite the fused self-attention weights as q and kv
+        if ".qkv." in k:
+            d = v.shape[0] // 3
+            old[k.replace(".qkv.", ".q.")] = v[:d]
+            old[k.replace(".qkv.", ".kv.")] = v[d:]
+        else:
+            old[k] = v
+    fresh = tiny(3)
+    fresh.load_state_dict(old)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+def test_embeddings_are_normal_with_zero_pad_row():
+    torch.manual_seed(0)
+    model = make_model(4000, 4000, d_model=64, n_layers=1, n_heads=4, d_ff=64)
+    w = model.tgt_embed.weight.detach()
+    assert torch.count_nonzero(w[masks.PAD]) == 0
+    assert abs(float(w[1:].std()) - 64 ** -0.5) < 0.01 * 64 ** -0.5 * 5
+
+
+@pytest.mark.skipif(flex_importable() is not None, reason="no FlexAttention in this torch")
+def test_flex_equals_sdpa_on_cpu():
+    c = corpus_of(pairs(3))
+    model = tiny(4)
+    b, _ = packed_batch(c)
+    with torch.no_grad():  # FlexAttention has no backward on the CPU
+        sdpa = token_losses(model, b)
+    model.set_attention("flex")
+    try:
+        with torch.no_grad():
+            flex = token_losses(model, b)
+    except Exception as e:  # noqa: BLE001 - the CPU backend of this torch may lack the kernel
+        pytest.skip(f"FlexAttention does not run on this CPU build: {type(e).__name__}: {e}")
+    real = b.tgt_out != masks.PAD
+    torch.testing.assert_close(flex[real], sdpa[real], atol=1e-4, rtol=1e-4)
+
+
+def test_start_line_padding_under_five_percent_with_pack(tmp_path, capsys):
+    import re
+
+    from streamnmt import cli
+
+    code = cli.main(["train", "--device", "cpu", "--model", "tiny", "--builtin-size", "2000", "--epochs", "1",
+                     "--max-steps", "2", "--bleu-samples", "0", "--workers", "0", "--pack",
+                     "--project", str(tmp_path), "--name", "packed"])
+    out = capsys.readouterr().out
+    assert code == 0
+    m = re.search(r"in 1 shape\(s\); padding ([0-9.]+) % of the target positions", out)
+    assert m is not None, out
+    assert float(m.group(1)) < 5.0

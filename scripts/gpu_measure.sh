@@ -120,9 +120,9 @@ PY
     ;;
   pipeline)  # the seeds' predictions: every strategy at 32x32 (3 repeats, profiled), deep/full with 3 streams,
              # the deep row's timeline (copies of N+1, N+2 on streams 0 and 3 over the compute); table last
-    timeout 230 python3 -m streamnmt bench --batch-size 32 --max-len 32 --pad-multiple 32 --repeats 3 --profile \
+    timeout 260 python3 -m streamnmt bench --batch-size 32 --max-len 32 --pad-multiple 32 --repeats 3 --profile \
       --strategies baseline,event,interval,deep,full,graph --no-references --out /tmp/pl > "$OUT/pipeline.log" 2>&1
-    timeout 90 python3 -m streamnmt bench --batch-size 32 --max-len 32 --pad-multiple 32 --repeats 3 --streams 3 \
+    timeout 80 python3 -m streamnmt bench --batch-size 32 --max-len 32 --pad-multiple 32 --repeats 3 --streams 3 \
       --strategies baseline,deep,full --no-references --out /tmp/pl3 > "$OUT/pipeline3.log" 2>&1
     python3 scripts/seed_predictions.py /tmp/pl --streams3 /tmp/pl3 --timeline deep > "$OUT/predictions.md" 2>&1
     cp /tmp/pl/bench.json "$OUT/pipeline.json"; cp /tmp/pl3/bench.json "$OUT/pipeline3.json"

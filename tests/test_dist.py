@@ -223,7 +223,7 @@ def test_dead_rank_ends_the_run_with_one_line(tmp_path, home):
 @pytest.mark.parametrize("flags,names", [
     (["--device", "cpu", "--dist-backend", "nccl"], "--dist-backend"),
     (["--nproc", "0"], "--nproc"),
-    (["--builtin-size", "100", "--batch-size", "64"], "--nproc"),  # rank 1 would get no pair at all
+    (["--builtin-size", "100", "--batch-size", "64", "--no-pack"], "--nproc"),  # rank 1 would get no pair at all
 ])
 def test_bad_set_ups_exit_2_and_write_nothing(tmp_path, home, flags, names):
     args = [*TINY, "--max-steps", "3", "--project", str(tmp_path / "runs"), "--name", "bad"]

@@ -132,7 +132,7 @@ class Trainer:
             self._restore(resume)
         # Graph capture restores every state tensor and the RNG after its warm-up, so it is
         # correct before or after a restore.
-        self.strategy.prepare(self.step_fn, [example_batch(shape, self.shape, job.run.seed, packed=job.data.pack)
+        self.strategy.prepare(self.step_fn, [example_batch(shape, self.shape, job.run.seed, packed=job.data.packs)
                                              for shape in self.train_loader.shapes()])
         # 4. run directory (only now that everything above is valid)
         r = job.run

@@ -12,6 +12,7 @@ from streamnmt.attention import flex_importable
 from streamnmt.data import collate
 from streamnmt.data.packing import PackSampler, collate_packed
 from streamnmt.model import make_model
+from streamnmt.runs import read_csv
 from tests.data.test_packing import corpus_of
 
 
@@ -133,3 +134,49 @@ def test_start_line_padding_under_five_percent_with_pack(tmp_path, capsys):
     m = re.search(r"in 1 shape\(s\); padding ([0-9.]+) % of the target positions", out)
     assert m is not None, out
     assert float(m.group(1)) < 5.0
+
+
+PACKED = ["--max-tokens", "160", "--max-len", "32"]  # a token budget: packed batches by default
+
+
+def test_packed_training_resumes_exactly_after_sigkill(tmp_path):
+    """Killed after step 35 of 60 (an epoch ends inside the run): the resumed run logs the same
+    losses and ends with the same weights as the uninterrupted one."""
+    import signal
+
+    from tests.test_reliability import TINY, losses, run_cli
+
+    home = str(tmp_path / "home")
+    common = [*TINY, *PACKED, "--max-steps", "60", "--seed", "5", "--save-every", "10", "--project",
+              str(tmp_path), "--builtin-size", "500", "--workers", "0"]
+    ref = run_cli([*common, "--name", "ref"], home)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    assert "in 1 shape(s)" in ref.stdout + ref.stderr  # packed: one batch shape
+    ref_losses = losses(tmp_path / "ref")
+    assert len(ref_losses) == 60 and len({e for _, e, _ in ref_losses}) >= 2  # crosses an epoch boundary
+    killed = run_cli([*common, "--name", "killed"], home, env={"STREAMNMT_TEST_KILL_AT_STEP": "35"})
+    assert killed.returncode == -signal.SIGKILL
+    last = tmp_path / "killed" / "weights" / "last.pt"
+    resumed = run_cli(["--resume", str(last)], home)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert losses(tmp_path / "killed") == ref_losses
+    a = torch.load(tmp_path / "ref" / "weights" / "last.pt", weights_only=True)["model"]
+    b = torch.load(last, weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_packed_training_is_the_same_in_every_strategy(tmp_path, tmp_path_factory, monkeypatch):
+    """baseline (eager) and graph (its CPU fallback) train identically on packed batches."""
+    from tests.test_cli import train
+
+    monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path_factory.getbasetemp() / "home"))  # as test_cli's runs
+
+    runs = {}
+    for s in ("baseline", "graph"):
+        assert train(tmp_path, *PACKED, "--max-steps", "12", "--seed", "3", "--sync-strategy", s, name=s) == 0
+        run = tmp_path / "runs" / s
+        runs[s] = ([(r["step"], r["loss"]) for r in read_csv(run / "steps.csv")],
+                   torch.load(run / "weights" / "last.pt", weights_only=True)["model"])
+    (la, wa), (lb, wb) = runs["baseline"], runs["graph"]
+    assert len(la) == 12 and la == lb
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

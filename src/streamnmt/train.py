@@ -172,7 +172,7 @@ class Trainer:
         """The strategy's set-up (graph capture). Graph capture restores every state tensor and the
         RNG after its warm-up, so it is correct before or after a restore."""
         self.strategy.prepare(self.step_fn, [example_batch(shape, self.shape, self.job.run.seed,
-                                                           packed=self.job.data.pack)
+                                                           packed=self.job.data.packs)
                                              for shape in self.train_loader.shapes()])
         # Several ranks: graph capture succeeded everywhere, or every rank stops with one line.
         self.dist.agree_on_capture(self.strategy.report.get("capture_error"))

@@ -115,7 +115,7 @@ class Env:
 
     def example(self, shape: tuple[int, int, int]) -> Batch:
         """A random batch of ``shape`` as the loader makes them (packed or not), for capture/compile."""
-        return example_batch(shape, self.shape, self.cfg.seed, packed=self.data_cfg.pack)
+        return example_batch(shape, self.shape, self.cfg.seed, packed=self.data_cfg.packs)
 
     def new_step(self) -> NMTStep:
         """A model and its step function, initialised from the benchmark's seed (same for every row)."""

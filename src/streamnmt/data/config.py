@@ -26,8 +26,10 @@ class DataConfig:
     max_len: int = opt(128, "longest sentence in tokens (bos/eos included) the model is fed")
     overlong: str = opt("truncate", "what to do with sentences over --max-len",
                         choices=("truncate", "drop"))
-    pack: bool = opt(True, "pack several sentence pairs into each training row (one batch shape, little "
-                           "padding; validation stays one sentence per row); --no-pack = length buckets")
+    pack: bool | None = opt(None, "pack several sentence pairs into each training row (one batch shape, little "
+                                  "padding; validation stays one sentence per row); --no-pack = length buckets; "
+                                  "default: on with a token budget (--max-tokens), off when batching by sentences "
+                                  "(a packed row holds as many sentences as fit, not --batch-size)")
     pad_multiple: int = opt(8, "padded lengths are rounded up to a multiple of this (bounds batch shapes)")
     workers: int = opt(0, "DataLoader worker processes (0 = load in the main process)")
     prefetch_factor: int = opt(4, "batches each worker loads ahead")
@@ -56,6 +58,11 @@ class DataConfig:
               "files: give the shared model once (--tokenizer-eng) or drop --shared-vocab")
         check(self.tokenizer_sample >= 100, "tokenizer_sample",
               f"must be at least 100; got {self.tokenizer_sample}")
+
+    @property
+    def packs(self) -> bool:
+        """Whether training batches are packed (``pack`` resolved)."""
+        return self.pack if self.pack is not None else self.max_tokens > 0
 
     @property
     def builtin_pairs(self) -> int:

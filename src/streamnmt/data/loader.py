@@ -157,7 +157,7 @@ class BatchLoader:
 def make_sampler(corpus: TokenizedCorpus, cfg: DataConfig, *, train: bool, seed: int, accum: int = 1,
                  world: int = 1, rank: int = 0) -> BucketSampler | PackSampler:
     """Packed rows for training with ``cfg.pack`` (:mod:`streamnmt.data.packing`), else length buckets."""
-    if train and cfg.pack:
+    if train and cfg.packs:
         shape = pack_shape(corpus.src_lengths, corpus.tgt_lengths, max_len=cfg.max_len, max_tokens=cfg.max_tokens,
                            batch_size=cfg.batch_size, pad_multiple=cfg.pad_multiple)
         return PackSampler(corpus.src_lengths, corpus.tgt_lengths, shape, shuffle=True, seed=seed, accum=accum,

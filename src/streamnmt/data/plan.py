@@ -14,7 +14,7 @@ from streamnmt.data.sampler import BucketSampler, bucket_lengths
 def batch_plan(corpus: TokenizedCorpus, cfg: DataConfig, train: bool = True) -> tuple[int, list[tuple[int, int, int]]]:
     """(batches per epoch, the batch shapes (B, src length, tgt length)) of ``corpus`` under ``cfg``;
     ``train``: as the training loader batches it (packed with ``cfg.pack``), else as evaluation does."""
-    if train and cfg.pack:
+    if train and cfg.packs:
         from streamnmt.data.loader import make_sampler
 
         packed = make_sampler(corpus, cfg, train=True, seed=0)  # epoch 0 of seed 0: a typical epoch

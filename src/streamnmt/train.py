@@ -452,8 +452,9 @@ class Trainer:
         cpu_util = cpu.stop()["util_pct"]  # % of one core, loader workers included
         train_stats = STATS.reset()
         # 5. validation loss and BLEU (timed separately from training); best.pt as of the epoch's end
-        if self.epoch_pos >= len(self.train_loader):  # else --max-steps ended the run mid-epoch: a resume
-            self.epoch, self.epoch_pos = epoch + 1, 0  # with a larger one goes on from the same position
+        cut = bool(r.max_steps) and self.global_step >= r.max_steps and self.epoch_pos < len(self.train_loader)
+        if not cut:  # --max-steps ended the run mid-epoch: a resume with a larger one goes on from here
+            self.epoch, self.epoch_pos = epoch + 1, 0
         val_loss, bleu, bleu_s = self._evaluate(epoch)
         finite = [v for v in losses if math.isfinite(v)]
         row = {"epoch": epoch + 1, "train_loss": sum(finite) / max(len(finite), 1), "val_loss": val_loss,

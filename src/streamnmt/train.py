@@ -471,8 +471,8 @@ class Trainer:
         ntok = torch.zeros((), dtype=torch.int64, device=self.device)
         for batch in self.dev_loader:
             b = batch.to(self.device, non_blocking=True)
-            loss, n = self.step_fn.loss_sum(b, label_smoothing=0.0)
-            total += loss.double()
+            _, nll, n = self.step_fn.loss_sum(b)
+            total += nll.double()
             ntok += n
         self.model.train()
         # Needed: the epoch's validation loss is reported and compared for best.pt.

@@ -38,6 +38,7 @@ from streamnmt.data import batch_plan, make_loader, prepare_data, read_pairs
 from streamnmt.devices import resolve_device
 from streamnmt.engine import STATS, DeferredLosses, host_sync, make_strategy
 from streamnmt.engine.auto import choose_compile, choose_strategy
+from streamnmt.engine.losses import StepLoss
 from streamnmt.engine.syncstats import format_table
 from streamnmt.evaluation import bleu_on_pairs
 from streamnmt.model import ModelShape, Transformer
@@ -48,8 +49,10 @@ from streamnmt.reporting import Scalars, merge_sync_stats
 from streamnmt.runs import CsvLog, increment_path, write_json
 from streamnmt.stopping import EarlyStopping, TimeBudget, best_metric, parse_duration
 
-STEP_COLUMNS = ["step", "epoch", "loss", "lr", "tokens"]
-RESULT_COLUMNS = ["epoch", "train_loss", "val_loss", "bleu", "tokens_per_s", "padded_tokens_per_s", "epoch_s", "bleu_s",
+STEP_COLUMNS = ["step", "epoch", "loss", "nll", "lr", "tokens"]
+# train_loss: with the training's label smoothing; train_nll (and train_ppl = exp of it): the plain
+# NLL of the same steps, which compares with val_loss.
+RESULT_COLUMNS = ["epoch", "train_loss", "train_nll", "train_ppl", "val_loss", "bleu", "tokens_per_s", "padded_tokens_per_s", "epoch_s", "bleu_s",
                   "gpu_mem_gb", "gpu_busy", "sync_count", "sync_ms", "steps"]
 EVAL_COLUMNS = ["step", "epoch", "val_loss", "bleu", "bleu_s", "best"]
 
@@ -122,7 +125,7 @@ class Trainer:
         self.dev_loader = make_loader(self.data.dev, dataclasses.replace(job.data, workers=0), train=False,
                                       seed=job.run.seed, pin_memory=pin)
         self.losses = DeferredLosses(self.device, job.engine.loss_interval, group=k,
-                                     reduce=d.reduce_sum_ if d.active else None)
+                                     reduce=d.reduce_sum_ if d.active else None, values=("nll",))
         self.global_step, self.epoch, self.epoch_pos, self.best_val = 0, 0, 0, math.inf
         self.stopper = EarlyStopping(best_metric(job.run), job.run.patience)  # best.pt and --patience
         self.budget = TimeBudget(parse_duration(job.run.time_limit))
@@ -274,12 +277,13 @@ class Trainer:
         self.budget.start()
         with _signals(self):
             self.log(f"{'Epoch':>7}{'GPU_mem':>9}{'batches':>9}{'tokens/s':>10}{'train_loss':>12}"
-                     f"{'val_loss':>10}{'BLEU':>7}{'time':>8}")
+                     f"{'train_nll':>11}{'ppl':>9}{'val_loss':>10}{'BLEU':>7}{'time':>8}")
             while self.epoch < r.epochs and not self._done():
                 row = self.run_epoch(self.epoch)
                 if row:
                     self.log(f"{row['epoch']:>3}/{r.epochs:<3}{row['gpu_mem_gb']:>8.2f}G{row['steps']:>9}"
-                             f"{row['tokens_per_s']:>10.0f}{row['train_loss']:>12.4f}{row['val_loss']:>10.4f}"
+                             f"{row['tokens_per_s']:>10.0f}{row['train_loss']:>12.4f}{row['train_nll']:>11.4f}"
+                             f"{row['train_ppl']:>9.2f}{row['val_loss']:>10.4f}"
                              f"{row['bleu'] if row['bleu'] != '' else '-':>7}{row['epoch_s']:>7.1f}s")
                     if r.verbose:
                         self.log(self.sync_table)
@@ -384,8 +388,11 @@ class Trainer:
         # 5. validation loss and BLEU (timed separately from training); best.pt as of the epoch's end
         self.epoch, self.epoch_pos = epoch + 1, 0
         val_loss, bleu, bleu_s = self._evaluate(epoch)
-        finite = [v for v in losses if math.isfinite(v)]
-        row = {"epoch": epoch + 1, "train_loss": sum(finite) / max(len(finite), 1), "val_loss": val_loss,
+        finite = [v for v in losses if math.isfinite(v[1])]  # a skipped step's loss is left out
+        train_loss = sum(v[1] for v in finite) / max(len(finite), 1)
+        train_nll = sum(v.values["nll"] for v in finite) / max(len(finite), 1)
+        row = {"epoch": epoch + 1, "train_loss": train_loss, "train_nll": train_nll,
+               "train_ppl": math.exp(min(train_nll, 700.0)), "val_loss": val_loss,
                "bleu": "" if bleu is None else round(bleu, 2), "tokens_per_s": tokens / epoch_s,
                "padded_tokens_per_s": padded / epoch_s,
                "epoch_s": round(epoch_s, 3), "bleu_s": round(bleu_s, 3),
@@ -400,7 +407,7 @@ class Trainer:
         if self.dist.main:
             write_json(self.save_dir / "sync_stats.json", self.sync_stats)
         self.sync_table = format_table(train_stats)
-        self.scalars.add(self.global_step, {"epoch/train_loss": row["train_loss"],
+        self.scalars.add(self.global_step, {"epoch/train_loss": row["train_loss"], "epoch/train_nll": train_nll,
                                             "epoch/tokens_per_s": row["tokens_per_s"],
                                             "sync/count": row["sync_count"], "sync/ms": row["sync_ms"]})
         # 6. checkpoint: the next epoch starts from its first batch
@@ -434,12 +441,14 @@ class Trainer:
     def _request_stop(self, reason: str) -> None:
         self.stop_requested, self.stop_reason = True, reason  # said once, when the run ends
 
-    def _write_steps(self, pairs: list[tuple[int, float]]) -> list[float]:
-        for step, loss in pairs:
+    def _write_steps(self, pairs: list[StepLoss]) -> list[StepLoss]:
+        """Log the extracted steps; returns them (their losses and named values) for the epoch's means."""
+        for rec in pairs:
+            step, loss = rec
             row = self.pending_rows.pop(step)
-            row["loss"] = loss
+            row["loss"], row["nll"] = loss, rec.values["nll"]
             self.steps_log.write(row)
-            self.scalars.add(step, {"train/loss": loss, "train/lr": row["lr"]})
+            self.scalars.add(step, {"train/loss": loss, "train/nll": row["nll"], "train/lr": row["lr"]})
             self.last_loss = loss
             if not math.isfinite(loss):
                 self.nonfinite_steps.append(step)
@@ -447,14 +456,14 @@ class Trainer:
                     raise NonFiniteLoss(f"non-finite loss ({loss}) at step {step} (--on-nan stop); the last good "
                                         f"checkpoint is {self.save_dir / 'weights' / 'last.pt'}")
                 self.log(f"warning: non-finite loss at step {step}; the update was skipped (--on-nan skip)")
-        return [loss for _, loss in pairs]
+        return list(pairs)
 
-    def _drain(self, why: str) -> list[float]:
+    def _drain(self, why: str) -> list[StepLoss]:
         # Needed: a checkpoint or an evaluation sees finished work only, and every loss up to it is logged first.
         self.strategy.drain(f"{why}.drain")
         return self._write_steps(self.losses.flush(f"{why}.losses"))
 
-    def _save_mid_epoch(self, why: str, keep: int = 0) -> list[float]:
+    def _save_mid_epoch(self, why: str, keep: int = 0) -> list[StepLoss]:
         losses = self._drain(why)
         last = self.save_dir / "weights" / "last.pt"
         self.save(last)

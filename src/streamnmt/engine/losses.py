@@ -11,6 +11,10 @@ Every pushed step comes out exactly once, in push order. Consecutive pushes for 
 (the micro-batches of one optimizer step under gradient accumulation) are added into its slot.
 With several ranks, ``reduce`` (an in-place all-reduce sum across ranks) runs on the filled slots
 once per extraction, on the device, just before the copy: never once per step.
+
+Besides the loss, a step may push further named device scalars (``values``: e.g. the plain NLL
+beside a smoothed loss); they travel in the same buffer (one column each), the same copy and the
+same event, and come out as ``.values`` of the step's (step, loss) pair.
 """
 
 from __future__ import annotations
@@ -27,39 +31,62 @@ from streamnmt.engine.syncstats import host_sync
 @dataclass
 class _Pending:
     steps: list[int]
-    host: torch.Tensor  # pinned (n,) float32, filled by a non_blocking copy
+    host: torch.Tensor  # pinned (n, 1 + named values) float32, filled by a non_blocking copy
     event: object       # completes when the copy into ``host`` has
+
+
+class StepLoss(tuple):
+    """A (step, loss) pair -- it unpacks and compares as one -- that also carries every named value
+    of its step in ``values`` ({name: float}, the loss included)."""
+
+    values: dict[str, float]
+
+    def __new__(cls, step: int, values: dict[str, float]) -> StepLoss:
+        self = super().__new__(cls, (step, values["loss"]))
+        self.values = values
+        return self
 
 
 class DeferredLosses:
     def __init__(self, device: torch.device | str, interval: int = 10, *, group: int = 1,
-                 reduce: Callable[[torch.Tensor], None] | None = None):
+                 reduce: Callable[[torch.Tensor], None] | None = None, values: tuple[str, ...] = ()):
         """``group``: pushes per step (accumulation micro-batches); a full buffer is extracted
-        after the last push of its last step. ``reduce``: in-place cross-rank sum of a slice."""
+        after the last push of its last step. ``reduce``: in-place cross-rank sum of a slice.
+        ``values``: names of the further device scalars a push may carry (summed like the loss)."""
         if interval < 1:
             raise ValueError(f"loss interval must be at least 1; got {interval}")
+        if "loss" in values or len(set(values)) != len(values):
+            raise ValueError(f"named values must be distinct and not 'loss'; got {values}")
+        self.names = ("loss", *values)
         self.group, self.reduce = group, reduce
         self._pushes = 0  # pushes into the newest slot
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.interval = interval
-        self.buf = torch.zeros(interval, dtype=torch.float32, device=self.device)
+        self.buf = torch.zeros(interval, len(self.names), dtype=torch.float32, device=self.device)
         self.steps: list[int] = []              # steps whose losses sit in ``buf``
         self.pending: deque[_Pending] = deque()  # copies in flight, oldest first
         self.free_host: list[torch.Tensor] = []  # pinned buffers whose copy has been read
 
-    def push(self, step: int, loss: torch.Tensor) -> None:
-        """Queue ``loss`` (a device scalar) of ``step``; a repeated ``step`` adds to its slot.
-        Call on the stream that produced it."""
+    def push(self, step: int, loss: torch.Tensor, **values: torch.Tensor) -> None:
+        """Queue ``loss`` (a device scalar) of ``step`` and its named ``values`` (device scalars); a
+        repeated ``step`` adds to its slot. The buffer keeps the names given to its constructor (one
+        left out counts 0) and no others: a step may offer more than its caller reads. Call on the
+        stream that produced them."""
         if self.steps and self.steps[-1] == step:
-            self.buf[len(self.steps) - 1].add_(loss.detach())
+            row = self.buf[len(self.steps) - 1]
             self._pushes += 1
         else:
             if len(self.steps) == self.interval:  # a step of fewer than ``group`` pushes came before
                 self._extract()
-            self.buf[len(self.steps)].copy_(loss.detach())
+            row = self.buf[len(self.steps)]
+            row.zero_()
             self.steps.append(step)
             self._pushes = 1
+        row[0].add_(loss.detach())
+        for j, name in enumerate(self.names[1:], 1):
+            if name in values:
+                row[j].add_(values[name].detach())
         if len(self.steps) == self.interval and self._pushes >= self.group:
             self._extract()
 
@@ -75,7 +102,7 @@ class DeferredLosses:
             # A pinned buffer is reused only after the copy into it completed and was read
             # (it returns to ``free_host`` in ``_take``), so no copy ever overwrites unread values.
             host = self.free_host.pop() if self.free_host else torch.empty(
-                self.interval, dtype=torch.float32, pin_memory=True)
+                self.interval, len(self.names), dtype=torch.float32, pin_memory=True)
             host[:n].copy_(self.buf[:n], non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))  # right after the copy
@@ -83,23 +110,23 @@ class DeferredLosses:
             # ``buf`` is overwritten by later pushes on the same stream, i.e. after this copy.
         self.steps = []
 
-    def _take(self, p: _Pending) -> list[tuple[int, float]]:
-        values = p.host[:len(p.steps)].tolist()  # host memory: no device sync
+    def _take(self, p: _Pending) -> list[StepLoss]:
+        rows = p.host[:len(p.steps)].tolist()  # host memory: no device sync
         if self.cuda:
             self.free_host.append(p.host)
-        return list(zip(p.steps, values))
+        return [StepLoss(step, dict(zip(self.names, row))) for step, row in zip(p.steps, rows)]
 
-    def poll(self) -> list[tuple[int, float]]:
+    def poll(self) -> list[StepLoss]:
         """(step, loss) pairs whose copies have completed; never blocks."""
-        out: list[tuple[int, float]] = []
+        out: list[StepLoss] = []
         while self.pending and (self.pending[0].event is None or self.pending[0].event.query()):
             out += self._take(self.pending.popleft())
         return out
 
-    def flush(self, site: str = "losses.flush") -> list[tuple[int, float]]:
+    def flush(self, site: str = "losses.flush") -> list[StepLoss]:
         """Extract what is left and wait for every copy in flight; returns all remaining pairs."""
         self._extract()
-        out: list[tuple[int, float]] = []
+        out: list[StepLoss] = []
         while self.pending:
             p = self.pending.popleft()
             if p.event is not None:

@@ -28,7 +28,7 @@ from collections import deque
 from typing import ClassVar
 
 from streamnmt.engine.base import (STRATEGIES, StepFunction, StepInfo, Strategy, begin_micro, lookahead,  # noqa: F401
-                                   make_strategy, move, register, tensors)
+                                   make_strategy, move, register, step_values, tensors)
 
 
 class Baseline(Strategy):
@@ -145,7 +145,7 @@ class DeepPipeline(Strategy):
                 step.backward(loss)  # kernels run on F (autograd keeps the forward stream)
                 if ends:
                     step.optimizer_step()
-                losses.push(gstep, loss)
+                losses.push(gstep, loss, **step_values(step))
                 sm.record(ev_b, self.B)
             sm.wait(ev_b, self.F)  # forward N+1 must see the updated weights
             if not self.prefetch_early and nxt is not None:

@@ -43,6 +43,7 @@ def test_train_writes_the_run_dir(tmp_path, capsys):
     assert float(res["train_ppl"]) == pytest.approx(math.exp(float(res["train_nll"])))
     out = capsys.readouterr().out
     assert "train_nll" in out and f"{float(res['train_nll']):.4f}" in out
+    assert "training pairs over --max-len 32 dropped (--overlong drop)" in out  # the default, counted
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert cfg["model"]["d_model"] == 64 and cfg["run"]["device"] == "cpu" and cfg["optim"]["amp"] == "off"
     # a second run takes the next free name

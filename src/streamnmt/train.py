@@ -30,7 +30,9 @@ import torch
 
 from streamnmt.checkpoint import (keep_step_copy, load_checkpoint, load_model_weights, rng_state, save_checkpoint,
                                   save_safetensors, set_rng_state)
-from streamnmt.config import TrainJob, job_from_dict
+from streamnmt.config import (TOKENS_PER_GIB, WARMUP_TOKENS, ModelConfig, OptimConfig, TrainJob, job_from_dict,
+                              recipe_max_tokens, recipe_warmup)
+from streamnmt.data.config import DataConfig
 from streamnmt import dist as distributed
 from streamnmt.errors import ConfigError, InputError, NonFiniteLoss
 from streamnmt.fsutil import atomic_write
@@ -177,7 +179,8 @@ class Trainer:
             + (f"; {d.world} processes ({d.backend}) x --accum-steps {k}" if d.active else
                f"; --accum-steps {k}" if k > 1 else ""))
         log(f"data: {len(self.train_loader)} batches per epoch in {len(self.train_loader.shapes())} shape(s); "
-            f"padding {100 * (1 - self.train_loader.num_tokens()['tgt_fill']):.1f} % of the target positions")
+            f"padding {100 * (1 - self.train_loader.num_tokens()['tgt_fill']):.1f} % of the target positions; "
+            + _overlong_note(self.data.stats.get("train", {}), job.data))
 
     @classmethod
     def from_checkpoint(cls, path: str, log: Callable[[str], None] = print,
@@ -208,8 +211,7 @@ class Trainer:
                          "(--model base for the original size)")
         model = job.model.resolve(preset)
         optim, run, data = job.optim, job.run, job.data
-        if optim.warmup is None:
-            optim = dataclasses.replace(optim, warmup=4000 if preset == "base" else 400)
+        data, optim = self._resolve_recipe(data, optim, model, job.engine.accum_steps)
         if optim.amp == "auto":
             amp = "bf16" if cuda and torch.cuda.is_bf16_supported() else "off"
             optim = dataclasses.replace(optim, amp=amp)
@@ -223,6 +225,33 @@ class Trainer:
             self.log(f"engine: strategy {strategy.value} ({strategy.why})")
         engine = dataclasses.replace(job.engine, sync_strategy=strategy.value)
         return dataclasses.replace(job, model=model, optim=optim, run=run, data=data, engine=engine)
+
+    def _resolve_recipe(self, data: DataConfig, optim: OptimConfig, model: ModelConfig,
+                        accum: int) -> tuple[DataConfig, OptimConfig]:
+        """The default token budget (on a GPU) and the warm-up that follows the tokens per update
+        (rules and reference in streamnmt.config); one start line says what was chosen and why."""
+        notes, d_model = [], model.d_model
+        if data.max_tokens is None:
+            if self.device.type == "cuda":
+                gib = torch.cuda.get_device_properties(self.device).total_memory / 2 ** 30
+                tokens = max(recipe_max_tokens(gib, d_model), data.max_len)
+                notes.append(f"--max-tokens {tokens} (auto: {TOKENS_PER_GIB} per GiB of the GPU's {gib:.0f} GiB at "
+                             f"d_model 512, x 512/{d_model}, a power of two)")
+            else:
+                tokens = 0  # CPU: small batches of --batch-size sentences keep a CPU run short
+            data = dataclasses.replace(data, max_tokens=tokens)
+        if optim.warmup is None:
+            if data.max_tokens:
+                per_update = data.max_tokens * accum * self.dist.world
+                warmup = recipe_warmup(per_update)
+                notes.append(f"--warmup {warmup} (auto: {WARMUP_TOKENS / 1e6:.1f}M tokens over {per_update} "
+                             f"per update; peak lr {noam_lr(warmup, d_model, warmup, optim.lr):.2e})")
+            else:
+                warmup = 4000 if model.model == "base" else 400  # sentence batches: per preset
+            optim = dataclasses.replace(optim, warmup=warmup)
+        if notes:
+            self.log("recipe: " + "; ".join(notes))
+        return data, optim
 
     def _resolve_compile(self, job: TrainJob) -> TrainJob:
         """``--compile auto``: decided from the run's planned steps and batch shapes (see engine.auto)."""
@@ -565,6 +594,13 @@ def _signals(trainer: Trainer):
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _overlong_note(stats: dict[str, int], data) -> str:
+    """What --overlong did to the training pairs over --max-len, for the data start line."""
+    if data.overlong == "drop":
+        return f"{stats.get('dropped', 0)} training pairs over --max-len {data.max_len} dropped (--overlong drop)"
+    return f"{stats.get('truncated', 0)} training pairs over --max-len {data.max_len} truncated (--overlong truncate)"
 
 
 def _progress(total: int, desc: str, quiet: bool = False):

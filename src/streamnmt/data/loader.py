@@ -72,7 +72,7 @@ class BatchLoader:
         self.corpus = corpus
         self.train = train
         buckets = bucket_lengths(corpus.src_lengths, corpus.tgt_lengths, cfg.pad_multiple)
-        self.sampler = BucketSampler(buckets, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens,
+        self.sampler = BucketSampler(buckets, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens or 0,
                                      shuffle=train, seed=seed, accum=accum, world=world, rank=rank)
         # Pinning needs a CUDA driver; on a machine without one it is not attempted.
         self.pin_memory = bool(pin_memory and torch.cuda.is_available())

@@ -14,5 +14,5 @@ from streamnmt.data.sampler import BucketSampler, bucket_lengths
 def batch_plan(corpus: TokenizedCorpus, cfg: DataConfig) -> tuple[int, list[tuple[int, int, int]]]:
     """(batches per epoch, the batch shapes (B, src length, tgt length)) of ``corpus`` under ``cfg``."""
     sampler = BucketSampler(bucket_lengths(corpus.src_lengths, corpus.tgt_lengths, cfg.pad_multiple),
-                            batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, shuffle=False)
+                            batch_size=cfg.batch_size, max_tokens=cfg.max_tokens or 0, shuffle=False)
     return len(sampler), sampler.shapes()

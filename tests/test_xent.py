@@ -165,3 +165,20 @@ def test_graph_captured_loss_equals_eager_at_a_32k_vocabulary():
                                 ignore_index=masks.PAD, reduction="sum", label_smoothing=0.1)
     torch.testing.assert_close(eager[0], want_loss, rtol=1e-4, atol=1e-2)
     assert torch.cuda.max_memory_allocated() - base < n * v * 4 / 2  # under half the fp32 logits alone
+
+
+def test_traces_into_one_graph_for_torch_compile():
+    """torch.compile (the trainer's --compile) traces the chunked loss and its backward whole."""
+    torch.manual_seed(3)
+    h, w, b = (torch.randn(20, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True),
+               torch.randn(30, requires_grad=True))
+    y = torch.randint(0, 30, (20,))
+
+    def f(h, w, b, y):
+        return linear_cross_entropy(h, w, b, y, label_smoothing=0.1, ignore_index=masks.PAD, chunk_rows=7)
+
+    want = f(h, w, b, y)
+    got = torch.compile(f, backend="aot_eager", fullgraph=True)(h, w, b, y)
+    for a, c in zip(torch.autograd.grad(got[0], [h, w, b]), torch.autograd.grad(want[0], [h, w, b])):
+        _close(a, c)
+    _close(got[1], want[1])

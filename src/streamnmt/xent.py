@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-CHUNK_ELEMENTS = 2 ** 26  # logits per chunk (rows x vocabulary): 256 MB in fp32
+CHUNK_ELEMENTS = 2 ** 25  # logits per chunk (rows x vocabulary): 128 MB in fp32, ~1k rows at 32k
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -49,6 +49,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 loss += (row_loss * valid).sum()
                 nll += (row_nll * valid).sum()
                 if not want_grad:
+                    del z
                     continue
                 g = z.sub_(lse[:, None]).exp_()                            # softmax, in place of z
                 if smoothing:
@@ -63,6 +64,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     dw.addmm_(gc.t(), x)
                 else:
                     dw += gc.t() @ x
+                del z, g, gc  # before the next chunk's logits are made
         ctx.mark_non_differentiable(nll)
         ctx.h_dtype, ctx.has_bias = h.dtype, bias is not None
         if want_grad:

@@ -58,3 +58,14 @@ def test_cpu_defaults_stay_small():
     resolve, lines = _resolver("cpu")
     data, optim = resolve(DataConfig(), OptimConfig(), ModelConfig().resolve("small"))
     assert data.max_tokens == 0 and data.batch_size == 32 and optim.warmup == 400 and lines == []
+
+
+@pytest.mark.gpu
+def test_the_real_gpu_gets_its_budget_in_one_start_line():
+    resolve, lines = _resolver("cuda:0")
+    data, optim = resolve(DataConfig(), OptimConfig(), ModelConfig().resolve("base"))
+    gib = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+    assert data.max_tokens == recipe_max_tokens(gib, 512) and optim.warmup == recipe_warmup(data.max_tokens)
+    if "H200" in torch.cuda.get_device_name(0):
+        assert (data.max_tokens, optim.warmup) == (8192, 600)
+    assert len(lines) == 1 and f"--max-tokens {data.max_tokens}" in lines[0] and f"--warmup {optim.warmup}" in lines[0]

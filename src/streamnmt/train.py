@@ -54,7 +54,8 @@ from streamnmt.stopping import EarlyStopping, TimeBudget, best_metric, parse_dur
 STEP_COLUMNS = ["step", "epoch", "loss", "nll", "lr", "tokens"]
 # train_loss: with the training's label smoothing; train_nll (and train_ppl = exp of it): the plain
 # NLL of the same steps, which compares with val_loss.
-RESULT_COLUMNS = ["epoch", "train_loss", "train_nll", "train_ppl", "val_loss", "bleu", "tokens_per_s", "padded_tokens_per_s", "epoch_s", "bleu_s",
+RESULT_COLUMNS = ["epoch", "train_loss", "train_nll", "train_ppl", "val_loss", "bleu", "tokens_per_s",
+                  "padded_tokens_per_s", "epoch_s", "bleu_s",
                   "gpu_mem_gb", "gpu_busy", "sync_count", "sync_ms", "steps"]
 EVAL_COLUMNS = ["step", "epoch", "val_loss", "bleu", "bleu_s", "best"]
 

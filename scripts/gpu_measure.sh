@@ -159,4 +159,45 @@ PY
       grep -E "ready in" "$f"
       grep -E "^(graph|compile-ro) " "$f" | cut -c1-120
     done ;;
+  recipe-defaults)  # time-to-BLEU: the defaults vs --max-tokens 6144 --warmup 800, the same --time-limit each
+    # (the two runs of a corpus share the GPU concurrently: the same share each), built-in then long-tail
+    # corpus; then dev BLEU of last.pt with streamnmt eval. TIME=100s each; the whole part ~7-8 min.
+    T=${TIME:-100s}
+    python3 scripts/make_longtail.py --out /tmp/ltlex --pairs ${LT_PAIRS:-100000} > "$OUT/rd_longtail.txt"
+    for corpus in builtin longtail; do
+      data=(); [ $corpus = longtail ] && data=(--data /tmp/ltlex)
+      # prepare the corpus and tokenizers once, so that the two concurrent runs only read the cache
+      python3 -c "import sys; from streamnmt.data import DataConfig, prepare_data
+prepare_data(DataConfig(data=sys.argv[1] or None, builtin_size=40000), log=print)" "${data[1]:-}" \
+        > "$OUT/rd_${corpus}_prepare.log" 2>&1
+      common=(--model base --epochs 1000 --time-limit "$T" --bleu-samples 0 --project /tmp/rd --exist-ok "${data[@]}")
+      (timeout 330 python3 -m streamnmt train "${common[@]}" --name ${corpus}_handset --max-tokens 6144 --warmup 800 \
+        > "$OUT/rd_${corpus}_handset.log" 2>&1 &)
+      sleep 1
+      timeout 330 python3 -m streamnmt train "${common[@]}" --name ${corpus}_defaults > "$OUT/rd_${corpus}_defaults.log" 2>&1
+      while pgrep -f "name ${corpus}_handset" > /dev/null; do sleep 2; done
+      (timeout 120 python3 -m streamnmt eval --weights /tmp/rd/${corpus}_handset/weights/last.pt --split dev \
+        > "$OUT/rd_${corpus}_handset_eval.log" 2>&1 &)
+      timeout 120 python3 -m streamnmt eval --weights /tmp/rd/${corpus}_defaults/weights/last.pt --split dev \
+        > "$OUT/rd_${corpus}_defaults_eval.log" 2>&1
+      while pgrep -f "rd/${corpus}_handset/weights" > /dev/null; do sleep 1; done
+    done
+    grep -h "^recipe:" "$OUT"/rd_*_defaults.log
+    # tokens: real target tokens trained within the budget; train_nll: mean over the second half of the steps
+    printf "%-9s %-9s %10s %7s %7s %12s %9s %7s\n" corpus run max_tokens warmup steps tokens train_nll "dev BLEU"
+    for corpus in builtin longtail; do for run in defaults handset; do
+      d=/tmp/rd/${corpus}_$run
+      python3 - "$d" "$corpus" "$run" "$OUT/rd_${corpus}_${run}_eval.log" <<'PY'
+import csv, re, sys, yaml
+d, corpus, run, ev = sys.argv[1:]
+cfg = yaml.safe_load(open(f"{d}/config.yaml"))
+steps = list(csv.DictReader(open(f"{d}/steps.csv")))
+tail = steps[len(steps) // 2:]  # the second half: past warm-up
+tok = sum(int(r["tokens"]) for r in steps)
+m = re.search(r"BLEU = ([0-9.]+)", open(ev).read())
+nll = sum(float(r["nll"]) for r in tail) / max(len(tail), 1)
+print(f"{corpus:<9} {run:<9} {cfg['data']['max_tokens']:>10} {cfg['optim']['warmup']:>7} {len(steps):>7} "
+      f"{tok:>12} {nll:>9.3f} {m.group(1) if m else 'n/a':>7}")
+PY
+    done; done ;;
 esac

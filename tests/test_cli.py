@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import yaml
@@ -23,7 +25,7 @@ def train(tmp_path, *extra: str, name: str = "exp") -> int:
     return main(["train", *TINY, "--project", str(tmp_path / "runs"), "--name", name, *extra])
 
 
-def test_train_writes_the_run_dir(tmp_path):
+def test_train_writes_the_run_dir(tmp_path, capsys):
     assert train(tmp_path, "--max-steps", "20") == 0
     run = tmp_path / "runs" / "exp"
     for f in ("config.yaml", "weights/best.pt", "weights/last.pt", "weights/best.safetensors", "results.csv",
@@ -34,6 +36,14 @@ def test_train_writes_the_run_dir(tmp_path):
     assert all(float(r["loss"]) > 0 and float(r["lr"]) > 0 and int(r["tokens"]) > 0 for r in steps)
     results = read_csv(run / "results.csv")
     assert len(results) == 1 and float(results[0]["val_loss"]) > 0
+    # the plain NLL beside the smoothed loss (label smoothing 0.1 by default): per step and per epoch
+    assert all(float(r["nll"]) > 0 and float(r["nll"]) != float(r["loss"]) for r in steps)
+    res = results[0]
+    assert float(res["train_nll"]) == pytest.approx(sum(float(r["nll"]) for r in steps) / len(steps))
+    assert float(res["train_ppl"]) == pytest.approx(math.exp(float(res["train_nll"])))
+    out = capsys.readouterr().out
+    assert "train_nll" in out and f"{float(res['train_nll']):.4f}" in out
+    assert "training pairs over --max-len 32 dropped (--overlong drop)" in out  # the default, counted
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert cfg["model"]["d_model"] == 64 and cfg["run"]["device"] == "cpu" and cfg["optim"]["amp"] == "off"
     # a second run takes the next free name

@@ -8,6 +8,7 @@ declares the field; ``--config FILE.yaml`` is read first and flags override it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,9 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class OptimConfig:
     lr: float = opt(1.0, "Noam factor: lr = lr * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)")
-    warmup: int | None = opt(None, "Noam warm-up steps (default: 4000 for base, 400 for smaller presets)")
+    warmup: int | None = opt(None, "Noam warm-up steps (default: from the tokens per update with a token "
+                                   "budget, see streamnmt.config.recipe_warmup; else 4000 for base, 400 for "
+                                   "smaller presets)")
     clip_grad: float = opt(1.0, "clip the gradient norm to this (0 = off)")
     amp: str = opt("auto", "mixed precision: bf16, fp16 (with a grad scaler) or off; auto = bf16 on a "
                            "GPU that has it natively, fp16 on other GPUs, off on the CPU",
@@ -81,6 +84,33 @@ class OptimConfig:
         check(self.warmup is None or self.warmup >= 1, "warmup", f"must be at least 1; got {self.warmup}")
         check(self.clip_grad >= 0, "clip_grad", f"must be 0 (off) or positive; got {self.clip_grad}")
         check_choice(self.amp, "amp", ("auto", "bf16", "fp16", "off"))
+
+
+# -- the default batch and warm-up (the "recipe"): needs no fairseq knowledge --------------------
+# Measured reference: the base model on the built-in corpus trains best (one H200, time budget) with
+# batches of 6144 tokens and 800 warm-up steps, i.e. a warm-up over about 4.9M (padded) tokens.
+TOKENS_PER_GIB = 64            # default token budget per GiB of GPU memory, at d_model 512
+MAX_TOKENS_RANGE = (1024, 16384)
+WARMUP_TOKENS = 6144 * 800     # tokens the warm-up spans, whatever the batch
+WARMUP_RANGE = (100, 4000)
+
+
+def recipe_max_tokens(gpu_mem_gib: float, d_model: int) -> int:
+    """Default token budget per batch on a GPU: ``TOKENS_PER_GIB`` per GiB of its memory, scaled by
+    512 / d_model, rounded down to a power of two within ``MAX_TOKENS_RANGE`` (one H200, base: 8192).
+    Wider models need more memory per token; a power of two keeps batch shapes few and aligned."""
+    raw = TOKENS_PER_GIB * gpu_mem_gib * 512 / d_model
+    lo, hi = MAX_TOKENS_RANGE
+    return int(min(max(2 ** int(math.log2(max(raw, 1))), lo), hi))
+
+
+def recipe_warmup(tokens_per_update: int) -> int:
+    """Default Noam warm-up for ``tokens_per_update`` (the token budget x --accum-steps x processes):
+    the warm-up spans ``WARMUP_TOKENS`` tokens, within ``WARMUP_RANGE`` steps. The Noam peak,
+    lr * d_model^-0.5 * warmup^-0.5, then grows with the square root of the batch (Adam's
+    square-root scaling rule): 6144 tokens -> 800 steps, 8192 -> 600, 16384 -> 300."""
+    lo, hi = WARMUP_RANGE
+    return int(min(max(round(WARMUP_TOKENS / tokens_per_update), lo), hi))
 
 
 @dataclass(kw_only=True)

@@ -17,20 +17,26 @@ to the stream it is built under.
 
 Each optimizer step leaves its gradient norm and whether its update was skipped in ``stats`` (a
 device tensor written in place), which the trainer reads with the deferred losses: no extra sync.
+
+The model runs inside :class:`LossModel` (what DDP wraps and torch.compile compiles), whose output
+layer never holds the logits of a whole batch; it returns the plain NLL beside the smoothed loss,
+which the step hands to the engine as a named value (``values``), read with the deferred losses.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from streamnmt import masks
 from streamnmt.data import Batch
 from streamnmt.ema import EMA
 from streamnmt.model import ModelShape
+from streamnmt.xent import linear_cross_entropy
 
 
 def noam_lr(step: int, d_model: int, warmup: int, factor: float) -> float:
@@ -60,6 +66,31 @@ class NoamSchedule:
         """Continue after ``step`` optimizer steps (resume)."""
         self.step_t.fill_(step)
         self._update_lr()
+
+
+class LossSums(NamedTuple):
+    loss: torch.Tensor     # summed cross-entropy with the training's label smoothing
+    nll: torch.Tensor      # summed plain NLL (no smoothing, no gradient)
+    ntokens: torch.Tensor  # target tokens (not PAD)
+
+
+class LossModel(nn.Module):
+    """The model and its output loss as one module, which DDP wraps and torch.compile compiles: the
+    generator runs inside the chunked loss (:func:`streamnmt.xent.linear_cross_entropy`), so the
+    logits of a whole batch never exist."""
+
+    def __init__(self, model: nn.Module, label_smoothing: float):
+        super().__init__()
+        self.model, self.label_smoothing = model, label_smoothing
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor,
+                segments: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``segments``: those of a packed batch (``Batch.segments()``), else None."""
+        m = self.model
+        h = m.features(src, tgt_in, masks.src_mask(src), None, segments)  # (B, T, D)
+        gen = m.generator
+        return linear_cross_entropy(h.flatten(0, 1), gen.weight, gen.bias, tgt_out.flatten(),
+                                    label_smoothing=self.label_smoothing, ignore_index=masks.PAD)
 
 
 class NMTStep:
@@ -95,6 +126,9 @@ class NMTStep:
         self.inject_inf_grad_from = int(os.environ.get("STREAMNMT_INJECT_INF_GRAD_FROM", "0"))
         self.calls = 0
         self.ema: EMA | None = None  # set by make_step(ema=...): averaged weights, updated in the step
+        # Named device scalars the engine pushes beside each loss (``StepFunction.values``): the
+        # plain NLL share of the last forward, beside its smoothed loss.
+        self.values = {"nll": torch.zeros((), dtype=torch.float32, device=self.params[0].device)}
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor a step mutates (graph mode saves and restores them around its warm-up)."""
@@ -107,17 +141,15 @@ class NMTStep:
             out += self.ema.shadow
         return out
 
-    def loss_sum(self, batch, label_smoothing: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed token cross-entropy, target token count), both device scalars; ``label_smoothing``
-        None = the training's (validation passes 0: its loss is the plain NLL whatever the smoothing)."""
-        ls = self.ls if label_smoothing is None else label_smoothing
+    def loss_sum(self, batch) -> LossSums:
+        """The batch's summed smoothed cross-entropy (with the training's label smoothing), summed plain
+        NLL (what validation reports) and target token count: device scalars, from one pass over the
+        logits (:mod:`streamnmt.xent`)."""
         dev_type = batch.src.device.type
         with torch.autocast(dev_type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
-            segments = batch.segments() if hasattr(batch, "segments") else None  # packed rows
-            logits = self.model(batch.src, batch.tgt_in, masks.src_mask(batch.src), segments=segments)  # (B, T, V)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.tgt_out.flatten(),
-                                   ignore_index=masks.PAD, reduction="sum", label_smoothing=ls)
-        return loss, (batch.tgt_out != masks.PAD).sum()
+            loss, nll = self.model(batch.src, batch.tgt_in, batch.tgt_out,
+                                   segments=batch.segments() if hasattr(batch, "segments") else None)
+        return LossSums(loss, nll, (batch.tgt_out != masks.PAD).sum())
 
     @property
     def data_parallel(self) -> bool:
@@ -142,11 +174,13 @@ class NMTStep:
     def forward(self, batch) -> torch.Tensor:
         self.parallel()
         self.calls += 1
-        loss, ntok = self.loss_sum(batch)
+        loss, nll, ntok = self.loss_sum(batch)
         if getattr(batch, "norm", None) is not None:
-            loss = loss * batch.norm  # this micro-batch's share of the global step's token mean
+            scale = batch.norm  # this micro-batch's share of the global step's token mean
         else:
-            loss = loss / ntok.clamp(min=1)  # token-level mean; the count stays on the device
+            scale = 1 / ntok.clamp(min=1)  # token-level mean; the count stays on the device
+        loss = loss * scale
+        self.values["nll"].copy_(nll * scale)  # in place: graph replays update the tensor pushed
         if self.calls == self.inject_inf_at:
             loss = loss * float("inf")
         self.loss = loss.detach()  # keeps no autograd graph alive
@@ -213,6 +247,7 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
                                  fused=True, capturable=device.type == "cuda")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
+    loss_model = LossModel(model, label_smoothing)
     if compile:
         _fit_compile_cache(shapes)
 
@@ -221,7 +256,7 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
         wrapped = wrap(m, device)
         return (torch.compile(wrapped, dynamic=False) if compile else wrapped), wrapped
 
-    step_model = torch.compile(model, dynamic=False) if compile and not ddp else model
+    step_model = torch.compile(loss_model, dynamic=False) if compile and not ddp else loss_model
     step = NMTStep(step_model, optimizer, schedule, amp_dtype=amp_dtype, scaler=scaler, clip=clip,
                    label_smoothing=label_smoothing, parallelize=parallelize if ddp else None)
     if ema > 0:

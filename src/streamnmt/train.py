@@ -30,7 +30,9 @@ import torch
 
 from streamnmt.checkpoint import (keep_step_copy, load_checkpoint, load_model_weights, rng_state, save_checkpoint,
                                   embedded_tokenizer, save_safetensors, set_rng_state, tokenizer_entry)
-from streamnmt.config import RESUME_SETTINGS, TrainJob, job_from_dict
+from streamnmt.config import (RESUME_SETTINGS, TOKENS_PER_GIB, WARMUP_TOKENS, ModelConfig, OptimConfig, TrainJob,
+                              job_from_dict, recipe_max_tokens, recipe_warmup)
+from streamnmt.data.config import DataConfig
 from streamnmt import dist as distributed
 from streamnmt.errors import ConfigError, InputError, NonFiniteLoss
 from streamnmt.fsutil import atomic_write
@@ -40,6 +42,7 @@ from streamnmt.data import batch_plan, make_loader, prepare_data, read_pairs
 from streamnmt.devices import resolve_device
 from streamnmt.engine import STATS, DeferredLosses, host_sync, make_strategy
 from streamnmt.engine.auto import choose_compile, choose_strategy
+from streamnmt.engine.losses import StepLoss
 from streamnmt.engine.syncstats import format_table
 from streamnmt.decode import decode_dtype, decoding_copy
 from streamnmt.evaluation import bleu_on_pairs
@@ -51,8 +54,11 @@ from streamnmt.reporting import Scalars, merge_sync_stats
 from streamnmt.runs import CsvLog, increment_path, write_json
 from streamnmt.stopping import EarlyStopping, TimeBudget, best_metric, parse_duration
 
-STEP_COLUMNS = ["step", "epoch", "loss", "lr", "tokens", "grad_norm", "skipped"]
-RESULT_COLUMNS = ["epoch", "train_loss", "val_loss", "bleu", "tokens_per_s", "padded_tokens_per_s", "epoch_s", "bleu_s",
+STEP_COLUMNS = ["step", "epoch", "loss", "nll", "lr", "tokens", "grad_norm", "skipped"]
+# train_loss: with the training's label smoothing; train_nll (and train_ppl = exp of it): the plain
+# NLL of the same steps, which compares with val_loss.
+RESULT_COLUMNS = ["epoch", "train_loss", "train_nll", "train_ppl", "val_loss", "bleu", "tokens_per_s",
+                  "padded_tokens_per_s", "epoch_s", "bleu_s",
                   "gpu_mem_gb", "gpu_busy", "sync_count", "sync_ms", "steps", "cpu_util"]
 EVAL_COLUMNS = ["step", "epoch", "val_loss", "bleu", "bleu_s", "best"]
 
@@ -156,11 +162,13 @@ class Trainer:
     def _build_state(self, resume: dict[str, Any] | None) -> None:
         """Deferred losses, step counters, early stopping, the time budget; a checkpoint's state on resume."""
         job, d = self.job, self.dist
-        # Each step's gradient norm and skipped flag travel with its loss (no extra sync); with DDP
-        # on a GPU, waits on replayed collectives poll with a deadline.
+        # Each step's plain NLL (summed like the loss), gradient norm and skipped flag travel with its
+        # loss (no extra sync); with DDP on a GPU, waits on replayed collectives poll with a deadline.
         wait = (lambda ev: distributed.wait_event(ev, d.timeout_s)) if d.active and self.device.type == "cuda" else None
+        stats = self.step_fn.stats
         self.losses = DeferredLosses(self.device, job.engine.loss_interval, group=job.engine.accum_steps,
-                                     reduce=d.reduce_sum_ if d.active else None, extras=self.step_fn.stats, wait=wait)
+                                     reduce=d.reduce_sum_ if d.active else None, values=("nll",),
+                                     extras={"grad_norm": stats[0], "skipped": stats[1]}, wait=wait)
         self.skipped_in_row = 0  # consecutive skipped updates (--max-skipped-steps)
         self.global_step, self.epoch, self.epoch_pos, self.best_val = 0, 0, 0, math.inf
         self.stopper = EarlyStopping(best_metric(job.run), job.run.patience)  # best.pt and --patience
@@ -228,7 +236,8 @@ class Trainer:
             + (f"; {d.world} processes ({d.backend}) x --accum-steps {k}" if d.active else
                f"; --accum-steps {k}" if k > 1 else ""))
         log(f"data: {len(self.train_loader)} batches per epoch in {len(self.train_loader.shapes())} shape(s); "
-            f"padding {100 * (1 - self.train_loader.num_tokens()['tgt_fill']):.1f} % of the target positions")
+            f"padding {100 * (1 - self.train_loader.num_tokens()['tgt_fill']):.1f} % of the target positions; "
+            + _overlong_note(self.data.stats.get("train", {}), job.data))
 
     @classmethod
     def from_checkpoint(cls, path: str, log: Callable[[str], None] = print, device: str | None = None,
@@ -274,8 +283,7 @@ class Trainer:
                          "(--model base for the original size)")
         model = job.model.resolve(preset)
         optim, run, data = job.optim, job.run, job.data
-        if optim.warmup is None:
-            optim = dataclasses.replace(optim, warmup=4000 if preset == "base" else 400)
+        data, optim = self._resolve_recipe(data, optim, model, job.engine.accum_steps)
         if optim.amp == "auto":  # bf16 where the GPU has it natively, else fp16 with the grad scaler
             optim = dataclasses.replace(optim, amp=("bf16" if _native_bf16() else "fp16") if cuda else "off")
         if run.epochs is None:
@@ -288,6 +296,33 @@ class Trainer:
             self.log(f"engine: strategy {strategy.value} ({strategy.why})")
         engine = dataclasses.replace(job.engine, sync_strategy=strategy.value)
         return dataclasses.replace(job, model=model, optim=optim, run=run, data=data, engine=engine)
+
+    def _resolve_recipe(self, data: DataConfig, optim: OptimConfig, model: ModelConfig,
+                        accum: int) -> tuple[DataConfig, OptimConfig]:
+        """The default token budget (on a GPU) and the warm-up that follows the tokens per update
+        (rules and reference in streamnmt.config); one start line says what was chosen and why."""
+        notes, d_model = [], model.d_model
+        if data.max_tokens is None:
+            if self.device.type == "cuda":
+                gib = torch.cuda.get_device_properties(self.device).total_memory / 2 ** 30
+                tokens = max(recipe_max_tokens(gib, d_model), data.max_len)
+                notes.append(f"--max-tokens {tokens} (auto: {TOKENS_PER_GIB} per GiB of the GPU's {gib:.0f} GiB at "
+                             f"d_model 512, x 512/{d_model}, a power of two)")
+            else:
+                tokens = 0  # CPU: small batches of --batch-size sentences keep a CPU run short
+            data = dataclasses.replace(data, max_tokens=tokens)
+        if optim.warmup is None:
+            if data.max_tokens:
+                per_update = data.max_tokens * accum * self.dist.world
+                warmup = recipe_warmup(per_update)
+                notes.append(f"--warmup {warmup} (auto: {WARMUP_TOKENS / 1e6:.1f}M tokens over {per_update} "
+                             f"per update; peak lr {noam_lr(warmup, d_model, warmup, optim.lr):.2e})")
+            else:
+                warmup = 4000 if model.model == "base" else 400  # sentence batches: per preset
+            optim = dataclasses.replace(optim, warmup=warmup)
+        if notes:
+            self.log("recipe: " + "; ".join(notes))
+        return data, optim
 
     def _resolve_compile(self, job: TrainJob) -> TrainJob:
         """``--compile auto``: decided from the run's planned steps and batch shapes (see engine.auto)."""
@@ -342,12 +377,13 @@ class Trainer:
         self.budget.start()
         with _signals(self):
             self.log(f"{'Epoch':>7}{'GPU_mem':>9}{'batches':>9}{'tokens/s':>10}{'train_loss':>12}"
-                     f"{'val_loss':>10}{'BLEU':>7}{'time':>8}")
+                     f"{'train_nll':>11}{'ppl':>9}{'val_loss':>10}{'BLEU':>7}{'time':>8}")
             while self.epoch < r.epochs and not self._done():
                 row = self.run_epoch(self.epoch)
                 if row:
                     self.log(f"{row['epoch']:>3}/{r.epochs:<3}{row['gpu_mem_gb']:>8.2f}G{row['steps']:>9}"
-                             f"{row['tokens_per_s']:>10.0f}{row['train_loss']:>12.4f}{row['val_loss']:>10.4f}"
+                             f"{row['tokens_per_s']:>10.0f}{row['train_loss']:>12.4f}{row['train_nll']:>11.4f}"
+                             f"{row['train_ppl']:>9.2f}{row['val_loss']:>10.4f}"
                              f"{row['bleu'] if row['bleu'] != '' else '-':>7}{row['epoch_s']:>7.1f}s")
                     if r.verbose:
                         self.log(self.sync_table)
@@ -456,8 +492,11 @@ class Trainer:
         if not cut:  # --max-steps ended the run mid-epoch: a resume with a larger one goes on from here
             self.epoch, self.epoch_pos = epoch + 1, 0
         val_loss, bleu, bleu_s = self._evaluate(epoch)
-        finite = [v for v in losses if math.isfinite(v)]
-        row = {"epoch": epoch + 1, "train_loss": sum(finite) / max(len(finite), 1), "val_loss": val_loss,
+        finite = [v for v in losses if math.isfinite(v[1])]  # a skipped step's loss is left out
+        train_loss = sum(v[1] for v in finite) / max(len(finite), 1)
+        train_nll = sum(v.values["nll"] for v in finite) / max(len(finite), 1)
+        row = {"epoch": epoch + 1, "train_loss": train_loss, "train_nll": train_nll,
+               "train_ppl": math.exp(min(train_nll, 700.0)), "val_loss": val_loss,
                "bleu": "" if bleu is None else round(bleu, 2), "tokens_per_s": tokens / epoch_s,
                "padded_tokens_per_s": padded / epoch_s,
                "epoch_s": round(epoch_s, 3), "bleu_s": round(bleu_s, 3),
@@ -473,7 +512,7 @@ class Trainer:
         if self.dist.main:
             write_json(self.save_dir / "sync_stats.json", self.sync_stats)
         self.sync_table = format_table(train_stats)
-        self.scalars.add(self.global_step, {"epoch/train_loss": row["train_loss"],
+        self.scalars.add(self.global_step, {"epoch/train_loss": row["train_loss"], "epoch/train_nll": train_nll,
                                             "epoch/tokens_per_s": row["tokens_per_s"],
                                             "sync/count": row["sync_count"], "sync/ms": row["sync_ms"]})
         # 6. checkpoint: the next epoch starts from its first batch
@@ -507,16 +546,19 @@ class Trainer:
     def _request_stop(self, reason: str) -> None:
         self.stop_requested, self.stop_reason = True, reason  # said once, when the run ends
 
-    def _write_steps(self, pairs: list[tuple[int, float]]) -> list[float]:
-        for step, loss in pairs:
+    def _write_steps(self, pairs: list[StepLoss]) -> list[StepLoss]:
+        """Log the extracted steps; returns them (their losses and named values) for the epoch's means."""
+        for rec in pairs:
+            step, loss = rec
             row = self.pending_rows.pop(step)
-            grad_norm, skipped = self.losses.extra.pop(step, (math.nan, 0.0))
-            row.update(loss=loss, grad_norm=grad_norm, skipped=int(skipped))
+            grad_norm, skipped = rec.values.get("grad_norm", math.nan), rec.values.get("skipped", 0.0)
+            row.update(loss=loss, nll=rec.values["nll"], grad_norm=grad_norm, skipped=int(skipped))
             self.steps_log.write(row)
-            self.scalars.add(step, {"train/loss": loss, "train/lr": row["lr"], "train/grad_norm": grad_norm})
+            self.scalars.add(step, {"train/loss": loss, "train/nll": row["nll"], "train/lr": row["lr"],
+                                    "train/grad_norm": grad_norm})
             self.last_loss = loss
             self._check_step(step, loss, grad_norm, bool(skipped))
-        return [loss for _, loss in pairs]
+        return list(pairs)
 
     def _check_step(self, step: int, loss: float, grad_norm: float, skipped: bool) -> None:
         """--on-nan for a non-finite loss or gradient (with fp16, the grad scaler's overflow skips
@@ -535,12 +577,12 @@ class Trainer:
                                 f"to step {step} (--max-skipped-steps {r.max_skipped_steps}); the last good "
                                 f"checkpoint is {last}")
 
-    def _drain(self, why: str) -> list[float]:
+    def _drain(self, why: str) -> list[StepLoss]:
         # Needed: a checkpoint or an evaluation sees finished work only, and every loss up to it is logged first.
         self.strategy.drain(f"{why}.drain")
         return self._write_steps(self.losses.flush(f"{why}.losses"))
 
-    def _save_mid_epoch(self, why: str, keep: int = 0) -> list[float]:
+    def _save_mid_epoch(self, why: str, keep: int = 0) -> list[StepLoss]:
         losses = self._drain(why)
         last = self.save_dir / "weights" / "last.pt"
         self.save(last)
@@ -557,8 +599,8 @@ class Trainer:
         ntok = torch.zeros((), dtype=torch.int64, device=self.device)
         for batch in self.dev_loader:
             b = batch.to(self.device, non_blocking=True)
-            loss, n = self.step_fn.loss_sum(b, label_smoothing=0.0)
-            total += loss.double()
+            _, nll, n = self.step_fn.loss_sum(b)
+            total += nll.double()
             ntok += n
         self.model.train()
         # Needed: the epoch's validation loss is reported and compared for best.pt.
@@ -697,6 +739,13 @@ def _signals(trainer: Trainer):
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _overlong_note(stats: dict[str, int], data) -> str:
+    """What --overlong did to the training pairs over --max-len, for the data start line."""
+    if data.overlong == "drop":
+        return f"{stats.get('dropped', 0)} training pairs over --max-len {data.max_len} dropped (--overlong drop)"
+    return f"{stats.get('truncated', 0)} training pairs over --max-len {data.max_len} truncated (--overlong truncate)"
 
 
 def _progress(total: int, desc: str, quiet: bool = False):

@@ -107,6 +107,7 @@ def test_changed_max_len_or_overlong_invalidates(corpus_dir: Path, logs) -> None
 
 
 def test_truncate_and_drop_counts(corpus_dir: Path) -> None:
+    assert DataConfig().overlong == "drop"  # the training default: a cut pair's halves no longer match
     cfg = small_config(corpus_dir)
     truncated = prepare_data(cfg, log=_quiet)
     pairs = read_pairs(cfg, "train")

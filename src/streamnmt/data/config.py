@@ -21,10 +21,13 @@ class DataConfig:
                                 "(capped for small corpora)")
     tgt_vocab: int = opt(32000, "target SentencePiece vocabulary size when training one "
                                 "(capped for small corpora)")
-    batch_size: int = opt(32, "sentences per batch (ignored when --max-tokens is set)")
-    max_tokens: int = opt(0, "token budget per batch (padded tokens, the longer side); 0 = batch by sentences")
+    batch_size: int = opt(32, "sentences per batch (when --max-tokens is 0)")
+    max_tokens: int | None = opt(None, "token budget per batch (padded tokens, the longer side); 0 = batch by "
+                                       "sentences; default: on a GPU a budget sized for it (see "
+                                       "streamnmt.config.recipe_max_tokens), on CPU 0")
     max_len: int = opt(128, "longest sentence in tokens (bos/eos included) the model is fed")
-    overlong: str = opt("truncate", "what to do with sentences over --max-len",
+    overlong: str = opt("drop", "training pairs with a side over --max-len: drop them (their halves would no "
+                                "longer match if cut) or truncate them; dev and test pairs are always truncated",
                         choices=("truncate", "drop"))
     pack: bool | None = opt(None, "pack several sentence pairs into each training row (one batch shape, little "
                                   "padding; validation stays one sentence per row); --no-pack = length buckets; "
@@ -42,11 +45,12 @@ class DataConfig:
         check(self.src_vocab >= 16, "src_vocab", f"must be at least 16; got {self.src_vocab}")
         check(self.tgt_vocab >= 16, "tgt_vocab", f"must be at least 16; got {self.tgt_vocab}")
         check(self.batch_size > 0, "batch_size", f"must be a positive integer; got {self.batch_size}")
-        check(self.max_tokens >= 0, "max_tokens", f"must be 0 (off) or a positive integer; got {self.max_tokens}")
+        check(self.max_tokens is None or self.max_tokens >= 0, "max_tokens",
+              f"must be 0 (off) or a positive integer; got {self.max_tokens}")
         check(self.max_len >= 4, "max_len", f"must be at least 4; got {self.max_len}")
         check_choice(self.overlong, "overlong", ("truncate", "drop"))
         check(self.pad_multiple >= 1, "pad_multiple", f"must be a positive integer; got {self.pad_multiple}")
-        check(self.max_tokens == 0 or self.max_tokens >= self.max_len, "max_tokens",
+        check(not self.max_tokens or self.max_tokens >= self.max_len, "max_tokens",
               f"must be at least --max-len ({self.max_len}) so the longest sentence fits; got {self.max_tokens}")
         check(self.workers >= 0, "workers", f"must be 0 or more; got {self.workers}")
         check(self.prefetch_factor >= 1, "prefetch_factor", f"must be at least 1; got {self.prefetch_factor}")
@@ -62,7 +66,7 @@ class DataConfig:
     @property
     def packs(self) -> bool:
         """Whether training batches are packed (``pack`` resolved)."""
-        return self.pack if self.pack is not None else self.max_tokens > 0
+        return self.pack if self.pack is not None else bool(self.max_tokens)
 
     @property
     def builtin_pairs(self) -> int:

@@ -163,7 +163,7 @@ def make_sampler(corpus: TokenizedCorpus, cfg: DataConfig, *, train: bool, seed:
         return PackSampler(corpus.src_lengths, corpus.tgt_lengths, shape, shuffle=True, seed=seed, accum=accum,
                            world=world, rank=rank)
     buckets = bucket_lengths(corpus.src_lengths, corpus.tgt_lengths, cfg.pad_multiple)
-    return BucketSampler(buckets, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens,
+    return BucketSampler(buckets, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens or 0,
                          shuffle=train, seed=seed, accum=accum, world=world, rank=rank)
 
 

@@ -20,5 +20,5 @@ def batch_plan(corpus: TokenizedCorpus, cfg: DataConfig, train: bool = True) -> 
         packed = make_sampler(corpus, cfg, train=True, seed=0)  # epoch 0 of seed 0: a typical epoch
         return len(packed), packed.shapes()
     sampler = BucketSampler(bucket_lengths(corpus.src_lengths, corpus.tgt_lengths, cfg.pad_multiple),
-                            batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, shuffle=False)
+                            batch_size=cfg.batch_size, max_tokens=cfg.max_tokens or 0, shuffle=False)
     return len(sampler), sampler.shapes()

@@ -32,7 +32,8 @@ class StepFunction(Protocol):
 
     Optional: ``begin_micro(last: bool)``, called before each ``forward`` when gradients are
     accumulated over several micro-batches (``last``: the micro-batch after which the optimizer
-    steps, e.g. the one whose backward all-reduces the gradients across ranks).
+    steps, e.g. the one whose backward all-reduces the gradients across ranks); ``values``, a dict
+    of named device scalars pushed beside each loss (see :func:`step_values`).
     """
 
     def forward(self, batch: Any) -> torch.Tensor: ...   # device scalar loss, graph attached
@@ -85,6 +86,12 @@ def lookahead(items: Iterable) -> Iterator[tuple[Any, bool]]:
         yield prev, False
         prev = item
     yield prev, True
+
+
+def step_values(step: StepFunction) -> dict[str, torch.Tensor]:
+    """The named device scalars ``step`` pushes beside its loss (``step.values``, if it has them).
+    They must be tensors updated in place by the step (graph replays write the same storage)."""
+    return getattr(step, "values", None) or {}
 
 
 def begin_micro(step: StepFunction, last: bool) -> None:
@@ -186,7 +193,7 @@ class Strategy:
         step.backward(loss)
         if ends:
             step.optimizer_step()
-        losses.push(gstep, loss)
+        losses.push(gstep, loss, **step_values(step))
         return loss
 
 

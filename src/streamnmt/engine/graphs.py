@@ -53,7 +53,8 @@ from typing import Any
 
 import torch
 
-from streamnmt.engine.base import StepFunction, StepInfo, Strategy, begin_micro, lookahead, move, register, tensors
+from streamnmt.engine.base import (StepFunction, StepInfo, Strategy, begin_micro, lookahead, move, register,
+                                   step_values, tensors)
 from streamnmt.engine.config import EngineConfig
 from streamnmt.engine.losses import DeferredLosses
 from streamnmt.engine.strategies import FullPipeline
@@ -263,7 +264,7 @@ class GraphStrategy(Strategy):
                     cap.graph.replay()
                     if ends and self.opt_graph is not None:
                         self.opt_graph.replay()  # K > 1: the optimizer step after the last micro-batch
-                    losses.push(gstep, cap.static_loss)
+                    losses.push(gstep, cap.static_loss, **step_values(step))
                 sm.record(ev_c, self.C)
             if (i + 1) % k == 0 or last:
                 # Bound how far the host runs ahead of the GPU, as the interval strategy does.

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 
 from streamnmt.engine.base import (STRATEGIES, StepFunction, StepInfo, Strategy, begin_micro, lookahead,  # noqa: F401
-                                   make_strategy, move, register, tensors)
+                                   make_strategy, move, register, step_values, tensors)
 from streamnmt.engine.config import EngineConfig
 from streamnmt.errors import DeviceError
 
@@ -209,7 +209,7 @@ class DeepPipeline(Strategy):
                 step.backward(loss)  # kernels run on F (autograd keeps the forward stream)
                 if ends:
                     step.optimizer_step()
-                losses.push(gstep, loss)
+                losses.push(gstep, loss, **step_values(step))
                 sm.record(done[s], self.B)
             sm.wait(done[s], self.F)  # forward N+1 must see the updated weights
             del b, loss

@@ -1,0 +1,71 @@
+"""The default batch and warm-up (streamnmt.config's recipe rules and Trainer._resolve_recipe)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from streamnmt.config import ModelConfig, OptimConfig, recipe_max_tokens, recipe_warmup
+from streamnmt.data.config import DataConfig
+from streamnmt.step import noam_lr
+from streamnmt.train import Trainer
+
+
+def test_token_budget_follows_gpu_memory_and_width():
+    assert recipe_max_tokens(139.8, 512) == 8192  # one H200, base model
+    assert recipe_max_tokens(80, 512) == 4096 and recipe_max_tokens(24, 512) == 1024
+    assert recipe_max_tokens(139.8, 1024) == 4096  # twice as wide: half the tokens
+    assert recipe_max_tokens(139.8, 64) == 16384 and recipe_max_tokens(4, 512) == 1024  # clamped
+
+
+def test_warmup_spans_the_reference_tokens_and_the_peak_grows_with_the_root_of_the_batch():
+    assert recipe_warmup(6144) == 800  # the measured best hand-set flags
+    assert recipe_warmup(8192) == 600 and recipe_warmup(16384) == 300
+    assert recipe_warmup(10 ** 6) == 100 and recipe_warmup(64) == 4000  # clamped
+    peak = {t: noam_lr(recipe_warmup(t), 512, recipe_warmup(t), 1.0) for t in (4096, 16384)}
+    assert peak[16384] / peak[4096] == pytest.approx(2.0, rel=0.02)
+
+
+def _resolver(device: str, world: int = 1):
+    lines: list[str] = []
+    fake = types.SimpleNamespace(device=torch.device(device), dist=types.SimpleNamespace(world=world),
+                                 log=lines.append)
+    return (lambda data, optim, model, accum=1: Trainer._resolve_recipe(fake, data, optim, model, accum)), lines
+
+
+def test_gpu_defaults_are_a_device_sized_budget_with_its_warmup(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: types.SimpleNamespace(total_memory=int(139.8 * 2 ** 30)))
+    resolve, lines = _resolver("cuda:0", world=2)
+    model = ModelConfig().resolve("base")
+    data, optim = resolve(DataConfig(), OptimConfig(), model, accum=2)
+    assert data.max_tokens == 8192 and optim.warmup == recipe_warmup(8192 * 4)  # 2 ranks x 2 micro-batches
+    assert len(lines) == 1 and lines[0].startswith("recipe: --max-tokens 8192 (auto:") and "--warmup" in lines[0]
+    # explicit flags are kept; the warm-up still follows the given budget
+    resolve, lines = _resolver("cuda:0")
+    data, optim = resolve(DataConfig(max_tokens=6144), OptimConfig(), model)
+    assert data.max_tokens == 6144 and optim.warmup == 800 and "--max-tokens" not in lines[0]
+    lines.clear()
+    data, optim = resolve(DataConfig(max_tokens=6144), OptimConfig(warmup=123), model)
+    assert optim.warmup == 123 and lines == []
+    data, optim = resolve(DataConfig(max_tokens=0), OptimConfig(), model)  # sentences on a GPU, as asked
+    assert data.max_tokens == 0 and optim.warmup == 4000
+
+
+def test_cpu_defaults_stay_small():
+    resolve, lines = _resolver("cpu")
+    data, optim = resolve(DataConfig(), OptimConfig(), ModelConfig().resolve("small"))
+    assert data.max_tokens == 0 and data.batch_size == 32 and optim.warmup == 400 and lines == []
+
+
+@pytest.mark.gpu
+def test_the_real_gpu_gets_its_budget_in_one_start_line():
+    resolve, lines = _resolver("cuda:0")
+    data, optim = resolve(DataConfig(), OptimConfig(), ModelConfig().resolve("base"))
+    gib = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+    assert data.max_tokens == recipe_max_tokens(gib, 512) and optim.warmup == recipe_warmup(data.max_tokens)
+    if "H200" in torch.cuda.get_device_name(0):
+        assert (data.max_tokens, optim.warmup) == (8192, 600)
+    assert len(lines) == 1 and f"--max-tokens {data.max_tokens}" in lines[0] and f"--warmup {optim.warmup}" in lines[0]

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 STEPS = 100
 GPU = ["--device", "cuda", "--model", "tiny", "--builtin-size", "2000", "--bleu-samples", "0", "--max-len", "32",
-       "--dropout", "0", "--amp", "off", "--deterministic", "--epochs", "5", "--loss-interval", "10", "--seed", "3",
+       "--max-tokens", "0", "--dropout", "0", "--amp", "off", "--deterministic", "--epochs", "5", "--loss-interval", "10", "--seed", "3",
        "--max-steps", str(STEPS), "--sync-strategy", "graph"]
 MISMATCH = "AccumulateGrad node's stream does not match"
 

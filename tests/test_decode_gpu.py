@@ -166,7 +166,7 @@ def test_trainer_bleu_pass_decodes_a_bf16_copy(tmp_path):
 
     corpus = write_corpus(tmp_path / "corpus")
     args = vars(build_parser().parse_args([
-        "train", "--device", "cuda", "--model", "tiny", "--bleu-samples", "8", "--batch-size", "16", "--max-len", "32",
+        "train", "--device", "cuda", "--model", "tiny", "--bleu-samples", "8", "--batch-size", "16", "--max-tokens", "0", "--max-len", "32",
         "--src-vocab", "40", "--tgt-vocab", "40", "--data", str(corpus), "--project", str(tmp_path), "--name", "b",
         "--epochs", "1", "--max-steps", "4", "--sync-strategy", "graph"]))
     for key in ("_run", "command"):

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multigpu,
 
 STEPS = 100
 GPU = ["--device", "cuda", "--model", "tiny", "--builtin-size", "2000", "--bleu-samples", "0", "--max-len", "32",
-       "--dropout", "0", "--amp", "off", "--deterministic", "--epochs", "5", "--loss-interval", "10", "--seed", "3",
+       "--max-tokens", "0", "--dropout", "0", "--amp", "off", "--deterministic", "--epochs", "5", "--loss-interval", "10", "--seed", "3",
        "--max-steps", str(STEPS)]
 
 

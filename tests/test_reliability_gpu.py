@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 def test_resume_exact_on_gpu(tmp_path, strategy):
     home = str(tmp_path / "home")
     common = ["--device", "cuda", "--model", "tiny", "--builtin-size", "2000", "--bleu-samples", "0",
-              "--batch-size", "16", "--max-len", "32", "--deterministic", "--amp", "off", "--max-steps", "60",
+              "--batch-size", "16", "--max-tokens", "0", "--max-len", "32", "--deterministic", "--amp", "off", "--max-steps", "60",
               "--seed", "5", "--save-every", "10", "--sync-strategy", strategy, "--project", str(tmp_path)]
     ref = run_cli([*common, "--name", "ref"], home)
     assert ref.returncode == 0, ref.stderr[-2000:]

@@ -38,6 +38,12 @@ from streamnmt.ema import EMA
 from streamnmt.model import ModelShape
 from streamnmt.xent import linear_cross_entropy
 
+# The chunked loss runs outside torch.compile: compiled by inductor for CUDA (torch 2.11, bf16),
+# its gradients came out zero (grad_norm 0.0 on an H200 under `--compile on`, graph and full
+# strategies alike), while compiled on the CPU and eager everywhere they are right. The model body
+# is still compiled; the loss's kernels run eagerly (and inside graph mode's CUDA graph).
+_loss_eager = torch.compiler.disable(linear_cross_entropy)
+
 
 def noam_lr(step: int, d_model: int, warmup: int, factor: float) -> float:
     """Learning rate at optimizer step ``step`` (1-based), computed on the host for logging."""
@@ -89,8 +95,8 @@ class LossModel(nn.Module):
         m = self.model
         h = m.features(src, tgt_in, masks.src_mask(src), None, segments)  # (B, T, D)
         gen = m.generator
-        return linear_cross_entropy(h.flatten(0, 1), gen.weight, gen.bias, tgt_out.flatten(),
-                                    label_smoothing=self.label_smoothing, ignore_index=masks.PAD)
+        return _loss_eager(h.flatten(0, 1), gen.weight, gen.bias, tgt_out.flatten(),
+                           label_smoothing=self.label_smoothing, ignore_index=masks.PAD)
 
 
 class NMTStep:

@@ -169,7 +169,8 @@ def test_graph_captured_loss_equals_eager_at_a_32k_vocabulary():
 
 
 def test_traces_into_one_graph_for_torch_compile():
-    """torch.compile (the trainer's --compile) traces the chunked loss and its backward whole."""
+    """torch.compile traces the chunked loss and its backward whole (aot_eager, CPU). The trainer keeps the
+    loss out of its compiled region all the same: see streamnmt.step and tests/test_compile_gpu.py."""
     torch.manual_seed(3)
     h, w, b = (torch.randn(20, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True),
                torch.randn(30, requires_grad=True))

@@ -59,13 +59,7 @@ def test_stream_sanitizer_finds_no_race(strategy, streams, tmp_path):
         strat.drain("t")
         print("steps", len(got + losses.flush()))
     """))
-    env = dict(os.environ, TORCH_CUDA_SANITIZER="1", PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
-                         cwd=os.getcwd(), timeout=600)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text[:4000]
-    assert "data race" not in text.lower(), text[-3000:]
-    assert "steps 25" in text
+    assert_no_race(script, steps=25)
 
 
 @pytest.mark.parametrize("strategy,streams", SCHEDULES)
@@ -172,10 +166,15 @@ def test_stream_sanitizer_finds_no_race_in_the_transformer_pipeline(streams, tmp
         got = run_collect(strat, with_global_norm(random_batches(12), 1), step, DeferredLosses(dev, 10))
         print("steps", len(got))
     """))
+    assert_no_race(script, steps=12)
+
+
+def assert_no_race(script, steps: int) -> None:
+    """Run ``script`` under PyTorch's CUDA stream sanitizer: it finishes its ``steps`` with no data race."""
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1", PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
                          cwd=os.getcwd(), timeout=600)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[:4000]
     assert "data race" not in text.lower(), text[-3000:]
-    assert "steps 12" in text
+    assert f"steps {steps}" in text

@@ -337,10 +337,26 @@ def test_killed_rank_ends_the_others_with_one_line(tmp_path, home):
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-    assert procs[0].returncode == 1 and took < 40, (took, err[-3000:])
+    assert procs[0].returncode == 3 and took < 40, (took, err[-3000:])  # 3: a bystander of a lost peer
     errors = [ln for ln in err.splitlines() if ln.startswith("streamnmt: error:")]
     assert len(errors) == 1 and errors[0].startswith("streamnmt: error: rank 0 of 2: a collective failed"), err[-3000:]
     assert "Traceback" not in err
+
+
+def test_launcher_blames_the_rank_that_failed_for_its_own_reason():
+    """Rank 0 notices a killed rank 1 and exits (PeerLost, code 3) before torchrun sees the kill,
+    in the same second: the line names rank 1. A rank that failed on its own (a bad flag, a crash)
+    is named over bystanders; with bystanders alone, the earliest."""
+    from types import SimpleNamespace as F
+
+    from streamnmt.dist import PeerLost, first_failure
+
+    lost = PeerLost.exit_code
+    assert first_failure({0: F(exitcode=lost, timestamp=100), 1: F(exitcode=-9, timestamp=100)})[0] == 1
+    assert first_failure({0: F(exitcode=lost, timestamp=99), 1: F(exitcode=1, timestamp=101)})[0] == 1
+    assert first_failure({0: F(exitcode=2, timestamp=100), 1: F(exitcode=1, timestamp=101)})[0] == 0
+    assert first_failure({0: F(exitcode=lost, timestamp=101), 1: F(exitcode=lost, timestamp=100)})[0] == 1
+    assert first_failure({1: F(exitcode=lost, timestamp=100), 0: F(exitcode=lost, timestamp=100)})[0] == 0
 
 
 def test_polled_wait_ends_in_peer_lost():

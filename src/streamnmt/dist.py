@@ -45,9 +45,11 @@ T = TypeVar("T")
 
 
 class PeerLost(Exception):
-    """A collective failed: another rank died, hung or lost its connection (exit code 1)."""
+    """A collective failed: another rank died, hung or lost its connection. Exit code 3 tells the
+    launcher (:func:`run_torchrun`) that this rank is a bystander, so it names the rank that failed
+    first for its own reason, not the peer that noticed first."""
 
-    exit_code = 1
+    exit_code = 3
 
 
 class CaptureFailed(Exception):
@@ -273,12 +275,21 @@ def run_torchrun(n: int, argv: list[str]) -> int:
         print(f"streamnmt: stopped by {signal.Signals(e.sigval).name}", file=sys.stderr)
         return 0
     except ChildFailedError as e:
-        rank, first = e.get_first_failure()  # the earliest: the others may have been stopped by torchrun
+        rank, first = first_failure(e.failures)
         how = (f"killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0 and
                -first.exitcode in signal.valid_signals() else f"exit code {first.exitcode}")
         print(f"streamnmt: error: rank {rank} failed ({how}); see its error above", file=sys.stderr)
         return 2 if first.exitcode == 2 else 1
     return 0
+
+
+def first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The rank to blame among torchrun's ``{rank: ProcessFailure}``: the earliest failure that was
+    not a :class:`PeerLost` bystander (a peer notices a killed rank before torchrun does, and the
+    failure timestamps have one-second resolution), else the earliest of all."""
+    own = {r: f for r, f in failures.items() if f.exitcode != PeerLost.exit_code} or failures
+    rank = min(own, key=lambda r: (own[r].timestamp, r))
+    return rank, own[rank]
 
 
 def _die_with_launcher() -> None:

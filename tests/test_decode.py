@@ -268,3 +268,20 @@ def test_graph_decoder_stops_when_all_finished_and_reuses_buckets(model, sources
     for n in (1, 2, 3):  # other row counts and widths: new buckets, at most max_buckets kept
         gd.search(pad_batch([s + [5] * 9 * n for s in sources[:n]], "cpu"))
     assert len(gd.buckets) == 2
+
+
+def test_a_wider_bucket_serves_narrower_batches_up_to_half_its_width(model):
+    """Longest first, as translation sorts: the first batch's bucket decodes the narrower batches
+    after it (source width down to half its own), with the results of their own buckets."""
+    from streamnmt.decode_graph import GraphDecoder, source_bucket
+
+    opts = SearchOptions(beam_size=3, max_len_b=5)
+    g = torch.Generator().manual_seed(7)
+    batches = [[torch.randint(4, VOCAB, (n,), generator=g).tolist() + [masks.EOS] for _ in range(4)]
+               for n in (30, 20, 15, 10)]  # source buckets 32, 24, 16, 12
+    assert [source_bucket(len(b[0]), 64) for b in batches] == [32, 24, 16, 12]
+    shared = GraphDecoder(model, opts, batch_size=4)
+    got = [shared.search(pad_batch(b, "cpu")) for b in batches]
+    assert [k.src_width for k in shared.buckets] == [32, 12]  # 24 and 16 ran in 32's; 12 in its own
+    own = [GraphDecoder(model, opts, batch_size=4).search(pad_batch(b, "cpu")) for b in batches]
+    assert got == own

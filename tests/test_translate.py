@@ -188,6 +188,37 @@ def test_score_uses_zh_tokenizer_for_chinese():
     assert score([], [], "ch")["bleu"] == 0.0
 
 
+@pytest.mark.parametrize("lang", ["ch", "en"])
+def test_scorer_batch_by_batch_equals_the_corpus_score(lang):
+    """The scores from segment statistics extracted batch by batch, in any order, on the worker
+    thread, are those of one corpus_score call (BLEU, chrF and the signature)."""
+    import random
+
+    from streamnmt.evaluation import Scorer
+
+    rng = random.Random(0)
+    words = ["我们", "是", "学生", "老师", "the", "cat", "sat", "on", "mat", "今天", "天气", "很", "好"]
+    refs = [" ".join(rng.choices(words, k=rng.randint(2, 12))) for _ in range(50)]
+    hyps = [" ".join(rng.choices(words, k=rng.randint(1, 12))) if i % 7 else r for i, r in enumerate(refs)]
+    want = score(hyps, refs, lang)
+    switch = sys.getswitchinterval()
+    scorer = Scorer(refs, lang)
+    assert scorer.incremental  # sacrebleu has the segment-statistics methods
+    order = list(range(50))
+    rng.shuffle(order)
+    for start in range(0, 50, 16):
+        idx = order[start:start + 16]
+        scorer.add(idx, [hyps[i] for i in idx])
+    got = scorer.result()
+    assert sys.getswitchinterval() == switch  # the short interval lasts while the worker runs
+    assert got["bleu"] == pytest.approx(want["bleu"], abs=1e-9) and 0 < want["bleu"] < 100
+    assert got["chrf"] == pytest.approx(want["chrf"], abs=1e-9) and got["signature"] == want["signature"]
+    short = Scorer(refs, lang)
+    short.add([0], [hyps[0]])
+    with pytest.raises(ValueError, match="no translation added for sentence 1"):
+        short.result()
+
+
 # -- bad input -------------------------------------------------------------------------------
 
 def test_weights_missing(tmp_path):

@@ -490,13 +490,16 @@ def pad_batch(seqs: list[list[int]], device: torch.device | str) -> Tensor:
 
 def translate_ids(model: Transformer, sources: list[list[int]], opts: SearchOptions = SearchOptions(), *,
                   batch_size: int = 64, device: torch.device | str = "cpu",
-                  search_fn: Callable[[Tensor], list[list[int]]] | None = None) -> list[list[int]]:
+                  search_fn: Callable[[Tensor], list[list[int]]] | None = None,
+                  on_batch: Callable[[list[int], list[list[int]]], None] | None = None) -> list[list[int]]:
     """Encoder-ready source id lists -> output id lists, in the order given.
 
     Sentences are sorted by length (longest first, so similar lengths share a batch's padding and
     an out-of-memory error shows on the first batch), decoded ``batch_size`` at a time, and put
     back in their original order. The model must be in eval mode on ``device``. ``search_fn``
     decodes one padded batch (default: :func:`search` with ``opts``; graph decoding passes its own).
+    ``on_batch(indices, outputs)`` is called with each decoded batch (indices into ``sources``), so
+    that a caller can detokenize and score one batch while the device decodes the next.
     """
     order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
     results: list[list[int]] = [[] for _ in sources]
@@ -506,4 +509,6 @@ def translate_ids(model: Transformer, sources: list[list[int]], opts: SearchOpti
         hyps = search_fn(src) if search_fn is not None else search(model, src, opts)
         for i, hyp in zip(idx, hyps):
             results[i] = hyp
+        if on_batch is not None:
+            on_batch(idx, hyps)
     return results

@@ -10,7 +10,9 @@ eager path runs, so the two give the same results.
   up to a power of two (at most the batch size), source widths to a few coarse sizes (8, 12, 16,
   24, 32, 48, ... each 1.5x or 4/3 the one before), and the output width follows from the source
   width, so a file or a test set sorted by length needs a few buckets, not one per batch; padding
-  rows start finished, padding source positions are masked. A bucket holds one graph per key span
+  rows start finished, padding source positions are masked. A batch runs in the narrowest kept
+  bucket of its rows and beam whose source width is from its own to twice it, so a test set sorted
+  longest first captures its first batch's bucket and reuses it. A bucket holds one graph per key span
   and beam parity: the step at position t reads only the first t + 1 key slots rounded up to
   ``decode.SPAN``,
   and the beam reorder alternates between two sets of key/value buffers (even steps gather from
@@ -140,9 +142,10 @@ class GraphDecoder:
         if weights != self._weights:  # moved or reloaded: the graphs would read stale addresses
             self.buckets.clear()
             self._weights = weights
-        if key in self.buckets:
-            self.buckets.move_to_end(key)
-            return self.buckets[key]
+        cover = self._covering(key)
+        if cover is not None:
+            self.buckets.move_to_end(cover)
+            return self.buckets[cover]
         if key in self.failed:
             return None
         bucket = _Bucket(self.model, key, self.opts, dtype, device)
@@ -160,6 +163,16 @@ class GraphDecoder:
         while len(self.buckets) > self.max_buckets:
             self.buckets.popitem(last=False)
         return bucket
+
+    def _covering(self, key: BucketKey) -> BucketKey | None:
+        """The narrowest kept bucket that can decode a batch of ``key``: the same rows and beam, and
+        a source width from ``key``'s to twice it (its output width follows). Translation sorts
+        sentences longest first, so the first batch's bucket serves the narrower ones after it:
+        a test set of 20-40 token sentences captures one bucket, not three, and its shorter batches
+        attend over at most twice their own source width (padding masked)."""
+        fits = [k for k in self.buckets if k.rows == key.rows and k.beam == key.beam
+                and key.src_width <= k.src_width <= 2 * key.src_width and k.width >= key.width]
+        return min(fits, key=lambda k: (k.src_width, k.width)) if fits else None
 
     def _capture(self, bucket: _Bucket, device: torch.device) -> None:
         """Warm up, then capture the step once per span and parity; all graphs share one memory pool.
@@ -183,13 +196,22 @@ class GraphDecoder:
                     bucket.step(span)
             bucket.cache.pos.zero_()
             bucket.t.zero_()
-        torch.cuda.current_stream(device).wait_stream(side)
-        for span in bucket.spans:
-            for parity in bucket.parities:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    bucket.step(span)
-                bucket.graphs[(span, parity)] = graph
+        stream.wait_stream(side)
+        # capture_begin/capture_end rather than ``with torch.cuda.graph(...)``: the context manager
+        # synchronizes the device and empties the allocator's cache before every capture (to free
+        # memory for it), a host wait and a round of cudaFree/cudaMalloc per graph that a bucket
+        # of several graphs, captured in a process that then decodes at once, does not need.
+        with torch.cuda.stream(stream):
+            for span in bucket.spans:
+                for parity in bucket.parities:
+                    graph = torch.cuda.CUDAGraph()
+                    graph.capture_begin(pool=self.pool)
+                    try:
+                        bucket.step(span)
+                    finally:
+                        graph.capture_end()
+                    bucket.graphs[(span, parity)] = graph
+        torch.cuda.current_stream(device).wait_stream(stream)
         self.captures += 1
 
     def _run(self, bucket: _Bucket, max_steps: int, every: int) -> None:
@@ -244,12 +266,13 @@ def shared_decoder(model: Transformer, opts: SearchOptions, batch_size: int) -> 
 
 def translate_ids(model: Transformer, sources: list[list[int]], opts: SearchOptions = SearchOptions(), *,
                   batch_size: int = 64, device: torch.device | str = "cpu",
-                  decoder: GraphDecoder | None = None) -> list[list[int]]:
+                  decoder: GraphDecoder | None = None,
+                  on_batch: Callable[[list[int], list[list[int]]], None] | None = None) -> list[list[int]]:
     """:func:`streamnmt.decode.translate_ids` through a :class:`GraphDecoder` when ``opts.graph``
     and ``device`` is CUDA (``decoder``, or this process's shared one for the model and settings);
-    otherwise the eager search."""
+    otherwise the eager search. ``on_batch`` as there."""
     if not opts.graph or torch.device(device).type != "cuda":
-        return translate_ids_eager(model, sources, opts, batch_size=batch_size, device=device)
+        return translate_ids_eager(model, sources, opts, batch_size=batch_size, device=device, on_batch=on_batch)
     decoder = decoder or shared_decoder(model, opts, batch_size)
     return translate_ids_eager(model, sources, opts, batch_size=batch_size, device=device,
-                               search_fn=decoder.search)
+                               search_fn=decoder.search, on_batch=on_batch)

@@ -12,6 +12,7 @@ those pieces below both the trainer and the commands, so that imports run one wa
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Any
 
@@ -24,7 +25,8 @@ from streamnmt.decode import SearchOptions
 from streamnmt.decode_graph import translate_ids
 from streamnmt.model import Transformer
 
-CHINESE = {"ch", "zh"}  # target languages scored with sacrebleu's "zh" tokenizer
+CHINESE = {"ch", "zh"}
+SWITCH_INTERVAL_S = 2e-4  # the GIL switch interval while a Scorer's worker runs  # target languages scored with sacrebleu's "zh" tokenizer
 
 
 def encode_sources(tok: Tokenizer, texts: list[str], max_len: int) -> tuple[list[list[int]], list[int]]:
@@ -52,14 +54,76 @@ def translate_texts(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, 
     return [tgt_tok.decode(h).replace("\n", " ") for h in hyps], cut
 
 
+def _metrics(tgt_lang: str) -> tuple[Any, Any]:
+    return sacrebleu.BLEU(tokenize="zh" if tgt_lang.lower() in CHINESE else "13a"), sacrebleu.CHRF()
+
+
 def score(hyps: list[str], refs: list[str], tgt_lang: str) -> dict[str, Any]:
     """Corpus BLEU (sacrebleu, ``zh`` tokenizer for Chinese, else ``13a``) and chrF."""
-    bleu = sacrebleu.BLEU(tokenize="zh" if tgt_lang.lower() in CHINESE else "13a")
-    chrf = sacrebleu.CHRF()
+    bleu, chrf = _metrics(tgt_lang)
     if not hyps:
         return {"bleu": 0.0, "chrf": 0.0, "signature": ""}
     b, c = bleu.corpus_score(hyps, [refs]), chrf.corpus_score(hyps, [refs])
     return {"bleu": b.score, "chrf": c.score, "signature": f"{bleu.get_signature()} / {chrf.get_signature()}"}
+
+
+class Scorer:
+    """:func:`score`, computed batch by batch on a worker thread while the device decodes.
+
+    Scoring is pure Python (sacrebleu tokenizes and counts n-grams: about 1 s for 1,000 sentences
+    of 30 words on one slow core, as long as decoding them on a GPU), so it is done beside the
+    decoding: each decoded batch's segment statistics are extracted on the worker as the next batch
+    decodes, and the corpus scores are computed from their sum at the end, the same numbers as
+    :func:`score` over the whole corpus (sacrebleu's corpus score is a function of the summed
+    segment statistics; tested). The decoding thread waits for the GPU with the GIL released,
+    which is when the worker runs. Where sacrebleu lacks the segment-statistics methods, the
+    hypotheses are kept and scored at the end."""
+
+    def __init__(self, refs: list[str], tgt_lang: str):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.refs, self.tgt_lang = refs, tgt_lang
+        self.bleu, self.chrf = _metrics(tgt_lang)
+        self.incremental = all(hasattr(m, a) for m in (self.bleu, self.chrf)
+                               for a in ("_extract_corpus_statistics", "_aggregate_and_compute"))
+        self.hyps: list[str | None] = [None] * len(refs)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="streamnmt-score")
+        self._stats: list[Any] = []
+        # While the worker runs, the decoding thread that wakes from a GPU wait must get the GIL
+        # back within a fraction of a decoding step (about 1 ms), not Python's default 5 ms, or the
+        # GPU would run out of queued steps; restored by close().
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+    def add(self, indices: list[int], hyps: list[str]) -> None:
+        """Translations ``hyps`` of the sentences at ``indices`` (into ``refs``), any order."""
+        for i, h in zip(indices, hyps):
+            self.hyps[i] = h
+        if self.incremental and hyps:
+            refs = [[self.refs[i] for i in indices]]
+            self._stats.append(self._pool.submit(lambda: (self.bleu._extract_corpus_statistics(hyps, refs),
+                                                          self.chrf._extract_corpus_statistics(hyps, refs))))
+
+    def result(self) -> dict[str, Any]:
+        """BLEU, chrF and the sacrebleu signature; every sentence must have been added."""
+        try:
+            missing = [i for i, h in enumerate(self.hyps) if h is None]
+            if missing:
+                raise ValueError(f"no translation added for sentence {missing[0]} (of {len(missing)} missing)")
+            if not self.incremental or not self.refs:
+                return score(self.hyps, self.refs, self.tgt_lang)  # type: ignore[arg-type]
+            parts = [f.result() for f in self._stats]
+            b = self.bleu._aggregate_and_compute([s for part, _ in parts for s in part])
+            c = self.chrf._aggregate_and_compute([s for _, part in parts for s in part])
+            return {"bleu": b.score, "chrf": c.score,
+                    "signature": f"{self.bleu.get_signature()} / {self.chrf.get_signature()}"}
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the worker (after the batches it has been given)."""
+        self._pool.shutdown(wait=True)
+        sys.setswitchinterval(self._switch)
 
 
 def bleu_on_pairs(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, pairs: list[tuple[str, str]], *,
@@ -69,17 +133,26 @@ def bleu_on_pairs(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, pa
 
     ``options`` gives the search settings other than ``beam_size`` (default: SearchOptions()).
     Returns ``bleu``, ``chrf``, ``n`` (sentences), ``seconds`` (wall time of the whole call) and the
-    sacrebleu ``signature``. The model is put in eval mode and back in train mode if it was.
+    sacrebleu ``signature``. The model is put in eval mode and back in train mode if it was. Each
+    decoded batch is detokenized and scored (:class:`Scorer`) while the next one decodes.
     """
     t0 = time.perf_counter()
     pairs = pairs[:limit] if limit else pairs
+    scorer = Scorer([t for _, t in pairs], tgt_lang)
+
+    def on_batch(indices: list[int], outputs: list[list[int]]) -> None:
+        scorer.add(indices, [tgt_tok.decode(h).replace("\n", " ") for h in outputs])
+
     was_training = model.training
     model.eval()
     try:
-        hyps, _ = translate_texts(model, src_tok, tgt_tok, [s for s, _ in pairs],
-                                  dataclasses.replace(options or SearchOptions(), beam_size=beam_size),
-                                  device=device, batch_size=batch_size)
+        sources, _ = encode_sources(src_tok, [s for s, _ in pairs], model.shape.max_positions)
+        translate_ids(model, sources, dataclasses.replace(options or SearchOptions(), beam_size=beam_size),
+                      batch_size=batch_size, device=device, on_batch=on_batch)
+    except BaseException:
+        scorer.close()
+        raise
     finally:
         model.train(was_training)
-    result = score(hyps, [t for _, t in pairs], tgt_lang)
+    result = scorer.result()
     return {**result, "n": len(pairs), "seconds": time.perf_counter() - t0}

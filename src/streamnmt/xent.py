@@ -4,15 +4,21 @@ At a real vocabulary the output layer's logits are the largest tensor of a step:
 32k, and the usual ``F.cross_entropy(logits.float(), ...)`` holds them in bf16, again in fp32, as
 fp32 log-probabilities and as their gradient. Here the projection ``h @ W.T + b`` and the loss run
 over row chunks of at most :data:`CHUNK_ELEMENTS` logits: each chunk's logits are made in the
-compute dtype (the autocast dtype, else the input's), read once in fp32 for the log-sum-exp, and
-turned in place into their gradient, which is multiplied into the gradients of ``h``, ``W`` and
-``b`` at once. The backward then only scales those by the incoming gradient, so nothing is
-recomputed and no chunk outlives its loop iteration.
+compute dtype (the autocast dtype, else the input's), read by one fp32 softmax (its output is
+the only fp32 copy), which is turned in place into their gradient and written once in the compute
+dtype; that is multiplied into the gradients of ``h``, ``W`` and ``b`` at once. The backward then
+only scales those by the incoming gradient, so nothing is recomputed and no chunk outlives its
+loop iteration. Per chunk of C x V logits that is six passes over C x V values (the softmax's
+read and write, the mean, the gradient's read and write, the bias gradient's read), against
+fifteen for a separate fp32 copy, log-sum-exp, mean, exponential, subtraction, mask, bias sum
+and cast.
 
-The smoothed loss and the plain NLL come from the same log-sum-exp. With smoothing ``e`` over
-``V`` classes (PyTorch's definition, which spreads ``e`` over every class, the ignored one too):
-``loss = (1 - e) * (lse - z_y) + e * (lse - mean(z))`` and ``dloss/dz = softmax(z) - (1 - e) *
-onehot(y) - e / V``. Rows whose target is ``ignore_index`` add nothing. Shapes are static and
+The smoothed loss and the plain NLL come from the softmax. With smoothing ``e`` over ``V``
+classes (PyTorch's definition, which spreads ``e`` over every class, the ignored one too):
+``nll = lse - z_y = -log softmax(z)_y``, ``loss = (1 - e) * nll + e * (lse - mean(z)) = nll + e *
+(z_y - mean(z))`` and ``dloss/dz = softmax(z) - (1 - e) * onehot(y) - e / V``. A token's NLL
+saturates at 87.3 nats (a probability below fp32's smallest normal number); its gradient does
+not. Rows whose target is ``ignore_index`` add nothing. Shapes are static and
 nothing is read on the host, so CUDA graphs capture it and torch.compile traces it.
 """
 
@@ -38,33 +44,38 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dh = torch.empty_like(hc)                                  # (N, D)
                 dw = torch.zeros(w.shape, dtype=torch.float32, device=h.device)  # (V, D)
                 db = torch.zeros(v, dtype=torch.float32, device=h.device) if b is not None else None
+            tiny = torch.finfo(torch.float32).tiny
             for start in range(0, n, rows):
                 x, y = hc[start:start + rows], target[start:start + rows]  # (C, D), (C,)
-                z = (torch.addmm(b, x, w.t()) if b is not None else x @ w.t()).float()  # (C, V)
-                lse = torch.logsumexp(z, dim=-1)                           # (C,)
+                z = torch.addmm(b, x, w.t()) if b is not None else x @ w.t()  # (C, V), compute dtype
+                p = torch.softmax(z, dim=-1, dtype=torch.float32)          # (C, V) fp32, one pass over z
                 keep = y != ignore_index
                 valid, y = keep.float(), y.masked_fill(~keep, 0)[:, None]  # (C,), (C, 1): a safe index
-                row_nll = lse - z.gather(1, y).squeeze(1)
-                row_loss = row_nll if smoothing == 0 else (1 - smoothing) * row_nll + smoothing * (lse - z.mean(-1))
+                row_nll = -p.gather(1, y).squeeze(1).clamp_min(tiny).log()  # lse - z_y, at most 87.3
+                if smoothing:  # lse - mean(z) = nll + z_y - mean(z)
+                    z_y = z.gather(1, y).squeeze(1).float()
+                    row_loss = row_nll + smoothing * (z_y - z.mean(-1, dtype=torch.float32))
+                else:
+                    row_loss = row_nll
                 loss += (row_loss * valid).sum()
                 nll += (row_nll * valid).sum()
+                del z
                 if not want_grad:
-                    del z
+                    del p
                     continue
-                g = z.sub_(lse[:, None]).exp_()                            # softmax, in place of z
-                if smoothing:
-                    g.sub_(smoothing / v)
-                g.scatter_add_(1, y, torch.full_like(lse[:, None], smoothing - 1))
-                g.mul_(valid[:, None])                                     # dloss/dz (C, V)
+                # dloss/dz = (softmax(z) - e / V - (1 - e) onehot(y)) * valid, written once in the
+                # compute dtype (the subtraction and the row mask in fp32, rounded on the write)
+                p.scatter_add_(1, y, torch.full_like(valid[:, None], smoothing - 1))
+                gc = torch.empty((p.shape[0], v), dtype=dtype, device=h.device)
+                torch.addcmul((valid * (-smoothing / v))[:, None], p, valid[:, None], out=gc)  # one pass
                 if db is not None:
-                    db += g.sum(0)
-                gc = g.to(dtype)
+                    db += gc.sum(0, dtype=torch.float32)
                 dh[start:start + rows] = gc @ w
                 if dtype == torch.float32:
                     dw.addmm_(gc.t(), x)
                 else:
                     dw += gc.t() @ x
-                del z, g, gc  # before the next chunk's logits are made
+                del p, gc  # before the next chunk's logits are made
         ctx.mark_non_differentiable(nll)
         ctx.h_dtype, ctx.has_bias = h.dtype, bias is not None
         if want_grad:

@@ -45,6 +45,23 @@ def test_compile_auto_rule():
     assert choose_compile("on", CPU, "full", 1, 1).value is True and choose_compile("off", CUDA, "graph", 10**9, 1).value is False
 
 
+def test_compile_auto_turns_on_for_a_packed_base_run_of_ten_minutes():
+    """The step time follows the tokens a step holds and the model's size: one packed shape of the
+    base model at the GPU default budget compiles for a 10-minute run, not for a 3-minute one
+    (nor when --time-limit cuts the run to 3 minutes); a tiny model's steps stay at the floor."""
+    from streamnmt.engine.auto import GRAPH_MS_PER_STEP, graph_step_s
+
+    step = graph_step_s(8192)  # base model
+    assert 0.02 < step < 0.04 and graph_step_s(16384) == pytest.approx(2 * step)
+    assert graph_step_s(8192, n_layers=2, d_model=64, d_ff=128) == GRAPH_MS_PER_STEP / 1e3
+    assert graph_step_s(8192, n_layers=12, d_model=1024, d_ff=4096) > 7 * step  # a big model's steps are longer
+    ten_min, three_min = int(600 / step), int(180 / step)
+    assert choose_compile("auto", CUDA, "graph", ten_min, 1, step).value is True
+    assert choose_compile("auto", CUDA, "graph", three_min, 1, step).value is False
+    cut = choose_compile("auto", CUDA, "graph", ten_min, 1, step, time_limit_s=180)
+    assert cut.value is False and "~3 min" in cut.why
+
+
 def test_compile_flag_values():
     assert EngineConfig(compile=True).compile == "on" and EngineConfig(compile="false").compile == "off"
     with pytest.raises(ConfigError, match="--compile"):

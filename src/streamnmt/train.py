@@ -41,7 +41,7 @@ from streamnmt.attention import resolve_attention
 from streamnmt.data import batch_plan, make_loader, prepare_data, read_pairs
 from streamnmt.devices import resolve_device
 from streamnmt.engine import STATS, DeferredLosses, host_sync, make_strategy
-from streamnmt.engine.auto import choose_compile, choose_strategy
+from streamnmt.engine.auto import choose_compile, choose_strategy, graph_step_s
 from streamnmt.engine.losses import StepLoss
 from streamnmt.engine.syncstats import format_table
 from streamnmt.decode import decode_dtype, decoding_copy
@@ -330,7 +330,11 @@ class Trainer:
         steps = per_epoch * job.run.epochs // self.dist.world  # micro-batches each process runs
         if job.run.max_steps:
             steps = min(steps, job.run.max_steps * job.engine.accum_steps)
-        choice = choose_compile(job.engine.compile, self.device, job.engine.sync_strategy, steps, len(shapes))
+        tokens = max((b * t for b, _, t in shapes), default=0)  # target positions of the largest step
+        m = job.model  # sizes resolved from the preset by now
+        choice = choose_compile(job.engine.compile, self.device, job.engine.sync_strategy, steps, len(shapes),
+                                graph_step_s(tokens, m.n_layers, m.d_model, m.d_ff),
+                                parse_duration(job.run.time_limit) or 0.0)
         if job.engine.compile == "auto":
             self.log(f"engine: compile {'on' if choice.value else 'off'} ({choice.why})")
         return dataclasses.replace(job, engine=dataclasses.replace(job.engine, compile="on" if choice.value else "off"))

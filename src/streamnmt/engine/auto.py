@@ -5,13 +5,16 @@ strategy at small batches and is never slower, so ``auto`` is ``graph`` on CUDA 
 falls back to ``full`` by itself, in one line, where capture fails) and ``full`` on a CPU, where
 there is nothing to capture.
 
-Compiling pays only when the steps it saves outweigh the time it costs. torch.compile traces and
+Compiling pays only when the time it saves outweighs the time it costs. torch.compile traces and
 tunes the step once per batch shape (``COMPILE_S_PER_SHAPE``, measured) and then saves a share of
 each step (``COMPILE_SAVING``, measured at the smallest shape, where it is lowest). ``auto``
-compiles when ``planned steps x saving x step time >= 2 x compile time``, with the step time of
-graph mode estimated from the measured ``GRAPH_MS_PER_STEP``; i.e. when the run is long enough to
-win the compile time back twice. Only graph mode is considered: compiled eager steps are still
-bound by kernel launches.
+compiles when ``planned training time x saving >= 2 x compile time``: when the run is long enough
+to win the compile time back twice. The planned time is the planned steps times graph mode's step
+time, estimated from the tokens a step holds (``GRAPH_MS_PER_KTOKEN``, measured on packed batches
+of the base model, scaled by the model's matrix sizes; at least ``GRAPH_MS_PER_STEP``, the
+launch-bound floor of small batches), and at most ``--time-limit``. With the packed batches of
+the GPU defaults (one shape) that compiles any run of more than about six minutes. Only graph mode
+is considered: compiled eager steps are still bound by kernel launches.
 """
 
 from __future__ import annotations
@@ -26,6 +29,16 @@ import torch
 COMPILE_S_PER_SHAPE = 45.0
 COMPILE_SAVING = 0.25
 GRAPH_MS_PER_STEP = 6.0
+# Measured on the H200, base model, bf16, vocabulary 32k, packed batches of 16,384 target positions
+# (docs/PERFORMANCE.md, section 9, commit cbd0eff): graph mode 59.28 ms/step, 3.62 ms per 1,000.
+GRAPH_MS_PER_KTOKEN = 3.62
+BASE_MATRICES = 6 * 512 * (4 * 512 + 2 * 2048)  # n_layers x d_model x (4 d_model + 2 d_ff) of the base model
+
+
+def graph_step_s(tokens_per_step: int, n_layers: int = 6, d_model: int = 512, d_ff: int = 2048) -> float:
+    """Estimated seconds of one graph-mode step of ``tokens_per_step`` target positions."""
+    scale = n_layers * d_model * (4 * d_model + 2 * d_ff) / BASE_MATRICES
+    return max(GRAPH_MS_PER_STEP, tokens_per_step / 1e3 * GRAPH_MS_PER_KTOKEN * scale) / 1e3
 
 
 @dataclass(frozen=True)
@@ -44,16 +57,22 @@ def choose_strategy(requested: str, device: torch.device) -> Choice:
 
 
 def choose_compile(requested: str, device: torch.device, strategy: str, planned_steps: int,
-                   n_shapes: int) -> Choice:
-    """Whether to torch.compile the model (``on``/``off`` kept; ``auto`` by the rule above)."""
+                   n_shapes: int, step_s: float = GRAPH_MS_PER_STEP / 1e3, time_limit_s: float = 0.0) -> Choice:
+    """Whether to torch.compile the model (``on``/``off`` kept; ``auto`` by the rule above).
+    ``step_s``: graph mode's estimated step time (:func:`graph_step_s`); ``time_limit_s``: the
+    run's ``--time-limit`` (0: none)."""
     if requested in ("on", "off"):
         return Choice(requested == "on", "as requested")
     if device.type != "cuda" or strategy != "graph":
         return Choice(False, "auto: compiling pays only inside graph mode on CUDA")
     cost = COMPILE_S_PER_SHAPE * max(n_shapes, 1)
-    gain = planned_steps * COMPILE_SAVING * GRAPH_MS_PER_STEP / 1e3
+    planned = planned_steps * step_s
+    if time_limit_s:
+        planned = min(planned, time_limit_s)
+    gain = planned * COMPILE_SAVING
+    run = f"a run of ~{planned / 60:.0f} min ({planned_steps} steps of ~{step_s * 1e3:.0f} ms)"
     if gain >= 2 * cost:
-        return Choice(True, f"auto: {planned_steps} steps save ~{gain:.0f} s, >= 2x the ~{cost:.0f} s "
-                            f"of compiling {n_shapes} batch shape(s)")
-    return Choice(False, f"auto: {planned_steps} steps would save ~{gain:.0f} s, < 2x the ~{cost:.0f} s of "
-                         f"compiling {n_shapes} batch shape(s) (--compile on to force it)")
+        return Choice(True, f"auto: {run} saves ~{gain:.0f} s, >= 2x the ~{cost:.0f} s of compiling "
+                            f"{n_shapes} batch shape(s)")
+    return Choice(False, f"auto: {run} would save ~{gain:.0f} s, < 2x the ~{cost:.0f} s of compiling "
+                         f"{n_shapes} batch shape(s) (--compile on to force it)")

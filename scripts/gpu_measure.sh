@@ -159,6 +159,17 @@ PY
       grep -E "ready in" "$f"
       grep -E "^(graph|compile-ro) " "$f" | cut -c1-120
     done ;;
+  packed-profile)  # where a packed base-model step's time goes (kernel families, top kernels), then graph
+                   # --compile and the compile-ro peer at the same shape, each row in its own process
+    B="python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 --max-tokens ${TOKENS:-16384} --max-len 128"
+    timeout 240 $B --strategies graph --repeats 3 --profile --profile-steps 5 --no-references --out /tmp/pp \
+      > "$OUT/pp_graph.log" 2>&1
+    timeout 240 $B --strategies graph --compile --repeats 3 --no-references --out /tmp/ppc > "$OUT/pp_compile.log" 2>&1
+    timeout 240 $B --strategies compile-ro --repeats 3 --no-references --out /tmp/ppr > "$OUT/pp_ro.log" 2>&1
+    for f in pp_graph pp_compile pp_ro; do
+      echo "== $f"; grep -E "ready in|^(graph|compile-ro) " "$OUT/$f.log" | cut -c1-140
+    done
+    grep -E "by family|kernels in the window" -A13 "$OUT/pp_graph.log" | cut -c1-150 | head -16 ;;
   recipe-defaults)  # time-to-BLEU: the defaults vs --max-tokens 6144 --warmup 800, the same --time-limit each
     # (the two runs of a corpus share the GPU concurrently: the same share each), built-in then long-tail
     # corpus; then dev BLEU of last.pt with streamnmt eval. TIME=100s each; the whole part ~7-8 min.

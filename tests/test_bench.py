@@ -214,7 +214,22 @@ def test_trace_analysis_attributes_kernels_and_idle_time():
     assert s.n_kernels == 4 and [n for n, _, _ in s.top_kernels][-1] == "late"
     assert s.top_kernels[0][1:] == (1, pytest.approx(0.01)) and d["top_kernels"][-1]["pct_of_busy"] == pytest.approx(12.5)
     assert "4 kernels in the window" in format_summary("deep", s)
+    assert s.families == {"other": (4, pytest.approx(0.035))}  # fwd, bwd, opt, late: no family's names
     assert analyze_trace(_trace([("cpu_op", "aten::mm", 0, 5, {})])) is None
+
+
+def test_kernel_families_by_name():
+    from streamnmt.bench.profile import kernel_family
+
+    assert kernel_family("fmha_cutlassB_bf16_aligned_64x64_k64_sm80") == "attention"  # before cutlass: matmul
+    assert kernel_family("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "matmul"
+    assert kernel_family("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN") == "matmul"
+    assert kernel_family("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>") == "softmax/reduce"
+    assert kernel_family("void at::native::vectorized_elementwise_kernel<4, at::native::AddFunctor<float>>") == \
+        "elementwise"
+    assert kernel_family("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
+    assert kernel_family("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "nccl"
+    assert kernel_family("something_else") == "other"
 
 
 def test_trace_analysis_idle_causes_and_graph_branches():

@@ -58,6 +58,24 @@ IDLE_CAUSES = ("launch", "data", "sync", "queued")
 ALL_REDUCE = "nccl all-reduce"  # the category of NCCL's kernels (several processes, DDP)
 GRAPH_BRANCHES = -1  # pseudo-stream: streams that only ran graph-internal kernels
 TOP_KERNELS = 12     # kernels named in the summary, by GPU time
+# Kernel families by name (first match wins; lower-case substrings): where a step's GPU time goes
+# when a hundred kernels share it. Names as CUDA/cuBLAS/CUTLASS/PyTorch give them.
+FAMILIES = (
+    ("attention", ("fmha", "flash", "attention", "attn", "flex")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "matmul")),
+    ("nccl", ("nccl",)),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("softmax/reduce", ("softmax", "reduce", "logsumexp", "norm_kernel", "layer_norm", "scan")),
+    ("dropout/random", ("fused_dropout", "bernoulli", "philox", "random")),
+    ("copy/index", ("copy", "gather", "scatter", "index", "cat", "memcpy", "memset", "fill")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "triton")),
+)
+
+
+def kernel_family(name: str) -> str:
+    """The family of a kernel name (:data:`FAMILIES`), ``other`` when none matches."""
+    low = name.lower()
+    return next((fam for fam, keys in FAMILIES if any(k in low for k in keys)), "other")
 _GPU_CATS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
 
 
@@ -84,6 +102,7 @@ class TraceSummary:
     syncs: list[tuple[float, float]] = field(default_factory=list)         # (start, duration)
     top_kernels: list[tuple[str, int, float]] = field(default_factory=list)  # (name, count, ms), by ms
     n_kernels: int = 0  # kernels that ran inside the window
+    families: dict[str, tuple[int, float]] = field(default_factory=dict)  # kernel_family -> (count, ms), by ms
 
     def to_dict(self) -> dict[str, Any]:
         w = max(self.window_ms, 1e-9)
@@ -93,7 +112,8 @@ class TraceSummary:
                                        for cat, by in self.streams.items()},
                 "host_syncs": len(self.syncs), "kernels": self.n_kernels,
                 "top_kernels": [{"name": n, "count": c, "ms": ms, "pct_of_busy": 100 * ms / max(self.busy_ms, 1e-9)}
-                                for n, c, ms in self.top_kernels]}
+                                for n, c, ms in self.top_kernels],
+                "kernel_families": {f: {"count": c, "ms": ms} for f, (c, ms) in self.families.items()}}
 
 
 def load_trace(path: str | Path) -> dict[str, Any]:
@@ -232,8 +252,14 @@ def analyze_trace(trace: dict[str, Any], window: str = WINDOW) -> TraceSummary |
             cell[0] += 1
             cell[1] += (min(o.end, w1) - max(o.start, w0)) / 1e3
     top = sorted(((n, int(c), ms) for n, (c, ms) in by_name.items()), key=lambda t: -t[2])[:TOP_KERNELS]
+    fams: dict[str, list[float]] = {}
+    for n, (c, ms) in by_name.items():
+        cell = fams.setdefault(kernel_family(n), [0, 0.0])
+        cell[0] += c
+        cell[1] += ms
+    families = {f: (int(c), ms) for f, (c, ms) in sorted(fams.items(), key=lambda kv: -kv[1][1])}
     return TraceSummary((w1 - w0) / 1e3, busy_ms, idle, streams, rel, rel_syncs, top,
-                        sum(int(c) for c, _ in by_name.values()))
+                        sum(int(c) for c, _ in by_name.values()), families)
 
 
 def stream_label(stream: int) -> str:
@@ -254,6 +280,9 @@ def format_summary(name: str, s: TraceSummary | None) -> str:
         cells = [s.streams[cat].get(st) for st in stream_ids]
         lines.append(f"    {cat:<22}" + "".join(f"{'-' if c is None else f'{int(c[0])} / {c[1]:.2f}':>18}"
                                              for c in cells))
+    if s.families:
+        busy = max(s.busy_ms, 1e-9)
+        lines.append("    by family: " + ", ".join(f"{f} {100 * ms / busy:.0f}% ({c})" for f, (c, ms) in s.families.items()))
     if s.top_kernels:
         lines.append(f"    {s.n_kernels} kernels in the window; by GPU time (count, ms, share of busy):")
         for name, count, ms in s.top_kernels:

@@ -156,3 +156,51 @@ def test_state_of_one_rank_resumes_on_two_at_the_same_share():
     assert two.position == -(-10 * len(two) // len(one))
     with pytest.raises(InputError, match="another training corpus"):
         PackSampler(c.src_lengths[1:], c.tgt_lengths[1:], (2, 40, 32), shuffle=True).load_state_dict(state)
+
+
+def _fills(c: TokenizedCorpus, shape: tuple[int, int, int]) -> tuple[float, float]:
+    s, t = c.src_lengths + 1, c.tgt_lengths + 1
+    rows = pack_rows(s, t, np.random.default_rng(0).permutation(len(c)), shape[1], shape[2])
+    return s.sum() / (len(rows) * shape[1]), t.sum() / (len(rows) * shape[2])
+
+
+def test_source_width_keeps_the_target_full_with_less_source_padding():
+    """pack_shape's source width: among 1 to 1.25 x the token ratio, the one with the most real
+    target tokens per unit of work that keeps >= 95 % of the target positions real. Source
+    lengths twice the target's, varying pair by pair, as in an EN->ZH corpus."""
+    from streamnmt.data import packing
+
+    rng = np.random.default_rng(3)
+    pairs = []
+    for _ in range(3000):
+        m = int(rng.integers(2, 20))
+        pairs.append((list(rng.integers(4, 50, max(1, int(m * rng.uniform(1.2, 2.8))))), list(rng.integers(4, 50, m))))
+    c = corpus_of(pairs)
+    shape = pack_shape(c.src_lengths, c.tgt_lengths, max_len=128, max_tokens=4096, batch_size=32, pad_multiple=8)
+    ratio = (c.src_lengths.sum() + len(c)) / (c.tgt_lengths.sum() + len(c))
+    widest = packing.round_up(int(np.ceil(128 * ratio * max(packing.SRC_SLACKS))), 8)
+    assert shape[0] == 32 and shape[2] == 128 and shape[1] < widest
+    src_fill, tgt_fill = _fills(c, shape)
+    wide_src, wide_tgt = _fills(c, (32, widest, 128))
+    assert tgt_fill >= packing.MIN_TGT_FILL and src_fill > wide_src + 0.03
+    work = lambda fill, width: fill * 128 / (packing.SRC_COST * width + 128)  # noqa: E731
+    assert work(tgt_fill, shape[1]) > work(wide_tgt, widest)  # more real target tokens per unit of work
+
+
+def test_a_checkpoint_of_another_source_width_resumes_with_its_own():
+    """A state saved under an earlier source-width rule (same rows and target width) resumes with the
+    saved width and serves exactly the rest of the saved plan."""
+    c = random_corpus(400, seed=8)
+    old = PackSampler(c.src_lengths, c.tgt_lengths, (4, 48, 32), shuffle=True, seed=5)
+    it = iter(old)
+    for _ in range(3):
+        next(it)
+        old.position += 1
+    state = old.state_dict()
+    rest = [p.pairs.tolist() for p in it]
+    new = PackSampler(c.src_lengths, c.tgt_lengths, (4, 40, 32), shuffle=True, seed=5)
+    new.load_state_dict(state)
+    assert new.shape == (4, 48, 32) and [p.pairs.tolist() for p in new] == rest
+    other = PackSampler(c.src_lengths, c.tgt_lengths, (4, 40, 24), shuffle=True, seed=5)  # another target width
+    with pytest.raises(InputError, match="shape"):
+        other.load_state_dict(state)

@@ -196,6 +196,7 @@ class GraphDecoder:
                     bucket.step(span)
             bucket.cache.pos.zero_()
             bucket.t.zero_()
+        torch.cuda.current_stream(device).wait_stream(side)  # load() overwrites what warm-up wrote
         stream.wait_stream(side)
         # capture_begin/capture_end rather than ``with torch.cuda.graph(...)``: the context manager
         # synchronizes the device and empties the allocator's cache before every capture (to free

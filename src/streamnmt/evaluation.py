@@ -50,8 +50,12 @@ def translate_texts(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, 
     limit = min(max_input_len or model.shape.max_positions, model.shape.max_positions)
     sources, cut = encode_sources(src_tok, texts, limit)
     hyps = translate_ids(model, sources, opts, batch_size=batch_size, device=device)
-    # A translation is one line of output whatever the tokenizer makes of it.
-    return [tgt_tok.decode(h).replace("\n", " ") for h in hyps], cut
+    return detokenize(tgt_tok, hyps), cut
+
+
+def detokenize(tgt_tok: Tokenizer, outputs: list[list[int]]) -> list[str]:
+    """Output ids -> text; a translation is one line whatever the tokenizer makes of it."""
+    return [tgt_tok.decode(h).replace("\n", " ") for h in outputs]
 
 
 def _metrics(tgt_lang: str) -> tuple[Any, Any]:
@@ -141,7 +145,7 @@ def bleu_on_pairs(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, pa
     scorer = Scorer([t for _, t in pairs], tgt_lang)
 
     def on_batch(indices: list[int], outputs: list[list[int]]) -> None:
-        scorer.add(indices, [tgt_tok.decode(h).replace("\n", " ") for h in outputs])
+        scorer.add(indices, detokenize(tgt_tok, outputs))
 
     was_training = model.training
     model.eval()

@@ -42,7 +42,7 @@ from streamnmt.masks import BOS, EOS, PAD
 
 WINDOW = 8192  # pairs packed together (first-fit-decreasing inside a window)
 _ROWS_CACHE: dict[tuple, list[np.ndarray]] = {}  # see PackSampler._rows
-_SHAPE_CACHE: dict[tuple, tuple[int, int, int]] = {}  # see pack_shape
+_SHAPE_CACHE: dict[tuple, int] = {}  # source widths chosen by pack_shape
 # Source widths tried: target width x the corpus's source/target token ratio x each slack.
 SRC_SLACKS = (1.0, 1.05, 1.1, 1.15, 1.2, 1.25)
 # What a source position costs relative to a target position. Per layer both sides run the same
@@ -95,20 +95,24 @@ def pack_shape(src_lengths: np.ndarray, tgt_lengths: np.ndarray, *, max_len: int
         return rows, widths[-1], t_width
     key = (hash(np.asarray(src_lengths).tobytes()), hash(np.asarray(tgt_lengths).tobytes()), t_width, tuple(widths))
     if key not in _SHAPE_CACHE:
-        src_len = np.asarray(src_lengths, np.int64) + 1
-        tgt_len = np.asarray(tgt_lengths, np.int64) + 1
-        order = np.random.default_rng(0).permutation(len(src_len))[:WINDOW]
-        best, best_fill = (-1.0, widths[-1]), (-1.0, widths[-1])
-        for width in widths:
-            packed = pack_rows(src_len, tgt_len, order, width, t_width)
-            fill = int(tgt_len[order].sum()) / (len(packed) * t_width)
-            best_fill = max(best_fill, (fill, width))
-            if fill >= MIN_TGT_FILL:
-                best = max(best, (fill * t_width / (SRC_COST * width + t_width), -width))
         while len(_SHAPE_CACHE) >= 8:
             _SHAPE_CACHE.pop(next(iter(_SHAPE_CACHE)))
-        _SHAPE_CACHE[key] = (rows, -best[1] if best[0] >= 0 else best_fill[1], t_width)
-    return rows, _SHAPE_CACHE[key][1], t_width
+        _SHAPE_CACHE[key] = _source_width(np.asarray(src_lengths, np.int64) + 1, np.asarray(tgt_lengths, np.int64) + 1,
+                                          widths, t_width)
+    return rows, _SHAPE_CACHE[key], t_width
+
+
+def _source_width(src_len: np.ndarray, tgt_len: np.ndarray, widths: list[int], t_width: int) -> int:
+    """The source width of :func:`pack_shape`: pack one window at each of ``widths``; among those
+    whose target fill reaches MIN_TGT_FILL, the most real target tokens per unit of work (ties: the
+    narrower); if none does, the fullest target side."""
+    order = np.random.default_rng(0).permutation(len(src_len))[:WINDOW]
+    fill = {w: int(tgt_len[order].sum()) / (len(pack_rows(src_len, tgt_len, order, w, t_width)) * t_width)
+            for w in widths}
+    full = [w for w in widths if fill[w] >= MIN_TGT_FILL]
+    if not full:
+        return max(widths, key=lambda w: (fill[w], w))
+    return max(full, key=lambda w: (fill[w] * t_width / (SRC_COST * w + t_width), -w))
 
 
 def pack_rows(src_len: np.ndarray, tgt_len: np.ndarray, order: np.ndarray, s_width: int, t_width: int,

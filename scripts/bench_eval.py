@@ -17,9 +17,11 @@ and prints eval / bench (the target is >= 80 %).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import json
 import os
+import pstats
 import re
 import statistics
 import subprocess
@@ -56,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a tiny model instead of the base shape (a quick check)")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--profile-first", action="store_true",
+                   help="print where the host spends the first in-process call (cProfile, by cumulative time)")
     return p.parse_args(argv)
 
 
@@ -125,10 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     pairs = list(zip(texts, refs))
     phases = {}
     for name in ("bleu_on_pairs, first call", "bleu_on_pairs, second call"):
+        prof = cProfile.Profile() if args.profile_first and not phases else None
         t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         bleu_on_pairs(model, src_tok, tgt_tok, pairs, device=device, beam_size=args.beam, batch_size=args.batch_size,
                       tgt_lang="ch", options=SearchOptions(graph=True))
         phases[name] = time.perf_counter() - t0
+        if prof is not None:
+            prof.disable()
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
     t0 = time.perf_counter()
     translate_ids(model, sources, opts, batch_size=args.batch_size, device=device)
     phases["translate_ids (shared decoder), warm"] = time.perf_counter() - t0

@@ -105,6 +105,27 @@ def run_eval(args: argparse.Namespace, ckpt: Path, data: Path) -> dict:
     return {"sentences_per_s": float(m.group(1)), "command_s": wall}
 
 
+def _time_captures(device: torch.device) -> None:
+    """Print, for each graph capture of the first call: the GPU work still queued before it (a
+    synchronize), then capture_begin and capture_end (host seconds)."""
+    cls = torch.cuda.CUDAGraph
+    begin, end = cls.capture_begin, cls.capture_end
+
+    def timed_begin(self, *a, **k):
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(device)
+        t1 = time.perf_counter()
+        begin(self, *a, **k)
+        print(f"  capture: queued work {1e3 * (t1 - t0):7.1f} ms, capture_begin {1e3 * (time.perf_counter() - t1):7.1f} ms")
+
+    def timed_end(self, *a, **k):
+        t0 = time.perf_counter()
+        end(self, *a, **k)
+        print(f"  capture: capture_end {1e3 * (time.perf_counter() - t0):7.1f} ms")
+
+    cls.capture_begin, cls.capture_end = timed_begin, timed_end
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench_eval_"))
@@ -128,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     refs = [p["ch"] for p in json.loads((data / "test.json").read_text(encoding="utf-8"))]
     pairs = list(zip(texts, refs))
     phases = {}
+    if args.profile_first:
+        _time_captures(device)
     for name in ("bleu_on_pairs, first call", "bleu_on_pairs, second call"):
         prof = cProfile.Profile() if args.profile_first and not phases else None
         t0 = time.perf_counter()

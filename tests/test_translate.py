@@ -188,35 +188,59 @@ def test_score_uses_zh_tokenizer_for_chinese():
     assert score([], [], "ch")["bleu"] == 0.0
 
 
-@pytest.mark.parametrize("lang", ["ch", "en"])
-def test_scorer_batch_by_batch_equals_the_corpus_score(lang):
-    """The scores from segment statistics extracted batch by batch, in any order, on the worker
-    thread, are those of one corpus_score call (BLEU, chrF and the signature)."""
+def _scorer_case(n: int = 50):
     import random
-
-    from streamnmt.evaluation import Scorer
 
     rng = random.Random(0)
     words = ["我们", "是", "学生", "老师", "the", "cat", "sat", "on", "mat", "今天", "天气", "很", "好"]
-    refs = [" ".join(rng.choices(words, k=rng.randint(2, 12))) for _ in range(50)]
+    refs = [" ".join(rng.choices(words, k=rng.randint(2, 12))) for _ in range(n)]
     hyps = [" ".join(rng.choices(words, k=rng.randint(1, 12))) if i % 7 else r for i, r in enumerate(refs)]
-    want = score(hyps, refs, lang)
-    switch = sys.getswitchinterval()
-    scorer = Scorer(refs, lang)
-    assert scorer.incremental  # sacrebleu has the segment-statistics methods
-    order = list(range(50))
+    order = list(range(n))
     rng.shuffle(order)
-    for start in range(0, 50, 16):
-        idx = order[start:start + 16]
+    return refs, hyps, [order[k:k + 16] for k in range(0, n, 16)]
+
+
+@pytest.mark.parametrize("lang", ["ch", "en"])
+def test_scorer_batch_by_batch_equals_the_corpus_score(lang):
+    """The scores from segment statistics extracted batch by batch, in any order, in the worker
+    processes, are those of one corpus_score call (BLEU, chrF and the signature)."""
+    from streamnmt.evaluation import Scorer
+
+    refs, hyps, batches = _scorer_case()
+    want = score(hyps, refs, lang)
+    scorer = Scorer(refs, lang, workers=2)
+    assert scorer.incremental  # sacrebleu has the segment-statistics methods
+    for idx in batches:
         scorer.add(idx, [hyps[i] for i in idx])
     got = scorer.result()
-    assert sys.getswitchinterval() == switch  # the short interval lasts while the worker runs
+    assert sorted(scorer._stats) == list(range(len(batches)))  # every batch was scored by a worker
+    assert all(w.proc.returncode == 0 for w in scorer._workers) and len(scorer._workers) == 2
     assert got["bleu"] == pytest.approx(want["bleu"], abs=1e-9) and 0 < want["bleu"] < 100
     assert got["chrf"] == pytest.approx(want["chrf"], abs=1e-9) and got["signature"] == want["signature"]
     short = Scorer(refs, lang)
     short.add([0], [hyps[0]])
     with pytest.raises(ValueError, match="no translation added for sentence 1"):
         short.result()
+    assert all(w.proc.poll() is not None for w in short._workers)  # stopped even so
+
+
+def test_scorer_scores_in_process_what_a_dead_worker_left():
+    """A worker killed mid-way (or none at all): the missing batches are scored at the end, same numbers."""
+    from streamnmt.evaluation import Scorer
+
+    refs, hyps, batches = _scorer_case()
+    want = score(hyps, refs, "ch")
+    for workers in (1, 0):
+        scorer = Scorer(refs, "ch", workers=workers)
+        for k, idx in enumerate(batches):
+            if k == 1 and workers:
+                scorer._workers[0].proc.kill()
+                scorer._workers[0].proc.wait()
+            scorer.add(idx, [hyps[i] for i in idx])
+        got = scorer.result()
+        assert len(scorer._stats) < len(batches)  # some (all, without workers) were scored here
+        assert got["bleu"] == pytest.approx(want["bleu"], abs=1e-9)
+        assert got["chrf"] == pytest.approx(want["chrf"], abs=1e-9)
 
 
 # -- bad input -------------------------------------------------------------------------------

@@ -11,22 +11,26 @@ those pieces below both the trainer and the commands, so that imports run one wa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
-import sacrebleu
 import torch
 
-from streamnmt import masks
+from streamnmt import masks, scoreworker
 from streamnmt.data import Tokenizer
 from streamnmt.decode import SearchOptions
 from streamnmt.decode_graph import translate_ids
 from streamnmt.model import Transformer
 
-CHINESE = {"ch", "zh"}
-SWITCH_INTERVAL_S = 2e-4  # the GIL switch interval while a Scorer's worker runs  # target languages scored with sacrebleu's "zh" tokenizer
+CHINESE = scoreworker.CHINESE  # target languages scored with sacrebleu's "zh" tokenizer
+MAX_SCORE_WORKERS = 2  # scoring processes per Scorer (see score_workers)
+WORKER_TIMEOUT_S = 300.0  # a Scorer waits this long for its workers' last answers, then scores here
 
 
 def encode_sources(tok: Tokenizer, texts: list[str], max_len: int) -> tuple[list[list[int]], list[int]]:
@@ -59,7 +63,7 @@ def detokenize(tgt_tok: Tokenizer, outputs: list[list[int]]) -> list[str]:
 
 
 def _metrics(tgt_lang: str) -> tuple[Any, Any]:
-    return sacrebleu.BLEU(tokenize="zh" if tgt_lang.lower() in CHINESE else "13a"), sacrebleu.CHRF()
+    return scoreworker.metrics(tgt_lang)
 
 
 def score(hyps: list[str], refs: list[str], tgt_lang: str) -> dict[str, Any]:
@@ -71,42 +75,99 @@ def score(hyps: list[str], refs: list[str], tgt_lang: str) -> dict[str, Any]:
     return {"bleu": b.score, "chrf": c.score, "signature": f"{bleu.get_signature()} / {chrf.get_signature()}"}
 
 
+def score_workers() -> int:
+    """Scoring processes a :class:`Scorer` starts: one core of the machine stays with decoding."""
+    return max(1, min(MAX_SCORE_WORKERS, (os.cpu_count() or 1) - 1))
+
+
+class _Worker:
+    """One :mod:`streamnmt.scoreworker` process and the thread that reads its answers."""
+
+    def __init__(self, tgt_lang: str, results: dict[int, Any]):
+        self.proc = subprocess.Popen([sys.executable, scoreworker.__file__, tgt_lang], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.reader = threading.Thread(target=self._read, args=(results,), daemon=True,
+                                       name="streamnmt-score-reader")
+        self.reader.start()
+
+    def _read(self, results: dict[int, Any]) -> None:
+        while True:  # blocked in read() almost always, the interpreter lock released
+            try:
+                tag, b, c = scoreworker.read_frame(self.proc.stdout)
+            except (EOFError, OSError, ValueError):
+                return
+            results[tag] = (b, c)
+
+    def send(self, frame: Any) -> bool:
+        try:
+            scoreworker.write_frame(self.proc.stdin, frame)
+            return True
+        except (OSError, ValueError):  # the worker died: its batches are scored at the end
+            return False
+
+    def close(self, timeout: float) -> None:
+        self.send(None)
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        self.reader.join(timeout)
+        if self.reader.is_alive() or self.proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(1.0)
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        self.reader.join(1.0)
+        with contextlib.suppress(OSError):
+            self.proc.stdout.close()
+
+
 class Scorer:
-    """:func:`score`, computed batch by batch on a worker thread while the device decodes.
+    """:func:`score`, computed batch by batch in worker processes while the device decodes.
 
     Scoring is pure Python (sacrebleu tokenizes and counts n-grams: about 1 s for 1,000 sentences
-    of 30 words on one slow core, as long as decoding them on a GPU), so it is done beside the
-    decoding: each decoded batch's segment statistics are extracted on the worker as the next batch
-    decodes, and the corpus scores are computed from their sum at the end, the same numbers as
-    :func:`score` over the whole corpus (sacrebleu's corpus score is a function of the summed
-    segment statistics; tested). The decoding thread waits for the GPU with the GIL released,
-    which is when the worker runs. Where sacrebleu lacks the segment-statistics methods, the
-    hypotheses are kept and scored at the end."""
+    of 30 words, as long as decoding them on a GPU), and in the decoding process it would compete
+    with decoding for the interpreter lock. So each decoded batch is sent to one of
+    :func:`score_workers` :mod:`streamnmt.scoreworker` processes (round robin), which return its
+    segment statistics; the corpus scores are computed from their sum at the end, the same numbers
+    as :func:`score` over the whole corpus (sacrebleu's corpus score is a function of the summed
+    segment statistics; tested). A batch whose worker could not be started or died is scored here
+    at the end, as is everything where sacrebleu lacks the segment-statistics methods."""
 
-    def __init__(self, refs: list[str], tgt_lang: str):
-        from concurrent.futures import ThreadPoolExecutor
-
+    def __init__(self, refs: list[str], tgt_lang: str, workers: int | None = None):
         self.refs, self.tgt_lang = refs, tgt_lang
         self.bleu, self.chrf = _metrics(tgt_lang)
         self.incremental = all(hasattr(m, a) for m in (self.bleu, self.chrf)
                                for a in ("_extract_corpus_statistics", "_aggregate_and_compute"))
         self.hyps: list[str | None] = [None] * len(refs)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="streamnmt-score")
-        self._stats: list[Any] = []
-        # While the worker runs, the decoding thread that wakes from a GPU wait must get the GIL
-        # back within a fraction of a decoding step (about 1 ms), not Python's default 5 ms, or the
-        # GPU would run out of queued steps; restored by close().
-        self._switch = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        self._batches: list[tuple[list[str], list[str]]] = []
+        self._stats: dict[int, Any] = {}  # batch tag -> (bleu stats, chrf stats), filled by the readers
+        self._workers: list[_Worker] = []
+        self._n_workers = score_workers() if workers is None else workers
+        self._closed = False
+
+    def _worker(self, tag: int) -> _Worker | None:
+        if not self.incremental or self._n_workers < 1:
+            return None
+        if len(self._workers) < self._n_workers:  # started with the first batches: they overlap decoding
+            try:
+                self._workers.append(_Worker(self.tgt_lang, self._stats))
+            except OSError:
+                self._n_workers = len(self._workers)
+                if not self._workers:
+                    return None
+        return self._workers[tag % len(self._workers)]
 
     def add(self, indices: list[int], hyps: list[str]) -> None:
         """Translations ``hyps`` of the sentences at ``indices`` (into ``refs``), any order."""
         for i, h in zip(indices, hyps):
             self.hyps[i] = h
-        if self.incremental and hyps:
-            refs = [[self.refs[i] for i in indices]]
-            self._stats.append(self._pool.submit(lambda: (self.bleu._extract_corpus_statistics(hyps, refs),
-                                                          self.chrf._extract_corpus_statistics(hyps, refs))))
+        if not hyps:
+            return
+        tag, refs = len(self._batches), [self.refs[i] for i in indices]
+        self._batches.append((list(hyps), refs))
+        worker = self._worker(tag)
+        if worker is not None:
+            worker.send((tag, list(hyps), refs))
 
     def result(self) -> dict[str, Any]:
         """BLEU, chrF and the sacrebleu signature; every sentence must have been added."""
@@ -116,18 +177,28 @@ class Scorer:
                 raise ValueError(f"no translation added for sentence {missing[0]} (of {len(missing)} missing)")
             if not self.incremental or not self.refs:
                 return score(self.hyps, self.refs, self.tgt_lang)  # type: ignore[arg-type]
-            parts = [f.result() for f in self._stats]
-            b = self.bleu._aggregate_and_compute([s for part, _ in parts for s in part])
-            c = self.chrf._aggregate_and_compute([s for _, part in parts for s in part])
+            self.close()  # the workers finish their batches and exit
+            bleu_stats, chrf_stats = [], []
+            for tag, (hyps, refs) in enumerate(self._batches):
+                b, c = self._stats.get(tag) or (self.bleu._extract_corpus_statistics(hyps, [refs]),
+                                                self.chrf._extract_corpus_statistics(hyps, [refs]))
+                bleu_stats += b
+                chrf_stats += c
+            b, c = self.bleu._aggregate_and_compute(bleu_stats), self.chrf._aggregate_and_compute(chrf_stats)
+            for m in (self.bleu, self.chrf):  # the signature's "#" (references per sentence), which
+                m.num_refs = 1                 # sacrebleu records when it reads references itself
             return {"bleu": b.score, "chrf": c.score,
                     "signature": f"{self.bleu.get_signature()} / {self.chrf.get_signature()}"}
         finally:
             self.close()
 
-    def close(self) -> None:
-        """Stop the worker (after the batches it has been given)."""
-        self._pool.shutdown(wait=True)
-        sys.setswitchinterval(self._switch)
+    def close(self, timeout: float = WORKER_TIMEOUT_S) -> None:
+        """Stop the workers after the batches they have been given (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for w in self._workers:
+            w.close(timeout)
 
 
 def bleu_on_pairs(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, pairs: list[tuple[str, str]], *,

@@ -1,0 +1,62 @@
+"""A scoring worker process: sacrebleu segment statistics for batches of translations.
+
+Run as ``python scoreworker.py LANG`` by :class:`streamnmt.evaluation.Scorer` (by file path, so it
+needs neither an installed package nor the parent's ``sys.path``; it imports sacrebleu and nothing
+of PyTorch). It reads frames ``(tag, hyps, refs)`` from stdin and writes ``(tag, bleu_stats,
+chrf_stats)`` to stdout, until a ``None`` frame or the end of stdin. A frame is a 4-byte
+big-endian length and a pickle. Scoring in its own process keeps sacrebleu's pure-Python n-gram
+counting off the decoding process's interpreter lock.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import sys
+from typing import IO, Any
+
+CHINESE = {"ch", "zh"}  # target languages scored with sacrebleu's "zh" tokenizer (as evaluation.CHINESE)
+
+
+def metrics(tgt_lang: str) -> tuple[Any, Any]:
+    """BLEU (``zh`` tokenizer for Chinese targets, else ``13a``) and chrF, as the corpus score uses."""
+    import sacrebleu
+
+    return sacrebleu.BLEU(tokenize="zh" if tgt_lang.lower() in CHINESE else "13a"), sacrebleu.CHRF()
+
+
+def write_frame(out: IO[bytes], obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    out.write(struct.pack(">I", len(data)) + data)
+    out.flush()
+
+
+def read_frame(inp: IO[bytes]) -> Any:
+    """The next frame's object; EOFError at the end of the stream (also mid-frame)."""
+    head = inp.read(4)
+    if len(head) < 4:
+        raise EOFError
+    n = struct.unpack(">I", head)[0]
+    data = inp.read(n)
+    if len(data) < n:
+        raise EOFError
+    return pickle.loads(data)
+
+
+def main(argv: list[str]) -> int:
+    bleu, chrf = metrics(argv[0] if argv else "en")
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        try:
+            frame = read_frame(inp)
+        except EOFError:
+            return 0
+        if frame is None:
+            return 0
+        tag, hyps, refs = frame
+        write_frame(out, (tag, bleu._extract_corpus_statistics(hyps, [refs]),
+                          chrf._extract_corpus_statistics(hyps, [refs])))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

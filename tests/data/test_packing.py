@@ -204,3 +204,31 @@ def test_a_checkpoint_of_another_source_width_resumes_with_its_own():
     other = PackSampler(c.src_lengths, c.tgt_lengths, (4, 40, 24), shuffle=True, seed=5)  # another target width
     with pytest.raises(InputError, match="shape"):
         other.load_state_dict(state)
+
+
+def test_the_next_epoch_is_planned_in_the_background_with_the_same_rows(monkeypatch):
+    """Planning epoch e starts epoch e + 1 in a planner process; its rows are those planned here,
+    and a planner that dies leaves the epoch to be planned here, the same rows again."""
+    import multiprocessing
+
+    from streamnmt.data import packing
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork start method here: epochs are planned when they start")
+    rng = np.random.default_rng(5)
+    src, tgt = rng.integers(1, 30, 3000), rng.integers(1, 30, 3000)
+    shape = pack_shape(src, tgt, max_len=32, max_tokens=512, batch_size=0, pad_multiple=8)
+    monkeypatch.setattr(packing, "_ROWS_CACHE", {})
+    monkeypatch.setattr(packing, "_PLANNING", {})
+    s = PackSampler(src, tgt, shape, shuffle=True, seed=11)
+    s.plan(0)
+    assert list(packing._PLANNING) == [s._key(1)]  # epoch 1 under way
+    want = packing.epoch_rows(s.src_len, s.tgt_len, shape, True, 11, 1, packing.WINDOW)
+    got = s._rows(1)
+    assert not packing._PLANNING and len(got) == len(want) > 10
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    # a planner killed before it answers: epoch 2 is planned here
+    s._plan_ahead(2)
+    packing._PLANNING[s._key(2)]._proc.kill()
+    want2 = packing.epoch_rows(s.src_len, s.tgt_len, shape, True, 11, 2, packing.WINDOW)
+    assert all(np.array_equal(a, b) for a, b in zip(s._rows(2), want2))

@@ -207,8 +207,8 @@ def test_a_checkpoint_of_another_source_width_resumes_with_its_own():
 
 
 def test_the_next_epoch_is_planned_in_the_background_with_the_same_rows(monkeypatch):
-    """Planning epoch e starts epoch e + 1 in a planner process; its rows are those planned here,
-    and a planner that dies leaves the epoch to be planned here, the same rows again."""
+    """Planning epoch e asks the planner process for epoch e + 1; its rows are those planned here,
+    and after the planner dies the epochs are planned here, the same rows again."""
     import multiprocessing
 
     from streamnmt.data import packing
@@ -219,16 +219,20 @@ def test_the_next_epoch_is_planned_in_the_background_with_the_same_rows(monkeypa
     src, tgt = rng.integers(1, 30, 3000), rng.integers(1, 30, 3000)
     shape = pack_shape(src, tgt, max_len=32, max_tokens=512, batch_size=0, pad_multiple=8)
     monkeypatch.setattr(packing, "_ROWS_CACHE", {})
-    monkeypatch.setattr(packing, "_PLANNING", {})
+    monkeypatch.setattr(packing, "_PLANNER", None)
     s = PackSampler(src, tgt, shape, shuffle=True, seed=11)
+    planner = packing._PLANNER
+    assert planner and planner._proc.is_alive()  # forked with the sampler
     s.plan(0)
-    assert list(packing._PLANNING) == [s._key(1)]  # epoch 1 under way
+    assert planner._asked == [s._key(1)]  # epoch 1 under way
     want = packing.epoch_rows(s.src_len, s.tgt_len, shape, True, 11, 1, packing.WINDOW)
     got = s._rows(1)
-    assert not packing._PLANNING and len(got) == len(want) > 10
+    assert not planner._asked and len(got) == len(want) > 10
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
-    # a planner killed before it answers: epoch 2 is planned here
+    # the planner killed before it answers: epoch 2 is planned here, and later epochs too
     s._plan_ahead(2)
-    packing._PLANNING[s._key(2)]._proc.kill()
+    planner._proc.kill()
+    planner._proc.join()
     want2 = packing.epoch_rows(s.src_len, s.tgt_len, shape, True, 11, 2, packing.WINDOW)
     assert all(np.array_equal(a, b) for a, b in zip(s._rows(2), want2))
+    assert packing._PLANNER is False and packing._planner() is None

@@ -25,7 +25,7 @@ rows that do not fill a last global step are left out of the epoch (``drop_last`
 train in other epochs, which shuffle anew), so no step is mostly padding; a corpus smaller than one
 global step is served as one step filled with empty rows. ``position`` counts the micro-batches
 served, so a saved state resumes exactly; the plan is a pure function of ``(seed, epoch)``. While
-an epoch trains, the next one is planned in a forked process (:class:`_Planning`), so the loop does
+an epoch trains, the next one is planned in a forked process (:class:`_Planner`), so the loop does
 not pause at epoch starts.
 """
 
@@ -47,7 +47,7 @@ from streamnmt.masks import BOS, EOS, PAD
 WINDOW = 8192  # pairs packed together (first-fit-decreasing inside a window)
 _ROWS_CACHE: dict[tuple, list[np.ndarray]] = {}  # see PackSampler._rows
 _SHAPE_CACHE: dict[tuple, int] = {}  # source widths chosen by pack_shape
-_PLANNING: dict[tuple, _Planning] = {}  # epochs being planned in the background (see _Planning)
+_PLANNER: Any = None  # this process's _Planner (False: none to be had)
 # Source widths tried: target width x the corpus's source/target token ratio x each slack.
 SRC_SLACKS = (1.0, 1.05, 1.1, 1.15, 1.2, 1.25)
 # What a source position costs relative to a target position. Per layer both sides run the same
@@ -163,45 +163,84 @@ def epoch_rows(src_len: np.ndarray, tgt_len: np.ndarray, shape: tuple[int, int, 
     return rows
 
 
-class _Planning:
-    """One epoch's rows being planned in a forked daemon process (see :meth:`PackSampler._plan_ahead`).
+class _Planner:
+    """A forked daemon process that plans epochs' rows on request (see :meth:`PackSampler._plan_ahead`).
 
     Planning is a Python loop (first-fit-decreasing): about 0.1 s per 10,000 pairs, a pause of the
     training loop at every epoch start if it ran there (on the built-in corpus at a 16k-token
     batch an epoch is 27 steps, 1.4 s on an H200), and in a thread it would take the interpreter
-    lock from the loop that launches the steps. A forked process needs no imports and is a daemon:
-    a run that ends while it plans does not wait for it."""
+    lock from the loop that launches the steps. The process is forked once, when the first
+    training sampler is made (before the model is compiled or captured), runs NumPy only, and is
+    a daemon: a run that ends while it plans does not wait for it. Requests and answers go over
+    one pipe, in order; every answer is read before the next request is sent."""
 
-    def __init__(self, args: tuple) -> None:
+    def __init__(self) -> None:
         ctx = multiprocessing.get_context("fork")
-        self._conn, child = ctx.Pipe(duplex=False)
+        self._conn, child = ctx.Pipe()
         with warnings.catch_warnings():  # the child runs NumPy only: no CUDA, no locks of other threads
             warnings.simplefilter("ignore", DeprecationWarning)
-            self._proc = ctx.Process(target=_plan_in_child, args=(child, args), daemon=True,
-                                     name="streamnmt-pack-planner")
+            self._proc = ctx.Process(target=_planner_loop, args=(child,), daemon=True, name="streamnmt-pack-planner")
             self._proc.start()
         child.close()
+        self._asked: list[tuple] = []  # keys sent, not yet answered
+        self._answers: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
-    def result(self) -> list[np.ndarray]:
-        """The rows (waits for the planner); raises if it failed or died."""
-        try:
-            flat, counts = self._conn.recv()
-        finally:
-            self.cancel()
+    def submit(self, key: tuple, args: tuple) -> None:
+        self._collect()  # the pipe holds one request or answer at a time: never both ends writing
+        self._conn.send((key, args))
+        self._asked.append(key)
+
+    def asked(self, key: tuple) -> bool:
+        return key in self._asked or key in self._answers
+
+    def result(self, key: tuple) -> list[np.ndarray]:
+        """The rows of ``key`` (waits for the planner); raises EOFError/OSError if it died."""
+        if key not in self._answers:
+            self._collect(until=key)
+        flat, counts = self._answers.pop(key)
         return np.split(flat, np.cumsum(counts)[:-1]) if len(counts) else []
 
-    def cancel(self) -> None:
-        self._conn.close()
-        if self._proc.is_alive():
-            self._proc.terminate()
-        self._proc.join()
+    def _collect(self, until: tuple | None = None) -> None:
+        while self._asked and (until is None or until not in self._answers):
+            key, flat, counts = self._conn.recv()
+            self._asked.remove(key)
+            self._answers[key] = (flat, counts)
+        while len(self._answers) > 2:  # answers nobody came for (another seed or sampler)
+            self._answers.pop(next(iter(self._answers)))
 
 
-def _plan_in_child(conn: Any, args: tuple) -> None:
-    rows = epoch_rows(*args)
-    counts = np.fromiter((len(r) for r in rows), np.int64, len(rows))
-    conn.send((np.concatenate(rows) if rows else np.zeros(0, np.int64), counts))  # one buffer each, not one per row
-    conn.close()
+def _planner_loop(conn: Any) -> None:
+    while True:
+        try:
+            key, args = conn.recv()
+        except EOFError:  # the trainer closed its end or died
+            return
+        rows = epoch_rows(*args)
+        counts = np.fromiter((len(r) for r in rows), np.int64, len(rows))
+        conn.send((key, np.concatenate(rows) if rows else np.zeros(0, np.int64), counts))  # one buffer each
+
+
+def _planner() -> _Planner | None:
+    """This process's planner (forked on first use), or None where fork is unavailable or it died."""
+    global _PLANNER
+    if _PLANNER is None:
+        if "fork" not in multiprocessing.get_all_start_methods():
+            _PLANNER = False
+        else:
+            try:
+                _PLANNER = _Planner()
+            except OSError:
+                _PLANNER = False
+    return _PLANNER or None
+
+
+def _planner_failed() -> None:
+    global _PLANNER
+    if _PLANNER:
+        if _PLANNER._proc.is_alive():
+            _PLANNER._proc.terminate()
+        _PLANNER._conn.close()
+    _PLANNER = False  # the rest of the run plans each epoch when it starts
 
 
 class PackSampler:
@@ -224,7 +263,9 @@ class PackSampler:
         self.shuffle, self.seed, self.window = shuffle, seed, window
         self.epoch = 0
         self.position = 0
-        self.background = background
+        self.background = background and shuffle
+        if self.background:
+            _planner()  # forked now, while the process is small and has not compiled or captured anything
         self._lengths_hash: tuple[int, int] | None = None
         self._plan: tuple[int, int, list[PackedPlan]] | None = None
 
@@ -243,13 +284,12 @@ class PackSampler:
         key = self._key(epoch)
         if key in _ROWS_CACHE:
             return _ROWS_CACHE[key]
-        pending = _PLANNING.pop(key, None)
-        rows = None
-        if pending is not None:
+        planner, rows = _planner() if self.background else None, None
+        if planner is not None and planner.asked(key):
             try:
-                rows = pending.result()
-            except Exception:  # the planner died (killed, out of memory): plan here
-                rows = None
+                rows = planner.result(key)
+            except (EOFError, OSError):  # the planner died (killed, out of memory): plan here
+                _planner_failed()
         if rows is None:
             rows = epoch_rows(self.src_len, self.tgt_len, self.shape, self.shuffle, self.seed, epoch, self.window)
         while len(_ROWS_CACHE) >= 4:
@@ -258,19 +298,15 @@ class PackSampler:
         return rows
 
     def _plan_ahead(self, epoch: int) -> None:
-        """Start planning ``epoch``'s rows in the background, unless known or under way."""
+        """Start planning ``epoch``'s rows in the planner process, unless known or under way."""
         key = self._key(epoch)
-        if key in _ROWS_CACHE or key in _PLANNING or not self.background:
+        planner = _planner() if self.background else None
+        if planner is None or key in _ROWS_CACHE or planner.asked(key):
             return
-        if "fork" not in multiprocessing.get_all_start_methods():
-            return  # planned when the epoch starts
-        while len(_PLANNING) >= 2:  # an abandoned plan (another sampler, another seed): stop it
-            _PLANNING.pop(next(iter(_PLANNING))).cancel()
         try:
-            _PLANNING[key] = _Planning((self.src_len, self.tgt_len, self.shape, self.shuffle, self.seed, epoch,
-                                        self.window))
-        except OSError:  # no process to be had: planned when the epoch starts
-            pass
+            planner.submit(key, (self.src_len, self.tgt_len, self.shape, self.shuffle, self.seed, epoch, self.window))
+        except (EOFError, OSError):
+            _planner_failed()
 
     def plan(self, epoch: int) -> list[PackedPlan]:
         """All micro-batches of ``epoch`` in serving order (the last epoch's plan is kept)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -236,3 +238,33 @@ def test_the_next_epoch_is_planned_in_the_background_with_the_same_rows(monkeypa
     want2 = packing.epoch_rows(s.src_len, s.tgt_len, shape, True, 11, 2, packing.WINDOW)
     assert all(np.array_equal(a, b) for a, b in zip(s._rows(2), want2))
     assert packing._PLANNER is False and packing._planner() is None
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="Linux: a fork planner and /proc")
+def test_the_planner_ends_when_its_trainer_is_killed(tmp_path):
+    """A trainer killed by SIGKILL leaves no planner behind (it would hold the trainer's output
+    pipes open, and a caller waiting for them would wait forever)."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import numpy as np, os, sys; from streamnmt.data.packing import PackSampler, pack_shape, _PLANNER; "
+            "rng = np.random.default_rng(0); s, t = rng.integers(1, 30, 500), rng.integers(1, 30, 500); "
+            "p = PackSampler(s, t, pack_shape(s, t, max_len=32, max_tokens=256, batch_size=0, pad_multiple=8), "
+            "shuffle=True); from streamnmt.data import packing; print(packing._PLANNER._proc.pid, flush=True); "
+            "os.kill(os.getpid(), 9)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9, proc.stderr[-500:]
+    pid = int(proc.stdout.split()[0])
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:  # a zombie (not yet reaped by init) has ended too
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except (ProcessLookupError, FileNotFoundError):
+            return
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    raise AssertionError("the planner outlived its trainer")

@@ -31,7 +31,10 @@ not pause at epoch starts.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import signal
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -163,6 +166,15 @@ def epoch_rows(src_len: np.ndarray, tgt_len: np.ndarray, shape: tuple[int, int, 
     return rows
 
 
+def _die_with_parent() -> None:
+    """On Linux, ask the kernel to SIGKILL this process when its parent dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class _Planner:
     """A forked daemon process that plans epochs' rows on request (see :meth:`PackSampler._plan_ahead`).
 
@@ -179,7 +191,8 @@ class _Planner:
         self._conn, child = ctx.Pipe()
         with warnings.catch_warnings():  # the child runs NumPy only: no CUDA, no locks of other threads
             warnings.simplefilter("ignore", DeprecationWarning)
-            self._proc = ctx.Process(target=_planner_loop, args=(child,), daemon=True, name="streamnmt-pack-planner")
+            self._proc = ctx.Process(target=_planner_loop, args=(child, self._conn), daemon=True,
+                                     name="streamnmt-pack-planner")
             self._proc.start()
         child.close()
         self._asked: list[tuple] = []  # keys sent, not yet answered
@@ -209,7 +222,11 @@ class _Planner:
             self._answers.pop(next(iter(self._answers)))
 
 
-def _planner_loop(conn: Any) -> None:
+def _planner_loop(conn: Any, parent_end: Any) -> None:
+    # The fork copied the trainer's end of the pipe: closed here, so that the trainer's death
+    # (even by SIGKILL) ends this loop with EOFError instead of leaving it waiting forever.
+    parent_end.close()
+    _die_with_parent()
     while True:
         try:
             key, args = conn.recv()

@@ -172,10 +172,11 @@ PY
     grep -E "by family|kernels in the window" -A13 "$OUT/pp_graph.log" | cut -c1-150 | head -16 ;;
   recipe-defaults)  # time-to-BLEU: the defaults vs --max-tokens 6144 --warmup 800, the same --time-limit each
     # (the two runs of a corpus share the GPU concurrently: the same share each), built-in then long-tail
-    # corpus; then dev BLEU of last.pt with streamnmt eval. TIME=100s each; the whole part ~7-8 min.
+    # corpus (CORPORA=longtail: that one only); then dev BLEU of last.pt with streamnmt eval. TIME=100s each;
+    # the whole part ~7-8 min.
     T=${TIME:-100s}
     python3 scripts/make_longtail.py --out /tmp/ltlex --pairs ${LT_PAIRS:-100000} > "$OUT/rd_longtail.txt"
-    for corpus in builtin longtail; do
+    for corpus in ${CORPORA:-builtin longtail}; do
       data=(); [ $corpus = longtail ] && data=(--data /tmp/ltlex)
       # prepare the corpus and tokenizers once, so that the two concurrent runs only read the cache
       python3 -c "import sys; from streamnmt.data import DataConfig, prepare_data
@@ -196,7 +197,7 @@ prepare_data(DataConfig(data=sys.argv[1] or None, builtin_size=40000), log=print
     grep -h "^recipe:" "$OUT"/rd_*_defaults.log
     # tokens: real target tokens trained within the budget; train_nll: mean over the second half of the steps
     printf "%-9s %-9s %10s %7s %7s %12s %9s %7s\n" corpus run max_tokens warmup steps tokens train_nll "dev BLEU"
-    for corpus in builtin longtail; do for run in defaults handset; do
+    for corpus in ${CORPORA:-builtin longtail}; do for run in defaults handset; do
       d=/tmp/rd/${corpus}_$run
       python3 - "$d" "$corpus" "$run" "$OUT/rd_${corpus}_${run}_eval.log" <<'PY'
 import csv, re, sys, yaml

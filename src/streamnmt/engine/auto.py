@@ -7,13 +7,13 @@ there is nothing to capture.
 
 Compiling pays only when the time it saves outweighs the time it costs. torch.compile traces and
 tunes the step once per batch shape (``COMPILE_S_PER_SHAPE``, measured) and then saves a share of
-each step (``COMPILE_SAVING``, measured at the smallest shape, where it is lowest). ``auto``
+each step (``COMPILE_SAVING``, measured at the packed shape of the GPU defaults). ``auto``
 compiles when ``planned training time x saving >= 2 x compile time``: when the run is long enough
 to win the compile time back twice. The planned time is the planned steps times graph mode's step
 time, estimated from the tokens a step holds (``GRAPH_MS_PER_KTOKEN``, measured on packed batches
 of the base model, scaled by the model's matrix sizes; at least ``GRAPH_MS_PER_STEP``, the
 launch-bound floor of small batches), and at most ``--time-limit``. With the packed batches of
-the GPU defaults (one shape) that compiles any run of more than about six minutes. Only graph mode
+the GPU defaults (one shape) that compiles any run of more than about eight minutes. Only graph mode
 is considered: compiled eager steps are still bound by kernel launches.
 """
 
@@ -23,15 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-# Measured on the H100, base model, bf16, 32 x 32 batches (docs/PERFORMANCE.md, section 4): compiling
-# forward + backward for one batch shape took 42-52 s (cold cache); graph mode ran 6.23 ms/step
-# uncompiled and 4.72 ms compiled (a 24 % saving; more at larger shapes).
-COMPILE_S_PER_SHAPE = 45.0
-COMPILE_SAVING = 0.25
-GRAPH_MS_PER_STEP = 6.0
-# Measured on the H200, base model, bf16, vocabulary 32k, packed batches of 16,384 target positions
-# (docs/PERFORMANCE.md, section 9, commit cbd0eff): graph mode 59.28 ms/step, 3.62 ms per 1,000.
-GRAPH_MS_PER_KTOKEN = 3.62
+# Measured on the H200, base model, bf16, vocabulary 32k, the packed batches of the GPU defaults
+# (16,384 target positions; docs/PERFORMANCE.md, section 9, 2026-11-23): graph mode 45.70 ms/step
+# (commit f67c137), 2.79 ms per 1,000 positions; with --compile 38.93 ms (2efefec), a 15 % saving,
+# after 34.6 s from start to ready. (At 32 x 32 on the H100, section 4: 42-52 s of compiling, a
+# 24 % saving.) The packed figures rule: they are the shape the defaults train.
+COMPILE_S_PER_SHAPE = 35.0
+COMPILE_SAVING = 0.15
+GRAPH_MS_PER_STEP = 6.0  # the launch-bound floor of small batches (H100, 32 x 32: 6.23 ms)
+GRAPH_MS_PER_KTOKEN = 2.79
 BASE_MATRICES = 6 * 512 * (4 * 512 + 2 * 2048)  # n_layers x d_model x (4 d_model + 2 d_ff) of the base model
 
 

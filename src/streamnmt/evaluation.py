@@ -62,13 +62,9 @@ def detokenize(tgt_tok: Tokenizer, outputs: list[list[int]]) -> list[str]:
     return [tgt_tok.decode(h).replace("\n", " ") for h in outputs]
 
 
-def _metrics(tgt_lang: str) -> tuple[Any, Any]:
-    return scoreworker.metrics(tgt_lang)
-
-
 def score(hyps: list[str], refs: list[str], tgt_lang: str) -> dict[str, Any]:
     """Corpus BLEU (sacrebleu, ``zh`` tokenizer for Chinese, else ``13a``) and chrF."""
-    bleu, chrf = _metrics(tgt_lang)
+    bleu, chrf = scoreworker.metrics(tgt_lang)
     if not hyps:
         return {"bleu": 0.0, "chrf": 0.0, "signature": ""}
     b, c = bleu.corpus_score(hyps, [refs]), chrf.corpus_score(hyps, [refs])
@@ -135,7 +131,7 @@ class Scorer:
 
     def __init__(self, refs: list[str], tgt_lang: str, workers: int | None = None):
         self.refs, self.tgt_lang = refs, tgt_lang
-        self.bleu, self.chrf = _metrics(tgt_lang)
+        self.bleu, self.chrf = scoreworker.metrics(tgt_lang)
         self.incremental = all(hasattr(m, a) for m in (self.bleu, self.chrf)
                                for a in ("_extract_corpus_statistics", "_aggregate_and_compute"))
         self.hyps: list[str | None] = [None] * len(refs)

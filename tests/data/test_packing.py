@@ -231,6 +231,13 @@ def test_the_next_epoch_is_planned_in_the_background_with_the_same_rows(monkeypa
     got = s._rows(1)
     assert not planner._asked and len(got) == len(want) > 10
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    # Ctrl-C reaches the whole process group: the trainer saves and stops, the planner lives on
+    import signal
+    import time
+
+    os.kill(planner._proc.pid, signal.SIGINT)
+    time.sleep(0.3)
+    assert planner._proc.is_alive()
     # the planner killed before it answers: epoch 2 is planned here, and later epochs too
     s._plan_ahead(2)
     planner._proc.kill()

@@ -21,9 +21,6 @@ Usage::
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,6 +32,7 @@ from streamnmt.data.config import DataConfig
 from streamnmt.data.corpus import TokenizedCorpus
 from streamnmt.data.packing import PackedHostBatch, PackedPlan, PackSampler, collate_packed, pack_shape
 from streamnmt.data.sampler import BucketSampler, PlannedBatch, bucket_lengths
+from streamnmt.data.workers import detach
 
 
 class _PlannedBatches(Dataset):
@@ -51,19 +49,7 @@ class _PlannedBatches(Dataset):
 
 
 def _die_with_parent(worker_id: int) -> None:
-    """Workers end when the trainer process dies, even by SIGKILL. (Their own watchdog notices a
-    dead parent, but a worker with results still queued then blocks forever flushing its pipe.)
-
-    They ignore SIGTERM and SIGINT: those ask the trainer to finish its step and save, and reach
-    the workers too when sent to the whole process group (Ctrl-C in a terminal, torchrun stopping
-    its workers); a worker that died of them would fail the trainer's next batch instead."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    detach()  # see streamnmt.data.workers
 
 
 def _as_is(batch: HostBatch) -> HostBatch:

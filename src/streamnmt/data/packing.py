@@ -31,10 +31,7 @@ not pause at epoch starts.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
-import signal
-import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,6 +41,7 @@ import numpy as np
 import torch
 
 from streamnmt.data.corpus import TokenizedCorpus
+from streamnmt.data.workers import detach
 from streamnmt.errors import InputError
 from streamnmt.masks import BOS, EOS, PAD
 
@@ -166,15 +164,6 @@ def epoch_rows(src_len: np.ndarray, tgt_len: np.ndarray, shape: tuple[int, int, 
     return rows
 
 
-def _die_with_parent() -> None:
-    """On Linux, ask the kernel to SIGKILL this process when its parent dies."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 class _Planner:
     """A forked daemon process that plans epochs' rows on request (see :meth:`PackSampler._plan_ahead`).
 
@@ -226,7 +215,9 @@ def _planner_loop(conn: Any, parent_end: Any) -> None:
     # The fork copied the trainer's end of the pipe: closed here, so that the trainer's death
     # (even by SIGKILL) ends this loop with EOFError instead of leaving it waiting forever.
     parent_end.close()
-    _die_with_parent()
+    # SIGTERM stays: multiprocessing ends this daemon process with it at the trainer's exit. A
+    # SIGTERM to the whole process group mid-run ends it too; the trainer then plans in place.
+    detach(ignore_sigterm=False)
     while True:
         try:
             key, args = conn.recv()

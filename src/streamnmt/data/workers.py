@@ -1,0 +1,27 @@
+"""What every helper process of the data pipeline does first (loader workers, the packing planner)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+
+
+def detach(*, ignore_sigterm: bool = True) -> None:
+    """Helpers end when the trainer process dies, even by SIGKILL. (A loader worker's own watchdog
+    notices a dead parent, but a worker with results still queued then blocks forever flushing its
+    pipe.)
+
+    They ignore SIGTERM and SIGINT: those ask the trainer to finish its step and save, and reach
+    the helpers too when sent to the whole process group (Ctrl-C in a terminal, torchrun stopping
+    its workers); a helper that died of them would fail the trainer's next batch instead.
+    ``ignore_sigterm=False`` is for a multiprocessing daemon process: multiprocessing ends those
+    with SIGTERM when the trainer exits, and joins them, so one that ignored it would hang the exit."""
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

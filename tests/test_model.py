@@ -127,3 +127,27 @@ def test_tying_mismatch_and_vocab_errors(tmp_path):
         load_model_weights(tied, ckpt, "untied.pt")
     with pytest.raises(ValueError, match="one vocabulary"):
         make_model(30, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64, tie_embeddings="all")
+
+
+def test_bf16_autocast_keeps_the_residual_stream_and_layer_norms_in_bf16():
+    """Under bf16 autocast the layer norms read and write bf16 (not autocast's fp32 copies), the
+    outputs agree with the fp32 model to bf16's precision, and every parameter gets a gradient of
+    its own (fp32) dtype."""
+    from streamnmt.model import LayerNorm
+
+    torch.manual_seed(0)
+    model = make_model(40, 50, d_model=32, n_layers=2, n_heads=4, d_ff=64, dropout=0.0)
+    src, tgt = torch.randint(4, 40, (3, 7)), torch.randint(4, 50, (3, 6))
+    seen = []
+    hooks = [m.register_forward_hook(lambda m, i, o: seen.append((i[0].dtype, o.dtype)))
+             for m in model.modules() if isinstance(m, LayerNorm)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(src, tgt, masks.src_mask(src))
+    for h in hooks:
+        h.remove()
+    assert len(seen) == 2 * 2 + 2 * 3 + 2 and set(seen) == {(torch.bfloat16, torch.bfloat16)}
+    ref = model(src, tgt, masks.src_mask(src))
+    assert ref.dtype == torch.float32 and out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), ref, atol=0.1, rtol=0.05)
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())

@@ -108,6 +108,29 @@ class MultiHeadAttention(nn.Module):
         return self.attend(x, k, v, mask, causal)
 
 
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` that keeps a half-precision input in its dtype under autocast.
+
+    Autocast runs layer norm in fp32: a bf16 input is copied to fp32, normalised, written in fp32,
+    and copied back to bf16 by the next matrix multiply, and the residual stream around it stays
+    fp32. Here a bf16/fp16 input is normalised by the same kernel in its own dtype (statistics in
+    fp32 inside the kernel) with the fp32 weights cast to it, as a model held in bf16 does; fp32
+    inputs (the CPU, fp32 training) take the plain path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype or not torch.is_autocast_enabled(x.device.type):
+            return super().forward(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """The residual stream in autocast's dtype where autocast is on (as a bf16 model holds it: every
+    elementwise pass over it moves half the bytes), else as it is."""
+    dev = x.device.type
+    return x.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else x
+
+
 class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, dropout: float):
         super().__init__()
@@ -120,7 +143,7 @@ class FeedForward(nn.Module):
 class EncoderLayer(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(s.d_model), nn.LayerNorm(s.d_model)
+        self.ln1, self.ln2 = LayerNorm(s.d_model), LayerNorm(s.d_model)
         self.attn = MultiHeadAttention(s.d_model, s.n_heads, s.dropout, fused=True)
         self.ff = FeedForward(s.d_model, s.d_ff, s.dropout)
         self.drop = nn.Dropout(s.dropout)
@@ -134,7 +157,7 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
-        self.ln1, self.ln2, self.ln3 = (nn.LayerNorm(s.d_model) for _ in range(3))
+        self.ln1, self.ln2, self.ln3 = (LayerNorm(s.d_model) for _ in range(3))
         self.self_attn = MultiHeadAttention(s.d_model, s.n_heads, s.dropout, fused=True)
         self.cross_attn = MultiHeadAttention(s.d_model, s.n_heads, s.dropout)
         self.ff = FeedForward(s.d_model, s.d_ff, s.dropout)
@@ -225,7 +248,7 @@ class Transformer(nn.Module):
         self.drop = nn.Dropout(s.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(s) for _ in range(s.n_layers))
         self.decoder = nn.ModuleList(DecoderLayer(s) for _ in range(s.n_layers))
-        self.enc_norm, self.dec_norm = nn.LayerNorm(s.d_model), nn.LayerNorm(s.d_model)
+        self.enc_norm, self.dec_norm = LayerNorm(s.d_model), LayerNorm(s.d_model)
         self.generator = nn.Linear(s.d_model, s.tgt_vocab)
         self.scale = math.sqrt(s.d_model)
         self.tie_weights()
@@ -273,7 +296,7 @@ class Transformer(nn.Module):
 
     def encode(self, src: torch.Tensor, src_mask: Any, positions: torch.Tensor | None = None) -> torch.Tensor:
         """(B, S) ids -> (B, S, D); ``positions`` (B, S): a packed batch's positions within each pair."""
-        x = self.drop(self.pos(self.src_embed(src) * self.scale, positions=positions))  # (B, S, D)
+        x = _compute_dtype(self.drop(self.pos(self.src_embed(src) * self.scale, positions=positions)))  # (B, S, D)
         for layer in self.encoder:
             x = layer(x, src_mask)
         return self.enc_norm(x)
@@ -281,7 +304,7 @@ class Transformer(nn.Module):
     def decode(self, mem: torch.Tensor, src_mask: Any, tgt: torch.Tensor,
                tgt_mask: Any = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """All target positions at once; ``tgt_mask`` None means causal (fused kernel path)."""
-        x = self.drop(self.pos(self.tgt_embed(tgt) * self.scale, positions=positions))  # (B, T, D)
+        x = _compute_dtype(self.drop(self.pos(self.tgt_embed(tgt) * self.scale, positions=positions)))  # (B, T, D)
         for layer in self.decoder:
             x = layer(x, mem, src_mask, tgt_mask)
         return self.dec_norm(x)

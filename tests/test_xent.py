@@ -184,3 +184,69 @@ def test_traces_into_one_graph_for_torch_compile():
     for a, c in zip(torch.autograd.grad(got[0], [h, w, b]), torch.autograd.grad(want[0], [h, w, b])):
         _close(a, c)
     _close(got[1], want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v", [100, 32003])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_fused_kernel_equals_the_torch_path(monkeypatch, dtype, v, smoothing):
+    """The Triton kernel (CUDA) gives the torch path's losses and gradients: a vocabulary under one
+    block and one that is not a multiple of it, ignored rows, fp32 and bf16."""
+    from streamnmt import xent, xent_triton
+
+    dev = torch.device("cuda")
+    assert xent_triton.available(torch.empty(1, device=dev)), "Triton is missing on this CUDA machine"
+    torch.manual_seed(0)
+    n, d = 3000, 64
+    h = torch.randn(n, d, device=dev, requires_grad=True)
+    w = (torch.randn(v, d, device=dev) * 2 * d ** -0.5).requires_grad_()
+    b = torch.randn(v, device=dev, requires_grad=True)
+    y = torch.randint(1, v, (n,), device=dev)
+    y[::7] = masks.PAD
+
+    def run():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            loss, nll = linear_cross_entropy(h, w, b, y, label_smoothing=smoothing, ignore_index=masks.PAD,
+                                             chunk_rows=1024)
+        return (loss, nll, *torch.autograd.grad(loss, [h, w, b]))
+
+    fused = run()
+    assert xent._FUSED["failed"] is None
+    monkeypatch.setattr(xent_triton, "available", lambda t: False)
+    ref = run()
+    for a, r, name in zip(fused, ref, ("loss", "nll", "dh", "dw", "db")):
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        else:  # both round each gradient element to bf16 (8 bits): relative error of the whole tensor
+            err = ((a.float() - r.float()).norm() / r.float().norm()).item()
+            assert err < 1e-2, f"{name}: relative error {err:.2e}"
+    with torch.no_grad():  # the same row values without a gradient
+        torch.testing.assert_close(linear_cross_entropy(h, w, b, y, label_smoothing=smoothing,
+                                                        ignore_index=masks.PAD)[0], ref[0], rtol=1e-5, atol=1e-3)
+
+
+def test_a_kernel_that_cannot_be_built_falls_back_to_the_torch_path_once(monkeypatch, capsys):
+    """Where the Triton kernel fails (a build error, say), the chunk is computed by the torch path,
+    one line says so, and later calls do not try the kernel again."""
+    from streamnmt import xent, xent_triton
+
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("no compiler for this GPU\nsecond line")
+
+    monkeypatch.setattr(xent_triton, "available", lambda t: True)
+    monkeypatch.setattr(xent_triton, "xent_rows", broken)
+    monkeypatch.setitem(xent._FUSED, "failed", None)
+    torch.manual_seed(0)
+    h, w, b = torch.randn(20, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True), torch.randn(30)
+    y = torch.randint(1, 30, (20,))
+    for _ in range(2):
+        loss, nll = linear_cross_entropy(h, w, b, y, label_smoothing=0.1, ignore_index=masks.PAD, chunk_rows=8)
+        _close(loss, _reference(h, w, b, y, 0.1)[0])
+    assert len(calls) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["loss: the fused cross-entropy kernel is unavailable (RuntimeError: no compiler for this GPU); "
+                   "using the torch path"]

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 from torch.nn.attention import sdpa_kernel
 
 from streamnmt import masks
@@ -125,9 +126,14 @@ class GraphDecoder:
         s_pad = source_bucket(s, model.shape.max_positions)
         width = min(max(int(opts.max_len_a * s_pad + opts.max_len_b), 1), cap) + 1
         key = BucketKey(_round_rows(b, self.batch_size), k, s_pad, width)
-        # 2. encode once (eagerly)
-        src_mask = masks.src_mask(src)  # (B, 1, 1, S)
-        mem = model.encode(src, src_mask)  # (B, S, D)
+        # 2. encode once (eagerly), at the width of the bucket that will decode the batch: the
+        # encoder then runs at a few shapes per process, not one per batch width (each new shape
+        # costs a fresh process kernel loads and matrix-multiply set-up)
+        self._check_weights()
+        cover = self._covering(key)
+        wide = F.pad(src, (0, (cover or key).src_width - s), value=masks.PAD)
+        src_mask = masks.src_mask(wide)  # (B, 1, 1, S')
+        mem = model.encode(wide, src_mask)  # (B, S', D)
         bucket = self._bucket(key, mem.dtype, src.device)
         if bucket is None:  # capture failed: this batch takes the eager path
             return search_scored(model, src, opts, k, greedy=k == 1)
@@ -137,11 +143,14 @@ class GraphDecoder:
         return bucket.results(b)
 
     # -- buckets and graphs ----------------------------------------------------------------------
-    def _bucket(self, key: BucketKey, dtype: torch.dtype, device: torch.device) -> _Bucket | None:
+    def _check_weights(self) -> None:
         weights = tuple(p.data_ptr() for p in self.model.parameters())
         if weights != self._weights:  # moved or reloaded: the graphs would read stale addresses
             self.buckets.clear()
             self._weights = weights
+
+    def _bucket(self, key: BucketKey, dtype: torch.dtype, device: torch.device) -> _Bucket | None:
+        self._check_weights()
         cover = self._covering(key)
         if cover is not None:
             self.buckets.move_to_end(cover)

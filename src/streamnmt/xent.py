@@ -24,9 +24,59 @@ nothing is read on the host, so CUDA graphs capture it and torch.compile traces 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from streamnmt import xent_triton
+
 CHUNK_ELEMENTS = 2 ** 25  # logits per chunk (rows x vocabulary): 128 MB in fp32, ~1k rows at 32k
+
+
+_FUSED = {"failed": None}  # why the Triton kernel is off for this process (it failed once), else None
+
+
+def _fused_ok(h: torch.Tensor) -> bool:
+    """Whether chunks go through the Triton kernel: on CUDA where Triton is importable, unless it
+    failed once in this process (then the torch path, after one log line)."""
+    return _FUSED["failed"] is None and xent_triton.available(h)
+
+
+def _fused_rows(z: torch.Tensor, y: torch.Tensor, smoothing: float, ignore_index: int, want_grad: bool):
+    """:func:`streamnmt.xent_triton.xent_rows`, or None (and the torch path from now on, with one
+    line on stderr) where the kernel cannot be built here. Inside a CUDA graph capture a failure is
+    raised: the capture is then abandoned, and its warm-up has already run this kernel eagerly."""
+    try:
+        return xent_triton.xent_rows(z, y, smoothing, ignore_index, want_grad)
+    except Exception as e:  # noqa: BLE001 -- a Triton build error has no common base class
+        if z.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise
+        _FUSED["failed"] = msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
+        print(f"loss: the fused cross-entropy kernel is unavailable ({msg}); using the torch path", file=sys.stderr)
+        return None
+
+
+def _torch_rows(z: torch.Tensor, y: torch.Tensor, smoothing: float, ignore_index: int, want_grad: bool):
+    """The torch path of one chunk: (row loss, row NLL, valid (C,) fp32, gradient (C, V) in z's
+    dtype or None); the row values are not yet multiplied by ``valid``."""
+    v = z.shape[1]
+    p = torch.softmax(z, dim=-1, dtype=torch.float32)          # (C, V) fp32, one pass over z
+    keep = y != ignore_index
+    valid, y = keep.float(), y.masked_fill(~keep, 0)[:, None]  # (C,), (C, 1): a safe index
+    row_nll = -p.gather(1, y).squeeze(1).clamp_min(torch.finfo(torch.float32).tiny).log()  # at most 87.3
+    if smoothing:  # lse - mean(z) = nll + z_y - mean(z)
+        z_y = z.gather(1, y).squeeze(1).float()
+        row_loss = row_nll + smoothing * (z_y - z.mean(-1, dtype=torch.float32))
+    else:
+        row_loss = row_nll
+    if not want_grad:
+        return row_loss, row_nll, valid, None
+    # dloss/dz = (softmax(z) - e / V - (1 - e) onehot(y)) * valid, written once in the compute
+    # dtype (the subtraction and the row mask in fp32, rounded on the write)
+    p.scatter_add_(1, y, torch.full_like(valid[:, None], smoothing - 1))
+    gc = torch.empty((p.shape[0], v), dtype=z.dtype, device=z.device)
+    torch.addcmul((valid * (-smoothing / v))[:, None], p, valid[:, None], out=gc)  # one pass
+    return row_loss, row_nll, valid, gc
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -44,30 +94,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dh = torch.empty_like(hc)                                  # (N, D)
                 dw = torch.zeros(w.shape, dtype=torch.float32, device=h.device)  # (V, D)
                 db = torch.zeros(v, dtype=torch.float32, device=h.device) if b is not None else None
-            tiny = torch.finfo(torch.float32).tiny
+            fused = _fused_ok(hc)
             for start in range(0, n, rows):
                 x, y = hc[start:start + rows], target[start:start + rows]  # (C, D), (C,)
                 z = torch.addmm(b, x, w.t()) if b is not None else x @ w.t()  # (C, V), compute dtype
-                p = torch.softmax(z, dim=-1, dtype=torch.float32)          # (C, V) fp32, one pass over z
-                keep = y != ignore_index
-                valid, y = keep.float(), y.masked_fill(~keep, 0)[:, None]  # (C,), (C, 1): a safe index
-                row_nll = -p.gather(1, y).squeeze(1).clamp_min(tiny).log()  # lse - z_y, at most 87.3
-                if smoothing:  # lse - mean(z) = nll + z_y - mean(z)
-                    z_y = z.gather(1, y).squeeze(1).float()
-                    row_loss = row_nll + smoothing * (z_y - z.mean(-1, dtype=torch.float32))
+                # one kernel: the row losses, and the gradient written over z (None: torch path)
+                out = _fused_rows(z, y, smoothing, ignore_index, want_grad) if fused else None
+                if out is not None:
+                    (row_loss, row_nll), valid, gc = out, None, z
                 else:
-                    row_loss = row_nll
-                loss += (row_loss * valid).sum()
-                nll += (row_nll * valid).sum()
+                    fused = False
+                    row_loss, row_nll, valid, gc = _torch_rows(z, y, smoothing, ignore_index, want_grad)
+                loss += row_loss.sum() if valid is None else (row_loss * valid).sum()
+                nll += row_nll.sum() if valid is None else (row_nll * valid).sum()
                 del z
                 if not want_grad:
-                    del p
                     continue
-                # dloss/dz = (softmax(z) - e / V - (1 - e) onehot(y)) * valid, written once in the
-                # compute dtype (the subtraction and the row mask in fp32, rounded on the write)
-                p.scatter_add_(1, y, torch.full_like(valid[:, None], smoothing - 1))
-                gc = torch.empty((p.shape[0], v), dtype=dtype, device=h.device)
-                torch.addcmul((valid * (-smoothing / v))[:, None], p, valid[:, None], out=gc)  # one pass
                 if db is not None:
                     db += gc.sum(0, dtype=torch.float32)
                 dh[start:start + rows] = gc @ w
@@ -75,7 +117,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     dw.addmm_(gc.t(), x)
                 else:
                     dw += gc.t() @ x
-                del p, gc  # before the next chunk's logits are made
+                del gc  # before the next chunk's logits are made
         ctx.mark_non_differentiable(nll)
         ctx.h_dtype, ctx.has_bias = h.dtype, bias is not None
         if want_grad:

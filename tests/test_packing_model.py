@@ -180,3 +180,26 @@ def test_packed_training_is_the_same_in_every_strategy(tmp_path, tmp_path_factor
     (la, wa), (lb, wb) = runs["baseline"], runs["graph"]
     assert len(la) == 12 and la == lb
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_additive_masks_under_autocast_compute_what_boolean_masks_do(monkeypatch):
+    """Under autocast the packed masks are additive (0 / -inf) in autocast's dtype: they mark the
+    same keys as the boolean masks, and the model's output is the same with either."""
+    from streamnmt import attention
+
+    mask_dtype = attention.sdpa_mask_dtype
+    assert mask_dtype(torch.device("cpu")) is None  # no autocast: boolean masks
+    corpus = corpus_of(pairs(3))
+    b, _ = packed_batch(corpus)
+    src_seg, tgt_seg = b.segments()[:2]
+    for boolean, additive in zip(attention.dense_masks(src_seg, tgt_seg),
+                                 attention.dense_masks(src_seg, tgt_seg, torch.bfloat16)):
+        assert additive.dtype == torch.bfloat16
+        assert torch.equal(additive == 0, boolean) and torch.equal(additive == float("-inf"), ~boolean)
+    model = tiny().eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert mask_dtype(torch.device("cpu")) == torch.bfloat16
+        additive = model.features(b.src, b.tgt_in, masks.src_mask(b.src), segments=b.segments())
+        monkeypatch.setattr(attention, "sdpa_mask_dtype", lambda device: None)
+        boolean = model.features(b.src, b.tgt_in, masks.src_mask(b.src), segments=b.segments())
+    torch.testing.assert_close(additive.float(), boolean.float(), rtol=0, atol=0)

@@ -134,7 +134,7 @@ def test_graph_captured_loss_equals_eager_at_a_32k_vocabulary():
     with peak memory far below the whole-batch fp32 logits."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    n, d, v = 8192, 512, 32000
+    n, d, v = 16384, 512, 32000  # a packed base-model batch
     h = torch.randn(n, d, device=dev, requires_grad=True)
     w = (torch.randn(v, d, device=dev) * d ** -0.5).requires_grad_()
     b = torch.zeros(v, device=dev, requires_grad=True)
@@ -165,7 +165,7 @@ def test_graph_captured_loss_equals_eager_at_a_32k_vocabulary():
     want_loss = F.cross_entropy(F.linear(h.bfloat16(), w.bfloat16(), b.bfloat16()).float(), y,
                                 ignore_index=masks.PAD, reduction="sum", label_smoothing=0.1)
     torch.testing.assert_close(eager[0], want_loss, rtol=1e-4, atol=1e-2)
-    assert peak < n * v * 4 / 2, peak  # under half the fp32 logits alone
+    assert peak < n * v * 4 / 2, f"peak {peak / 2**20:.0f} MB"  # under half the fp32 logits alone
 
 
 def test_traces_into_one_graph_for_torch_compile():

@@ -126,12 +126,10 @@ class GraphDecoder:
         s_pad = source_bucket(s, model.shape.max_positions)
         width = min(max(int(opts.max_len_a * s_pad + opts.max_len_b), 1), cap) + 1
         key = BucketKey(_round_rows(b, self.batch_size), k, s_pad, width)
-        # 2. encode once (eagerly), at the width of the bucket that will decode the batch: the
-        # encoder then runs at a few shapes per process, not one per batch width (each new shape
-        # costs a fresh process kernel loads and matrix-multiply set-up)
-        self._check_weights()
-        cover = self._covering(key)
-        wide = F.pad(src, (0, (cover or key).src_width - s), value=masks.PAD)
+        # 2. encode once (eagerly), at the coarse source width: the encoder then runs at a few
+        # shapes per process, not one per batch width (each new shape costs a fresh process
+        # kernel loads and matrix-multiply set-up)
+        wide = F.pad(src, (0, s_pad - s), value=masks.PAD)
         src_mask = masks.src_mask(wide)  # (B, 1, 1, S')
         mem = model.encode(wide, src_mask)  # (B, S', D)
         bucket = self._bucket(key, mem.dtype, src.device)

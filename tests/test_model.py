@@ -151,3 +151,14 @@ def test_bf16_autocast_keeps_the_residual_stream_and_layer_norms_in_bf16():
     assert torch.allclose(out.float(), ref, atol=0.1, rtol=0.05)
     out.float().sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_the_position_table_is_computed_on_the_cpu_whatever_the_default_device():
+    """Inference builds the model under ``with torch.device(...)``; the sinusoid table must still be
+    the CPU's (the trainer's), bit for bit, not the other device's sin/cos."""
+    from streamnmt.model import PositionalEncoding
+
+    want = PositionalEncoding(32, 40).pe
+    with torch.device("meta"):
+        got = PositionalEncoding(32, 40).pe
+    assert got.device.type == "cpu" and torch.equal(got, want)

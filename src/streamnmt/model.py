@@ -183,9 +183,12 @@ class DecoderLayer(nn.Module):
 class PositionalEncoding(nn.Module):
     def __init__(self, d_model: int, max_positions: int):
         super().__init__()
-        pos = torch.arange(max_positions).unsqueeze(1)
-        div = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))
-        pe = torch.zeros(max_positions, d_model)
+        # Computed on the CPU whatever device the model is built on (a `with torch.device(...)`
+        # block): the GPU's sin/cos differ in the last bits, and a model built for inference
+        # must hold the table it was trained with.
+        pos = torch.arange(max_positions, device="cpu").unsqueeze(1)
+        div = torch.exp(torch.arange(0, d_model, 2, device="cpu") * (-math.log(10000.0) / d_model))
+        pe = torch.zeros(max_positions, d_model, device="cpu")
         pe[:, 0::2], pe[:, 1::2] = torch.sin(pos * div), torch.cos(pos * div)
         self.register_buffer("pe", pe, persistent=False)
 

@@ -141,14 +141,11 @@ class GraphDecoder:
         return bucket.results(b)
 
     # -- buckets and graphs ----------------------------------------------------------------------
-    def _check_weights(self) -> None:
+    def _bucket(self, key: BucketKey, dtype: torch.dtype, device: torch.device) -> _Bucket | None:
         weights = tuple(p.data_ptr() for p in self.model.parameters())
         if weights != self._weights:  # moved or reloaded: the graphs would read stale addresses
             self.buckets.clear()
             self._weights = weights
-
-    def _bucket(self, key: BucketKey, dtype: torch.dtype, device: torch.device) -> _Bucket | None:
-        self._check_weights()
         cover = self._covering(key)
         if cover is not None:
             self.buckets.move_to_end(cover)

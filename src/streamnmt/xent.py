@@ -48,11 +48,11 @@ def _fused_ok(h: torch.Tensor) -> bool:
 
 
 def _fused_rows(z: torch.Tensor, y: torch.Tensor, smoothing: float, ignore_index: int, want_grad: bool):
-    """:func:`streamnmt.xent_triton.xent_rows`, or None (and the torch path from now on, with one
+    """(row loss, row NLL, gradient: ``z`` itself) from :func:`streamnmt.xent_triton.xent_rows`, or None (and the torch path from now on, with one
     line on stderr) where the kernel cannot be built here. Inside a CUDA graph capture a failure is
     raised: the capture is then abandoned, and its warm-up has already run this kernel eagerly."""
     try:
-        return xent_triton.xent_rows(z, y, smoothing, ignore_index, want_grad)
+        return (*xent_triton.xent_rows(z, y, smoothing, ignore_index, want_grad), z)
     except Exception as e:  # noqa: BLE001 -- a Triton build error has no common base class
         if z.is_cuda and torch.cuda.is_current_stream_capturing():
             raise
@@ -62,8 +62,8 @@ def _fused_rows(z: torch.Tensor, y: torch.Tensor, smoothing: float, ignore_index
 
 
 def _torch_rows(z: torch.Tensor, y: torch.Tensor, smoothing: float, ignore_index: int, want_grad: bool):
-    """The torch path of one chunk: (row loss, row NLL, valid (C,) fp32, gradient (C, V) in z's
-    dtype or None); the row values are not yet multiplied by ``valid``."""
+    """The torch path of one chunk: (row loss, row NLL, both 0 on ignored rows; gradient (C, V) in
+    z's dtype, or None)."""
     v = z.shape[1]
     p = torch.softmax(z, dim=-1, dtype=torch.float32)          # (C, V) fp32, one pass over z
     keep = y != ignore_index
@@ -74,14 +74,15 @@ def _torch_rows(z: torch.Tensor, y: torch.Tensor, smoothing: float, ignore_index
         row_loss = row_nll + smoothing * (z_y - z.mean(-1, dtype=torch.float32))
     else:
         row_loss = row_nll
+    row_loss, row_nll = row_loss * valid, row_nll * valid
     if not want_grad:
-        return row_loss, row_nll, valid, None
+        return row_loss, row_nll, None
     # dloss/dz = (softmax(z) - e / V - (1 - e) onehot(y)) * valid, written once in the compute
     # dtype (the subtraction and the row mask in fp32, rounded on the write)
     p.scatter_add_(1, y, torch.full_like(valid[:, None], smoothing - 1))
     gc = torch.empty((p.shape[0], v), dtype=z.dtype, device=z.device)
     torch.addcmul((valid * (-smoothing / v))[:, None], p, valid[:, None], out=gc)  # one pass
-    return row_loss, row_nll, valid, gc
+    return row_loss, row_nll, gc
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -105,15 +106,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 z = torch.addmm(b, x, w.t()) if b is not None else x @ w.t()  # (C, V), compute dtype
                 # one kernel: the row losses, and the gradient written over z (None: torch path)
                 out = _fused_rows(z, y, smoothing, ignore_index, want_grad) if fused else None
-                if out is not None:
-                    (row_loss, row_nll), valid, gc = out, None, z
-                else:
+                if out is None:
                     fused = False
-                    row_loss, row_nll, valid, gc = _torch_rows(z, y, smoothing, ignore_index, want_grad)
-                loss += row_loss.sum() if valid is None else (row_loss * valid).sum()
-                nll += row_nll.sum() if valid is None else (row_nll * valid).sum()
-                del z
+                    out = _torch_rows(z, y, smoothing, ignore_index, want_grad)
+                row_loss, row_nll, gc = out  # gc: the gradient (z itself on the kernel's path), or None
+                del out, z  # no chunk's logits may outlive its iteration (gc is dropped below)
+                loss += row_loss.sum()
+                nll += row_nll.sum()
                 if not want_grad:
+                    del gc
                     continue
                 if db is not None:
                     db += gc.sum(0, dtype=torch.float32)

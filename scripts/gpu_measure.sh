@@ -133,7 +133,7 @@ PY
       > "$OUT/pipeline_tests.log" 2>&1; tail -25 "$OUT/pipeline_tests.log" ;;
   decode)  # streamnmt eval end to end vs bench_decode's graph-cached rate (bf16, beam 3, batch 64, same sources),
            # then fp32 cached vs uncached at batch 256 (beam 3); 3 repeats each
-    timeout 200 python3 scripts/bench_eval.py --batch-size 64 --beam 3 --dtype bf16 --repeats 3 \
+    timeout 200 python3 scripts/bench_eval.py --batch-size 64 --beam 3 --dtype bf16 --repeats 3 --dir /tmp/bench_eval_dir \
       --out "$OUT/eval_vs_bench.json" > "$OUT/eval_vs_bench.log" 2>&1
     timeout 140 python3 scripts/bench_decode.py --batch-size 256 --dtypes float32 --beams 3 \
       --variants graph,eager,uncached --repeats 3 --out "$OUT/decode_fp32_256.json" > "$OUT/decode_fp32_256.log" 2>&1

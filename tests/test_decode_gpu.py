@@ -176,3 +176,28 @@ def test_trainer_bleu_pass_decodes_a_bf16_copy(tmp_path):
     t.train()
     assert t.bleu_model is not None and next(t.bleu_model.parameters()).dtype == torch.bfloat16
     assert next(t.model.parameters()).dtype == torch.float32  # training stays in fp32
+
+
+def test_fp32_steps_attend_through_the_plain_path_and_match_the_uncached_search():
+    """A cached fp32 step attends through SDPA's plain path (one query per row; the fused kernels
+    would pad it to a tile), bf16 keeps the fused kernels; the fp32 beam search still finds what
+    the uncached reference (fused kernels over the whole prefix) finds, scores within 1e-4."""
+    import dataclasses
+
+    from torch.nn.attention import SDPBackend
+
+    dev = torch.device("cuda")
+    model = tiny_model().to(dev)
+    assert decode.StaticSearch(model, 2, 3, 8, 9, SearchOptions(), torch.float32, dev).step_attention == [
+        SDPBackend.MATH]
+    assert decode.StaticSearch(model, 2, 3, 8, 9, SearchOptions(), torch.bfloat16, dev).step_attention == \
+        decode.DECODE_ATTENTION
+    srcs = sentences(128, seed=3)
+    batches = [pad_batch(srcs[i:i + 64], dev) for i in range(0, len(srcs), 64)]
+    opts = SearchOptions(beam_size=3, len_penalty=0.6)
+    ref_h, ref_s = scored(lambda s: decode.beam_search_scored(model, s, dataclasses.replace(opts, cached=False)),
+                          batches)
+    got_h, got_s = scored(lambda s: decode.beam_search_scored(model, s, opts), batches)
+    same = [a == b for a, b in zip(got_h, ref_h)]
+    assert sum(same) >= 0.95 * len(same)
+    assert max(abs(a - b) for a, b, ok in zip(got_s, ref_s, same) if ok) <= 1e-4

@@ -197,7 +197,9 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
         f"{cfg.repeats} x ({cfg.warmup} warm-up + {cfg.steps} timed steps) each; out {out}")
     for note in skipped:
         log(f"bench: {note}")
-    log(f"bench: {len(env.loader(0).shapes())} batch shape(s) {'(packed)' if cfg.pack else '(length buckets)'}; "
+    shapes = env.loader(0).shapes()
+    log(f"bench: {len(shapes)} batch shape(s) "
+        f"{'(packed: ' + ' x '.join(map(str, shapes[0])) + ' rows x source x target)' if cfg.pack else '(length buckets)'}; "
         f"padding "
         f"{100 * (1 - env.loader(0).num_tokens()['tgt_fill']):.1f} % of the target positions; vocabulary "
         f"{shape.tgt_vocab}{' (random ids)' if cfg.vocab else ''}; attention {env.attention}; label smoothing "

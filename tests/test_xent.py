@@ -187,12 +187,12 @@ def test_traces_into_one_graph_for_torch_compile():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("v", [100, 32003])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_fused_kernel_equals_the_torch_path(monkeypatch, dtype, v, smoothing):
     """The Triton kernel (CUDA) gives the torch path's losses and gradients: a vocabulary under one
-    block and one that is not a multiple of it, ignored rows, fp32 and bf16."""
+    block and one that is not a multiple of it, ignored rows, fp32, bf16 and fp16."""
     from streamnmt import xent, xent_triton
 
     dev = torch.device("cuda")
@@ -206,7 +206,7 @@ def test_fused_kernel_equals_the_torch_path(monkeypatch, dtype, v, smoothing):
     y[::7] = masks.PAD
 
     def run():
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
             loss, nll = linear_cross_entropy(h, w, b, y, label_smoothing=smoothing, ignore_index=masks.PAD,
                                              chunk_rows=1024)
         return (loss, nll, *torch.autograd.grad(loss, [h, w, b]))
@@ -218,11 +218,11 @@ def test_fused_kernel_equals_the_torch_path(monkeypatch, dtype, v, smoothing):
     for a, r, name in zip(fused, ref, ("loss", "nll", "dh", "dw", "db")):
         if dtype == torch.float32:
             torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
-        else:  # both round each gradient element to bf16 (8 bits): relative error of the whole tensor
+        else:  # both round each gradient element to bf16/fp16: relative error of the whole tensor
             err = ((a.float() - r.float()).norm() / r.float().norm()).item()
             assert err < 1e-2, f"{name}: relative error {err:.2e}"
     monkeypatch.undo()
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
         loss = linear_cross_entropy(h, w, b, y, label_smoothing=smoothing, ignore_index=masks.PAD)[0]
     torch.testing.assert_close(loss, fused[0], rtol=1e-5, atol=1e-3)  # the same loss without a gradient
 
@@ -251,3 +251,76 @@ def test_a_kernel_that_cannot_be_built_falls_back_to_the_torch_path_once(monkeyp
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["loss: the fused cross-entropy kernel is unavailable (RuntimeError: no compiler for this GPU); "
                    "using the torch path"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernel_rows_saturate_the_nll_as_the_torch_path(dtype):
+    """A row whose target logit is far below the others: the kernel's NLL saturates at -log of
+    fp32's smallest normal, as the torch path's clamped probability, and its loss and gradient
+    match the torch path's, row by row, in each compute dtype."""
+    from streamnmt import xent, xent_triton
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    c, v = 64, 1000
+    z = (torch.randn(c, v, device=dev) * 3).to(dtype)
+    y = torch.randint(4, v, (c,), device=dev)
+    y[5] = masks.PAD
+    far = torch.arange(0, c, 4, device=dev)
+    z[far, y[far]] = -200.0  # p(target) = exp(-200 - lse) underflows fp32: NLL saturates
+    loss, nll = xent_triton.xent_rows(kz := z.clone(), y, 0.1, masks.PAD, True)
+    ref_loss, ref_nll, ref_g = xent._torch_rows(z.clone(), y, 0.1, masks.PAD, True)
+    torch.testing.assert_close(nll[far], torch.full_like(nll[far], xent_triton.NLL_MAX))
+    assert nll[5] == 0 and loss[5] == 0
+    torch.testing.assert_close(nll, ref_nll, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-4)
+    if dtype == torch.float32:
+        torch.testing.assert_close(kz, ref_g, rtol=1e-5, atol=1e-6)
+    else:  # each gradient element rounded to 8 or 11 bits by both: relative error of the whole tensor
+        assert ((kz.float() - ref_g.float()).norm() / ref_g.float().norm()).item() < 1e-2
+
+
+def test_out_of_memory_in_the_kernel_is_raised_not_taken_for_a_build_failure(monkeypatch):
+    """Memory running out inside the kernel's call is raised as it is: the kernel stays on (the
+    torch path would need more memory, not less)."""
+    from streamnmt import xent, xent_triton
+
+    def oom(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(xent_triton, "available", lambda t: True)
+    monkeypatch.setattr(xent_triton, "xent_rows", oom)
+    monkeypatch.setitem(xent._FUSED, "failed", None)
+    h, w, y = torch.randn(20, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True), torch.randint(1, 30, (20,))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        linear_cross_entropy(h, w, None, y, ignore_index=masks.PAD, chunk_rows=8)
+    assert xent._FUSED["failed"] is None
+
+
+def test_after_a_failed_kernel_the_torch_path_runs_in_its_own_chunk_size(monkeypatch):
+    """The kernel's chunks are larger than the torch path can hold (no fp32 softmax): when the
+    kernel fails, the chunk is made again at the torch path's size, and so are the rest."""
+    from streamnmt import xent, xent_triton
+
+    def broken(*args):
+        raise RuntimeError("no compiler for this GPU")
+
+    sizes = []
+    torch_rows = xent._torch_rows
+
+    def recording(z, *args):
+        sizes.append(z.shape[0])
+        return torch_rows(z, *args)
+
+    monkeypatch.setattr(xent_triton, "available", lambda t: True)
+    monkeypatch.setattr(xent_triton, "xent_rows", broken)
+    monkeypatch.setattr(xent, "_torch_rows", recording)
+    monkeypatch.setattr(xent, "CHUNK_ELEMENTS", 30 * 3)  # 3 rows of a 30-piece vocabulary
+    monkeypatch.setitem(xent._FUSED, "failed", None)
+    torch.manual_seed(0)
+    h, w, b = torch.randn(20, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True), torch.randn(30)
+    y = torch.randint(1, 30, (20,))
+    loss, _ = linear_cross_entropy(h, w, b, y, label_smoothing=0.1, ignore_index=masks.PAD, chunk_rows=8)
+    _close(loss, _reference(h, w, b, y, 0.1)[0])
+    assert sizes == [3, 3, 3, 3, 3, 3, 2]  # every row once, at most 3 at a time

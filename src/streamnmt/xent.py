@@ -53,6 +53,8 @@ def _fused_rows(z: torch.Tensor, y: torch.Tensor, smoothing: float, ignore_index
     raised: the capture is then abandoned, and its warm-up has already run this kernel eagerly."""
     try:
         return (*xent_triton.xent_rows(z, y, smoothing, ignore_index, want_grad), z)
+    except torch.cuda.OutOfMemoryError:  # memory, not the kernel: the torch path would need more
+        raise
     except Exception as e:  # noqa: BLE001 -- a Triton build error has no common base class
         if z.is_cuda and torch.cuda.is_current_stream_capturing():
             raise
@@ -101,13 +103,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dw = torch.zeros(w.shape, dtype=torch.float32, device=h.device)  # (V, D)
                 db = torch.zeros(v, dtype=torch.float32, device=h.device) if b is not None else None
             fused = _fused_ok(hc)
-            for start in range(0, n, rows):
+            start = 0
+            while start < n:
                 x, y = hc[start:start + rows], target[start:start + rows]  # (C, D), (C,)
                 z = torch.addmm(b, x, w.t()) if b is not None else x @ w.t()  # (C, V), compute dtype
                 # one kernel: the row losses, and the gradient written over z (None: torch path)
                 out = _fused_rows(z, y, smoothing, ignore_index, want_grad) if fused else None
+                if out is None and fused:  # the kernel failed: this chunk again, at the torch path's size
+                    fused, rows = False, max(1, min(rows, CHUNK_ELEMENTS // v))
+                    del z
+                    continue
                 if out is None:
-                    fused = False
                     out = _torch_rows(z, y, smoothing, ignore_index, want_grad)
                 row_loss, row_nll, gc = out  # gc: the gradient (z itself on the kernel's path), or None
                 del out, z  # no chunk's logits may outlive its iteration (gc is dropped below)
@@ -115,6 +121,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 nll += row_nll.sum()
                 if not want_grad:
                     del gc
+                    start += rows
                     continue
                 if db is not None:
                     db += gc.sum(0, dtype=torch.float32)
@@ -124,6 +131,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 else:
                     dw += gc.t() @ x
                 del gc  # before the next chunk's logits are made
+                start += rows
         ctx.mark_non_differentiable(nll)
         ctx.h_dtype, ctx.has_bias = h.dtype, bias is not None
         if want_grad:

@@ -79,7 +79,10 @@ if triton is not None:
 def xent_rows(z: torch.Tensor, target: torch.Tensor, smoothing: float, ignore_index: int,
               want_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (smoothed loss, NLL), fp32 (C,), of logits ``z`` (C, V) against ``target`` (C,);
-    with ``want_grad`` the loss's gradient with respect to ``z`` is written over ``z``."""
+    with ``want_grad`` the loss's gradient with respect to ``z`` is written over ``z``. Targets must
+    be ``ignore_index`` or in [0, V): the kernel reads the target's logit unchecked (a check would
+    cost a host sync; in training the same ids are the decoder's inputs one position later, and
+    its embedding lookup stops on an id out of range)."""
     c, v = z.shape
     if z.stride(1) != 1:
         raise ValueError("xent_rows needs logits contiguous along the vocabulary")

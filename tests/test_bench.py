@@ -248,3 +248,40 @@ def test_trace_analysis_idle_causes_and_graph_branches():
     assert s.idle_ms == pytest.approx({"launch": 0.032 + 0.03, "data": 0.0, "sync": 0.0, "queued": 0.005})
     assert s.streams["graph replay"] == {20: [2, pytest.approx(0.02)], -1: [1, pytest.approx(0.005)]}
     assert "graph branches" in format_summary("graph", s)
+
+
+def test_compile_ro_is_set_apart_from_rows_that_replay_cuda_graphs(monkeypatch):
+    from streamnmt.bench.apart import CHILD, rows_apart
+
+    monkeypatch.delenv(CHILD, raising=False)
+    assert rows_apart(["plain", "compile-ro", "graph", "resident"]) == ["compile-ro"]
+    assert rows_apart(["compile-ro", "resident-graph"]) == ["compile-ro"]
+    assert rows_apart(["plain", "compile-ro", "full", "resident"]) == []  # no CUDA graphs beside it
+    assert rows_apart(["compile-ro", "graph"], world=2) == []
+    monkeypatch.setenv(CHILD, "1")
+    assert rows_apart(["compile-ro", "graph"]) == []  # a child never splits again
+
+
+def test_a_row_set_apart_runs_in_a_child_bench_and_joins_the_table(tmp_path, monkeypatch, capsys):
+    """A row that may not share the process (here, for the CPU: plain beside baseline) is measured
+    by a child bench of the same settings into OUT/<row>, and its runs join this run's table and
+    bench.json, with a note; a child that fails leaves its row out and the run goes on."""
+    from streamnmt.bench import apart
+
+    monkeypatch.setattr(apart, "APART", {"plain": frozenset({"baseline"})})
+    out = tmp_path / "apart"
+    args = ["bench", *SMALL, "--steps", "3", "--strategies", "plain,baseline", "--no-references"]
+    assert cli.main([*args, "--out", str(out)]) == 0
+    rec = json.loads((out / "bench.json").read_text())
+    assert [r["name"] for r in rec["summary"]] == ["plain", "baseline"] and rec["rows"] == ["plain", "baseline"]
+    plain = rec["runners"]["plain"]
+    child = json.loads((out / "plain" / "bench.json").read_text())
+    assert child["rows"] == ["plain"] and child["runners"]["plain"]["runs"] == plain["runs"]
+    assert len(plain["runs"]) == 2 and "process of its own" in plain["notes"][-1]
+    assert "plain runs first, in a process of its own" in capsys.readouterr().out
+
+    monkeypatch.setattr(apart, "config_argv", lambda cfg: ["--repeats", "0"])  # the child refuses its flags
+    assert cli.main([*args, "--out", str(tmp_path / "failed")]) == 0
+    rec = json.loads((tmp_path / "failed" / "bench.json").read_text())
+    assert [r["name"] for r in rec["summary"]] == ["baseline"]
+    assert any(n.startswith("plain left out: its own process ended with exit code 2") for n in rec["left_out"])

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from streamnmt import dist as distributed
+from streamnmt.bench.apart import ChildRow, rows_apart, run_apart
 from streamnmt.bench.config import BenchConfig
 from streamnmt.bench.flops import peak_flops, precision
 from streamnmt.bench.profile import (ALL_REDUCE, GRAPH_BRANCHES, analyze_trace, format_summary, load_trace,
@@ -206,16 +207,29 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
         f"{cfg.label_smoothing}")
 
     try:
-        # 2. every row built once: model from the same seed, strategy and streams, graph capture
-        runners, ready_s = [], {}
+        # 2. rows that cannot share this process (bench.apart) run first, each in a child bench
+        apart: dict[str, ChildRow] = {}
+        for name in rows_apart(names, d.world):
+            got = run_apart(name, cfg, out, log)
+            if isinstance(got, str):
+                log(f"bench: {got}")
+                skipped.append(got)
+                names.remove(name)
+            else:
+                apart[name] = got
+        # 3. every other row built once: model from the same seed, strategy and streams, graph capture
+        runners, ready_s = [], {name: row.ready_s for name, row in apart.items()}
         for name in names:
+            if name in apart:
+                continue
             t0 = time.perf_counter()
             runners.append(make_runner(name, env))
             ready_s[name] = time.perf_counter() - t0  # graph capture and compilation included
             log(f"bench: {name} ready in {ready_s[name]:.1f} s")
 
-        # 3. timed runs, interleaved: A B C, A B C, ...
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        # 4. timed runs, interleaved: A B C, A B C, ...
+        runs: dict[str, list[dict[str, Any]]] = {name: list(apart[name].runs) if name in apart else []
+                                                 for name in names}
         for repeat in range(cfg.repeats):
             for runner in runners:
                 result = runner.run_once(repeat)
@@ -224,17 +238,19 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
                 runs[runner.name].append(result)
                 log(_progress(runner.name, repeat, cfg.repeats, result))
 
-        # 4. optional profiled pass
+        # 5. optional profiled pass (a child profiles its own row)
         profiles = _profile(runners, cfg, out, log, record=d.main) if cfg.profile else {}
+        profiles.update({name: row.profile for name, row in apart.items() if cfg.profile and row.profile})
     finally:
         env.close()
     if not d.main:
         return 0  # rank 0 alone writes and prints
 
-    # 5. summary and files; the table last
+    # 6. summary and files; the table last
     rows = summarize(runs)
+    measured = sorted([*runners, *apart.values()], key=lambda r: names.index(r.name))
     notes = {r.name: r.notes + ([f"loads in {r.workers} worker processes"] if r.workers else [])
-             for r in runners}
+             for r in measured}
     notes = {k: v for k, v in notes.items() if v}
     for row in rows:
         row["note"] = "; ".join(notes.get(row["name"], []))
@@ -251,7 +267,7 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
         "peak_tflops": peak / 1e12 if peak else None, "precision": precision(cfg.amp),
         "limits": {name: limit_of(name, names) for name in names},
         "runners": {r.name: {"kind": r.kind, "workers": r.workers, "ready_s": ready_s[r.name], "report": r.report, "notes": r.notes,
-                             "runs": runs[r.name]} for r in runners},
+                             "runs": runs[r.name]} for r in measured},
         "summary": rows, "profile": profiles,
     }
     write_json(out / "bench.json", record)

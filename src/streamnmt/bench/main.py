@@ -4,7 +4,9 @@ The steps, in order: data (the trainer's loader over the built-in corpus or ``--
 runner per row (model from the same seed, strategy, streams, graph capture: all before any
 timing), ``repeats`` rounds of one timed run per row, an optional profiled pass per row, then
 ``bench.json`` (every per-run number, config, device, versions, date, commit), ``bench.csv``
-(one summary row per row), ``bench.png`` and the console table, printed last.
+(one summary row per row), ``bench.png`` and the console table, printed last. A row that must not
+share the process (:mod:`streamnmt.bench.apart`: the compile-ro peer beside CUDA-graph rows) is
+measured first by a child bench and joins the table.
 
 Under torchrun (``--nproc N`` starts it, see :mod:`streamnmt.bench.scaling`) every rank runs the
 same steps on its shard with a DDP-wrapped model; after each run the ranks' results are gathered

@@ -257,7 +257,7 @@ def test_compile_ro_is_set_apart_from_rows_that_replay_cuda_graphs(monkeypatch):
     assert rows_apart(["plain", "compile-ro", "graph", "resident"]) == ["compile-ro"]
     assert rows_apart(["compile-ro", "resident-graph"]) == ["compile-ro"]
     assert rows_apart(["plain", "compile-ro", "full", "resident"]) == []  # no CUDA graphs beside it
-    assert rows_apart(["compile-ro", "graph"], world=2) == []
+    assert rows_apart(["compile-ro", "graph"], torchrun=True) == []
     monkeypatch.setenv(CHILD, "1")
     assert rows_apart(["compile-ro", "graph"]) == []  # a child never splits again
 

@@ -45,10 +45,11 @@ class ChildRow:
     profile: dict[str, Any] | None = None
 
 
-def rows_apart(names: list[str], world: int = 1) -> list[str]:
-    """The rows of ``names`` to measure in a process of their own (none under torchrun's ranks,
-    where compile-ro is left out anyway, and none inside a child)."""
-    if world > 1 or os.environ.get(CHILD):
+def rows_apart(names: list[str], torchrun: bool = False) -> list[str]:
+    """The rows of ``names`` to measure in a process of their own: none inside a child, and none
+    in a rank of torchrun's (a child would inherit the rank's rendezvous settings; on several
+    ranks compile-ro is left out anyway)."""
+    if torchrun or os.environ.get(CHILD):
         return []
     return [n for n in names if APART.get(n, frozenset()) & (set(names) - {n})]
 

@@ -211,7 +211,7 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
     try:
         # 2. rows that cannot share this process (bench.apart) run first, each in a child bench
         apart: dict[str, ChildRow] = {}
-        for name in rows_apart(names, d.world):
+        for name in rows_apart(names, torchrun=d.active):
             got = run_apart(name, cfg, out, log)
             if isinstance(got, str):
                 log(f"bench: {got}")

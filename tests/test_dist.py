@@ -357,6 +357,10 @@ def test_launcher_blames_the_rank_that_failed_for_its_own_reason():
     assert first_failure({0: F(exitcode=2, timestamp=100), 1: F(exitcode=1, timestamp=101)})[0] == 0
     assert first_failure({0: F(exitcode=lost, timestamp=101), 1: F(exitcode=lost, timestamp=100)})[0] == 1
     assert first_failure({1: F(exitcode=lost, timestamp=100), 0: F(exitcode=lost, timestamp=100)})[0] == 0
+    # torchrun stops the survivors of a failed rank with SIGTERM, within the same second
+    assert first_failure({0: F(exitcode=-15, timestamp=100), 1: F(exitcode=2, timestamp=100)})[0] == 1
+    assert first_failure({0: F(exitcode=-15, timestamp=100), 1: F(exitcode=-9, timestamp=100)})[0] == 1
+    assert first_failure({0: F(exitcode=-15, timestamp=100), 1: F(exitcode=lost, timestamp=99)})[0] == 0
 
 
 def test_polled_wait_ends_in_peer_lost():

@@ -285,11 +285,15 @@ def run_torchrun(n: int, argv: list[str]) -> int:
 
 def first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
     """The rank to blame among torchrun's ``{rank: ProcessFailure}``: the earliest failure that was
-    not a :class:`PeerLost` bystander (a peer notices a killed rank before torchrun does, and the
-    failure timestamps have one-second resolution), else the earliest of all."""
-    own = {r: f for r, f in failures.items() if f.exitcode != PeerLost.exit_code} or failures
-    rank = min(own, key=lambda r: (own[r].timestamp, r))
-    return rank, own[rank]
+    not a bystander's, else the earliest of all. Bystanders: a :class:`PeerLost` rank (a peer
+    notices a killed rank before torchrun does), and a rank ended by SIGTERM where another rank
+    failed otherwise (torchrun stops the survivors of a failed rank with SIGTERM). The failure
+    timestamps have one-second resolution, so the kind of failure decides before the time."""
+    def bystander(f: Any) -> int:
+        return 2 if f.exitcode == PeerLost.exit_code else 1 if f.exitcode == -signal.SIGTERM else 0
+
+    rank = min(failures, key=lambda r: (bystander(failures[r]), failures[r].timestamp, r))
+    return rank, failures[rank]
 
 
 def _die_with_launcher() -> None:

@@ -225,8 +225,10 @@ class StaticSearch:
                  exact: bool = False):
         r, k, w, v = rows, beam, width, model.shape.tgt_vocab
         self.model, self.rows, self.beam, self.width = model, rows, beam, width
-        # The step's attention kernels (see STEP_ATTENTION; the CPU keeps the search's own)
-        self.step_attention = STEP_ATTENTION.get(dtype, DECODE_ATTENTION) if device.type == "cuda" else DECODE_ATTENTION
+        # The step's attention kernels (see STEP_ATTENTION); the CPU and the uncached reference
+        # (queries over the whole prefix) keep the search's own
+        self.step_attention = (STEP_ATTENTION.get(dtype, DECODE_ATTENTION) if cached and device.type == "cuda"
+                               else DECODE_ATTENTION)
         self.greedy = beam == 1 if greedy is None else greedy  # beam 1 runs the beam algorithm unless greedy
         if self.greedy and beam != 1:
             raise ValueError(f"greedy search keeps one hypothesis; got beam {beam}")
@@ -295,12 +297,10 @@ class StaticSearch:
 
     def step(self, span: int) -> None:
         """One token for every row, reading ``span`` key slots; fixed shapes, no host sync (capturable)."""
-        if self.cache is None:  # the uncached reference keeps the search's attention kernels
-            (self._greedy_step if self.greedy else self._beam_step)()
-        else:
+        if self.cache is not None:
             self.cache.span = span
-            with sdpa_kernel(self.step_attention):
-                (self._greedy_step if self.greedy else self._beam_step)()
+        with sdpa_kernel(self.step_attention):
+            (self._greedy_step if self.greedy else self._beam_step)()
         self.t.add_(1)
         self.t_host += 1
 

@@ -48,8 +48,9 @@ def _fused_ok(h: torch.Tensor) -> bool:
 
 
 def _fused_rows(z: torch.Tensor, y: torch.Tensor, smoothing: float, ignore_index: int, want_grad: bool):
-    """(row loss, row NLL, gradient: ``z`` itself) from :func:`streamnmt.xent_triton.xent_rows`, or None (and the torch path from now on, with one
-    line on stderr) where the kernel cannot be built here. Inside a CUDA graph capture a failure is
+    """(row loss, row NLL, gradient: ``z`` itself) from :func:`streamnmt.xent_triton.xent_rows`, or
+    None (and the torch path from now on, with one line on stderr) where the kernel cannot be built
+    here. Inside a CUDA graph capture a failure is
     raised: the capture is then abandoned, and its warm-up has already run this kernel eagerly."""
     try:
         return (*xent_triton.xent_rows(z, y, smoothing, ignore_index, want_grad), z)
@@ -119,17 +120,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 del out, z  # no chunk's logits may outlive its iteration (gc is dropped below)
                 loss += row_loss.sum()
                 nll += row_nll.sum()
-                if not want_grad:
-                    del gc
-                    start += rows
-                    continue
-                if db is not None:
-                    db += gc.sum(0, dtype=torch.float32)
-                dh[start:start + rows] = gc @ w
-                if dtype == torch.float32:
-                    dw.addmm_(gc.t(), x)
-                else:
-                    dw += gc.t() @ x
+                if want_grad:
+                    if db is not None:
+                        db += gc.sum(0, dtype=torch.float32)
+                    dh[start:start + rows] = gc @ w
+                    if dtype == torch.float32:
+                        dw.addmm_(gc.t(), x)
+                    else:
+                        dw += gc.t() @ x
                 del gc  # before the next chunk's logits are made
                 start += rows
         ctx.mark_non_differentiable(nll)

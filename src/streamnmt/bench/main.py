@@ -242,7 +242,7 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
 
         # 5. optional profiled pass (a child profiles its own row)
         profiles = _profile(runners, cfg, out, log, record=d.main) if cfg.profile else {}
-        profiles.update({name: row.profile for name, row in apart.items() if cfg.profile and row.profile})
+        profiles.update({name: row.profile for name, row in apart.items() if row.profile})
     finally:
         env.close()
     if not d.main:

@@ -47,3 +47,11 @@ def test_bad_yaml_and_unknown_key(tmp_path):
     unknown.write_text("data:\n  batch_sise: 3\n")
     with pytest.raises(ConfigError, match="batch_sise"):
         build_job({}, str(unknown))
+
+
+@pytest.mark.parametrize("key", ["attention_dropout", "activation_dropout"])
+def test_attention_and_activation_dropout_default_off_and_are_checked(key):
+    assert getattr(build_job({}).model, key) == 0.0
+    assert getattr(build_job({key: "0.1"}).model, key) == 0.1
+    with pytest.raises(ConfigError, match="--" + key.replace("_", "-")):
+        build_job({key: "1.0"})

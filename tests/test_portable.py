@@ -187,6 +187,24 @@ def test_from_checkpoint_refuses_other_changes_by_name(trained):
         Trainer.from_checkpoint(str(trained["run"] / "weights" / "last.pt"), changes={"lr": 1.0})
 
 
+def test_resume_of_a_run_from_before_the_dropout_settings_keeps_its_dropout(trained, tmp_path):
+    """A checkpoint whose config and model shape lack attention/activation dropout dropped
+    ``--dropout`` there: resuming it builds that model, not the new defaults (0)."""
+    ckpt = load_checkpoint(trained["run"] / "weights" / "last.pt", "--resume")
+    assert ckpt["config"]["model"]["attention_dropout"] == 0.0  # the new default, recorded
+    ckpt["config"]["model"] = {k: v for k, v in ckpt["config"]["model"].items()
+                               if k not in ("attention_dropout", "activation_dropout")} | {"dropout": 0.2}
+    ckpt["model_shape"] = {k: v for k, v in ckpt["model_shape"].items()
+                           if k not in ("attention_dropout", "activation_dropout")} | {"dropout": 0.2}
+    old = tmp_path / "old.pt"
+    save_checkpoint(old, {k: v for k, v in ckpt.items() if k not in ("format", "version")})
+    trainer = Trainer.from_checkpoint(str(old), log=lambda _: None)
+    assert (trainer.shape.attention_p(), trainer.shape.activation_p(), trainer.shape.dropout) == (0.2, 0.2, 0.2)
+    assert trainer.model.decoder[0].cross_attn.dropout == 0.2 and trainer.model.encoder[0].ff.drop.p == 0.2
+    model, *_ = load_for_inference(old, "cpu")  # and it still loads for translation
+    assert model.shape.attention_dropout is None and model.shape.attention_p() == 0.2
+
+
 # -- --dtype -------------------------------------------------------------------------------------
 
 def test_dtype_validation_names_the_flag(trained, capsys):

@@ -37,7 +37,11 @@ class ModelConfig:
     n_layers: int | None = opt(None, "encoder and decoder layers each (overrides the preset)")
     n_heads: int | None = opt(None, "attention heads (overrides the preset)")
     d_ff: int | None = opt(None, "feed-forward width (overrides the preset)")
-    dropout: float = opt(0.1, "dropout probability")
+    dropout: float = opt(0.1, "dropout probability of the residual connections and the embeddings")
+    attention_dropout: float = opt(0.0, "dropout probability of the attention weights (0, as fairseq's and "
+                                        "Marian's Transformer defaults; runs before this setting used --dropout)")
+    activation_dropout: float = opt(0.0, "dropout probability of the feed-forward's hidden activations (0, as "
+                                         "fairseq's and Marian's defaults; runs before this setting used --dropout)")
     label_smoothing: float = opt(0.1, "label smoothing of the cross-entropy (the Transformer recipe's 0.1; "
                                       "0 = plain cross-entropy)")
     tie_embeddings: str = opt("none", "tie embeddings: decoder = the target embedding is the output projection; "
@@ -53,7 +57,9 @@ class ModelConfig:
         for key in ("d_model", "n_layers", "n_heads", "d_ff"):
             v = getattr(self, key)
             check(v is None or v > 0, key, f"must be a positive integer; got {v}")
-        check(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1); got {self.dropout}")
+        for key in ("dropout", "attention_dropout", "activation_dropout"):
+            v = getattr(self, key)
+            check(0.0 <= v < 1.0, key, f"must be in [0, 1); got {v}")
         check(0.0 <= self.label_smoothing < 1.0, "label_smoothing",
               f"must be in [0, 1); got {self.label_smoothing}")
         check_choice(self.tie_embeddings, "tie_embeddings", ("none", "decoder", "all"))

@@ -43,6 +43,16 @@ class ModelShape:
     dropout: float = 0.1
     max_positions: int = 1024
     tie_embeddings: str = "none"  # none | decoder (target embedding = generator) | all (and source)
+    # Dropout of the attention probabilities and of the feed-forward's hidden activations; None =
+    # ``dropout`` (the layout of checkpoints written before these two settings existed).
+    attention_dropout: float | None = None
+    activation_dropout: float | None = None
+
+    def attention_p(self) -> float:
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
+
+    def activation_p(self) -> float:
+        return self.dropout if self.activation_dropout is None else self.activation_dropout
 
 
 class MultiHeadAttention(nn.Module):
@@ -137,15 +147,16 @@ class FeedForward(nn.Module):
         self.w1, self.w2, self.drop = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model), nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.drop(F.relu(self.w1(x))))
+        h = F.relu(self.w1(x))
+        return self.w2(self.drop(h) if self.drop.p > 0 else h)  # p = 0: no kernel, no random draw
 
 
 class EncoderLayer(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
         self.ln1, self.ln2 = LayerNorm(s.d_model), LayerNorm(s.d_model)
-        self.attn = MultiHeadAttention(s.d_model, s.n_heads, s.dropout, fused=True)
-        self.ff = FeedForward(s.d_model, s.d_ff, s.dropout)
+        self.attn = MultiHeadAttention(s.d_model, s.n_heads, s.attention_p(), fused=True)
+        self.ff = FeedForward(s.d_model, s.d_ff, s.activation_p())
         self.drop = nn.Dropout(s.dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -158,9 +169,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
         self.ln1, self.ln2, self.ln3 = (LayerNorm(s.d_model) for _ in range(3))
-        self.self_attn = MultiHeadAttention(s.d_model, s.n_heads, s.dropout, fused=True)
-        self.cross_attn = MultiHeadAttention(s.d_model, s.n_heads, s.dropout)
-        self.ff = FeedForward(s.d_model, s.d_ff, s.dropout)
+        self.self_attn = MultiHeadAttention(s.d_model, s.n_heads, s.attention_p(), fused=True)
+        self.cross_attn = MultiHeadAttention(s.d_model, s.n_heads, s.attention_p())
+        self.ff = FeedForward(s.d_model, s.d_ff, s.activation_p())
         self.drop = nn.Dropout(s.dropout)
 
     def forward(self, x: torch.Tensor, mem: torch.Tensor, src_mask: torch.Tensor,
@@ -354,6 +365,8 @@ class Transformer(nn.Module):
 
 def make_model(src_vocab: int, tgt_vocab: int, d_model: int = 512, n_layers: int = 6, n_heads: int = 8,
                d_ff: int = 2048, dropout: float = 0.1, max_positions: int = 1024,
-               tie_embeddings: str = "none") -> Transformer:
+               tie_embeddings: str = "none", attention_dropout: float | None = None,
+               activation_dropout: float | None = None) -> Transformer:
+    """A Transformer of this shape (``attention_dropout``/``activation_dropout`` None = ``dropout``)."""
     return Transformer(ModelShape(src_vocab, tgt_vocab, d_model, n_layers, n_heads, d_ff, dropout, max_positions,
-                                  tie_embeddings))
+                                  tie_embeddings, attention_dropout, activation_dropout))

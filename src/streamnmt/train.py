@@ -120,7 +120,8 @@ class Trainer:
         job, m = self.job, self.job.model
         self.shape = ModelShape(self.data.src_tok.vocab_size, self.data.tgt_tok.vocab_size, m.d_model,
                                 m.n_layers, m.n_heads, m.d_ff, m.dropout,
-                                max_positions=max(1024, job.data.max_len + 8), tie_embeddings=m.tie_embeddings)
+                                max_positions=max(1024, job.data.max_len + 8), tie_embeddings=m.tie_embeddings,
+                                attention_dropout=m.attention_dropout, activation_dropout=m.activation_dropout)
         self.model = Transformer(self.shape).to(self.device)
         self.model.set_attention(resolve_attention(m.attention, self.device, self.log))
         if job.run.weights and resume is None:
@@ -229,7 +230,8 @@ class Trainer:
         log = self.log
         log(f"run dir: {self.save_dir}" + (f" (resumed at step {self.global_step})" if resume else ""))
         log(f"model: {m.model} ({m.n_layers}+{m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
-            f"d_ff {m.d_ff}), {self.model.num_params() / 1e6:.1f}M parameters; device {self.device}; "
+            f"d_ff {m.d_ff}), {self.model.num_params() / 1e6:.1f}M parameters; dropout {self.shape.dropout} "
+            f"(attention {self.shape.attention_p()}, activation {self.shape.activation_p()}); device {self.device}; "
             f"amp {job.optim.amp}; strategy {_running(self.strategy)}"
             + (f"; tied embeddings: {m.tie_embeddings}" if m.tie_embeddings != "none" else "")
             + (f"; EMA {job.run.ema}" if job.run.ema else "")
@@ -250,6 +252,10 @@ class Trainer:
             raise InputError(f"--resume: {path} holds weights only (e.g. an averaged checkpoint); "
                              f"start from it with --weights instead")
         config = {**ckpt["config"], "run": {**ckpt["config"].get("run", {})}}
+        model_cfg = dict(config.get("model") or {})
+        for key in ("attention_dropout", "activation_dropout"):  # a run from before these settings
+            model_cfg.setdefault(key, model_cfg.get("dropout", ModelConfig().dropout))  # dropped there too
+        config["model"] = model_cfg
         if device is not None:  # validated here, not the device the checkpoint was written on
             config["run"]["device"] = device
         changes = dict(changes or {})

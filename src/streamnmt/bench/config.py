@@ -47,6 +47,9 @@ class BenchConfig:
                                   "get random token ids over this many pieces, as a real corpus's output layer "
                                   "costs; 0 = the corpus's own tokenizers; default 32000 on CUDA, 0 on CPU")
     label_smoothing: float = opt(0.1, "label smoothing of the loss (the training default)")
+    dropout: float = opt(0.1, "dropout of the residual connections and embeddings (the training default)")
+    attention_dropout: float = opt(0.0, "dropout of the attention weights (the training default)")
+    activation_dropout: float = opt(0.0, "dropout of the feed-forward's hidden activations (the training default)")
     pad_multiple: int = opt(8, "batch lengths are padded to a multiple of this; set it to --max-len for fixed "
                                "(batch-size x max-len) shapes")
     model: str = opt("auto", "model preset; auto = base on CUDA, tiny on CPU", choices=("auto", *PRESETS))
@@ -86,6 +89,9 @@ class BenchConfig:
         check(self.vocab is None or self.vocab == 0 or self.vocab >= 16, "vocab",
               f"must be 0 (the corpus's) or at least 16; got {self.vocab}")
         check(0.0 <= self.label_smoothing < 1.0, "label_smoothing", f"must be in [0, 1); got {self.label_smoothing}")
+        for key in ("dropout", "attention_dropout", "activation_dropout"):
+            v = getattr(self, key)
+            check(0.0 <= v < 1.0, key, f"must be in [0, 1); got {v}")
         check(self.pad_multiple >= 1, "pad_multiple", f"must be a positive integer; got {self.pad_multiple}")
         check_choice(self.model, "model", ("auto", *PRESETS))
         check_choice(self.amp, "amp", ("auto", "bf16", "fp16", "off"))

@@ -182,7 +182,8 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
     dm, n, h, ff = PRESETS[cfg.model]
     train = random_tokens(bundle.train, cfg.vocab, cfg.seed) if cfg.vocab else bundle.train
     vocab = (cfg.vocab, cfg.vocab) if cfg.vocab else (bundle.src_tok.vocab_size, bundle.tgt_tok.vocab_size)
-    shape = ModelShape(*vocab, dm, n, h, ff, dropout=0.1, max_positions=max(1024, cfg.max_len + 8))
+    shape = ModelShape(*vocab, dm, n, h, ff, dropout=cfg.dropout, max_positions=max(1024, cfg.max_len + 8),
+                       attention_dropout=cfg.attention_dropout, activation_dropout=cfg.activation_dropout)
     info = device_info(device)
     peak = peak_flops(info["name"], cfg.amp) if device.type == "cuda" else None
     env = Env(cfg, device, shape, data_cfg, train, peak, log, dist=d)
@@ -206,7 +207,8 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
         f"padding "
         f"{100 * (1 - env.loader(0).num_tokens()['tgt_fill']):.1f} % of the target positions; vocabulary "
         f"{shape.tgt_vocab}{' (random ids)' if cfg.vocab else ''}; attention {env.attention}; label smoothing "
-        f"{cfg.label_smoothing}")
+        f"{cfg.label_smoothing}; dropout {cfg.dropout} (attention {cfg.attention_dropout}, activation "
+        f"{cfg.activation_dropout})")
 
     try:
         # 2. rows that cannot share this process (bench.apart) run first, each in a child bench

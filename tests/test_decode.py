@@ -281,7 +281,13 @@ def test_a_wider_bucket_serves_narrower_batches_up_to_half_its_width(model):
                for n in (30, 20, 15, 10)]  # source buckets 32, 24, 16, 12
     assert [source_bucket(len(b[0]), 64) for b in batches] == [32, 24, 16, 12]
     shared = GraphDecoder(model, opts, batch_size=4)
-    got = [shared.search(pad_batch(b, "cpu")) for b in batches]
+    widths = []  # the encoder runs at the width of the bucket that decodes the batch: one shape per bucket
+    hook = model.encoder[0].register_forward_pre_hook(lambda _, args: widths.append(args[0].size(1)))
+    try:
+        got = [shared.search(pad_batch(b, "cpu")) for b in batches]
+    finally:
+        hook.remove()
     assert [k.src_width for k in shared.buckets] == [32, 12]  # 24 and 16 ran in 32's; 12 in its own
+    assert widths == [32, 32, 32, 12]
     own = [GraphDecoder(model, opts, batch_size=4).search(pad_batch(b, "cpu")) for b in batches]
     assert got == own

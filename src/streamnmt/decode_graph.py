@@ -25,7 +25,7 @@ eager path runs, so the two give the same results.
   it to pinned memory and waits (``host_sync``) on the copy queued at the previous check, so the
   GPU always has an interval of replays queued; at most two intervals of steps are wasted.
 
-The encoder runs eagerly once per batch. On the CPU :class:`GraphDecoder` runs the same bucketed
+The encoder runs eagerly once per batch, at the source width of the bucket that decodes it. On the CPU :class:`GraphDecoder` runs the same bucketed
 step eagerly (tested against the eager search there). A failed capture is reported in one line
 and that batch shape decoded eagerly.
 """
@@ -126,10 +126,14 @@ class GraphDecoder:
         s_pad = source_bucket(s, model.shape.max_positions)
         width = min(max(int(opts.max_len_a * s_pad + opts.max_len_b), 1), cap) + 1
         key = BucketKey(_round_rows(b, self.batch_size), k, s_pad, width)
-        # 2. encode once (eagerly), at the coarse source width: the encoder then runs at a few
-        # shapes per process, not one per batch width (each new shape costs a fresh process
-        # kernel loads and matrix-multiply set-up)
-        wide = F.pad(src, (0, s_pad - s), value=masks.PAD)
+        # 2. encode once (eagerly), at the source width of the bucket that will decode the batch
+        # (a kept, covering one where there is one): the encoder and the cross-attention
+        # projections then run at one shape per bucket, not one per coarse batch width (each new
+        # shape costs a fresh process kernel loads and matrix-multiply set-up; the padding is masked)
+        self._check_weights()
+        cover = self._covering(key)
+        s_enc = cover.src_width if cover is not None else s_pad
+        wide = F.pad(src, (0, s_enc - s), value=masks.PAD)
         src_mask = masks.src_mask(wide)  # (B, 1, 1, S')
         mem = model.encode(wide, src_mask)  # (B, S', D)
         bucket = self._bucket(key, mem.dtype, src.device)
@@ -141,11 +145,14 @@ class GraphDecoder:
         return bucket.results(b)
 
     # -- buckets and graphs ----------------------------------------------------------------------
-    def _bucket(self, key: BucketKey, dtype: torch.dtype, device: torch.device) -> _Bucket | None:
+    def _check_weights(self) -> None:
         weights = tuple(p.data_ptr() for p in self.model.parameters())
         if weights != self._weights:  # moved or reloaded: the graphs would read stale addresses
             self.buckets.clear()
             self._weights = weights
+
+    def _bucket(self, key: BucketKey, dtype: torch.dtype, device: torch.device) -> _Bucket | None:
+        self._check_weights()
         cover = self._covering(key)
         if cover is not None:
             self.buckets.move_to_end(cover)

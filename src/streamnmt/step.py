@@ -238,22 +238,25 @@ class _InfGrad(torch.autograd.Function):
 
 def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr: float = 1.0,
               warmup: int = 4000, amp: str = "off", clip: float = 1.0, label_smoothing: float = 0.0,
-              compile: bool = False, shapes: int = 1, ema: float = 0.0, ddp: bool = False) -> NMTStep:
+              compile: bool = False, shapes: int = 1, ema: float = 0.0, ddp: bool = False,
+              loss_model: nn.Module | None = None) -> NMTStep:
     """The optimizer, schedule, grad scaler and step function for ``model`` (trainer and bench).
 
     With ``compile``, the model is compiled for each of its ``shapes`` batch shapes (static shapes:
     what CUDA graph capture needs); the compile cache is made large enough to hold all of them.
     ``ddp``: wrap the model in DistributedDataParallel (the process group is initialised), at the
-    step's first forward or :meth:`NMTStep.parallel` (compiled after wrapping).
+    step's first forward or :meth:`NMTStep.parallel` (compiled after wrapping). ``loss_model``: the
+    module that computes the loss sums (default :class:`LossModel` of ``model``; the bench's stock
+    peer brings its own), whose parameters the optimizer then updates.
     """
     schedule = NoamSchedule(d_model, warmup, lr, device)
     # Fused Adam reading the learning rate from a device tensor; capturable so that graph mode
     # can put the step inside a CUDA graph (used by every strategy, so all compute the same).
-    optimizer = torch.optim.Adam(model.parameters(), lr=schedule.lr_t, betas=(0.9, 0.98), eps=1e-9,
+    loss_model = loss_model or LossModel(model, label_smoothing)
+    optimizer = torch.optim.Adam(loss_model.parameters(), lr=schedule.lr_t, betas=(0.9, 0.98), eps=1e-9,
                                  fused=True, capturable=device.type == "cuda")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
-    loss_model = LossModel(model, label_smoothing)
     if compile:
         _fit_compile_cache(shapes)
 

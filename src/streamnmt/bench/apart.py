@@ -9,6 +9,8 @@ section 9; not at 32 x 32). So when compile-ro shares a run with a row that repl
 (``OUT/compile-ro/``: its own bench.json and log), and its timed runs join this run's table: that
 row is then measured before the others rather than interleaved with them, which its note says. A
 child that fails leaves its row out, with one line saying why; the rest of the run goes on.
+The stock-ro peer (the same compile of a stock-PyTorch model) runs apart from those rows and from
+compile-ro alike.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from streamnmt.bench.config import BenchConfig
 from streamnmt.bench.scaling import config_argv
 
 # row -> the rows it must not share a process with
-APART: dict[str, frozenset[str]] = {"compile-ro": frozenset({"graph", "resident-graph"})}
+APART: dict[str, frozenset[str]] = {"compile-ro": frozenset({"graph", "resident-graph"}),
+                                    # reduce-overhead's graph trees: not two compiled peers in one process
+                                    "stock-ro": frozenset({"graph", "resident-graph", "compile-ro"})}
 CHILD = "STREAMNMT_BENCH_CHILD"  # set in a child's environment: a child never splits again
 
 

@@ -22,8 +22,11 @@ from streamnmt.engine.config import DIST_BACKENDS, PIPELINE_STREAMS
 # waits), the same for graph mode, and the loop most people write (blocking copy, loss.item()).
 # The peer row: the strongest off-the-shelf alternative, torch.compile(mode="reduce-overhead").
 REFERENCES = ("resident", "resident-graph", "plain", "compile-ro")
-# Table and execution order: what users write, the peer, the engine's strategies, then the limits.
-ORDER = ("plain", "compile-ro", *STRATEGY_NAMES, "resident", "resident-graph")
+# Rows run only when named: stock-ro, the same compile of a model and loss written with stock
+# PyTorch modules (nn.Transformer, F.cross_entropy; streamnmt.bench.stock).
+PEERS = ("compile-ro", "stock-ro")
+# Table and execution order: what users write, the peers, the engine's strategies, then the limits.
+ORDER = ("plain", *PEERS, *STRATEGY_NAMES, "resident", "resident-graph")
 
 
 @dataclass(kw_only=True)
@@ -146,16 +149,18 @@ class BenchConfig:
                 names.add("compile-ro")
             elif "compile-ro" not in self.selected():
                 notes.append(why)
-        if "compile-ro" in names and device.type != "cuda":
-            names.discard("compile-ro")
-            notes.append("compile-ro left out: reduce-overhead replays CUDA graphs, which need a CUDA device")
+        for peer in PEERS:
+            if peer in names and device.type != "cuda":
+                names.discard(peer)
+                notes.append(f"{peer} left out: reduce-overhead replays CUDA graphs, which need a CUDA device")
         if "resident-graph" in names and device.type != "cuda":
             names.discard("resident-graph")
             notes.append("resident-graph left out: CUDA graphs need a CUDA device")
-        if "compile-ro" in names and world > 1:
-            names.discard("compile-ro")
-            notes.append("compile-ro left out on several processes: reduce-overhead's graph trees around "
-                         "DistributedDataParallel are not measured here")
+        for peer in PEERS:
+            if peer in names and world > 1:
+                names.discard(peer)
+                notes.append(f"{peer} left out on several processes: reduce-overhead's graph trees around "
+                             "DistributedDataParallel are not measured here")
         return [n for n in ORDER if n in names], notes
 
     def resolve(self, device: torch.device) -> BenchConfig:

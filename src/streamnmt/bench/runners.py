@@ -23,6 +23,9 @@ Rows:
   ``torch.compile(mode="reduce-overhead")`` (forward and backward compiled and replayed as CUDA
   graphs by PyTorch's graph trees), eager clipping and fused Adam, pinned batches copied without
   blocking, losses deferred. Offered on CUDA where Triton is installed.
+* ``stock-ro``: the same under reduce-overhead, but the model and loss a user writes with stock
+  PyTorch modules (:mod:`streamnmt.bench.stock`: ``nn.Transformer``, ``F.cross_entropy``); only
+  when named.
 
 Measurements per timed stage: see ``streamnmt.bench`` (the package docstring).
 """
@@ -117,15 +120,21 @@ class Env:
         """A random batch of ``shape`` as the loader makes them (packed or not), for capture/compile."""
         return example_batch(shape, self.shape, self.cfg.seed, packed=self.data_cfg.packs)
 
-    def new_step(self) -> NMTStep:
-        """A model and its step function, initialised from the benchmark's seed (same for every row)."""
+    def new_step(self, stock: bool = False) -> NMTStep:
+        """A model and its step function, initialised from the benchmark's seed (same for every row).
+        ``stock``: the stock-PyTorch model and loss of :mod:`streamnmt.bench.stock` instead."""
         torch.manual_seed(self.cfg.seed)
-        model = Transformer(self.shape).to(self.device)
-        model.set_attention(self.attention)
+        loss_model = None
+        if stock:
+            from streamnmt.bench.stock import StockLossModel
+            loss_model = model = StockLossModel(self.shape, self.cfg.label_smoothing).to(self.device)
+        else:
+            model = Transformer(self.shape).to(self.device)
+            model.set_attention(self.attention)
         step = make_step(model, self.device, d_model=self.shape.d_model, lr=1.0, warmup=4000, amp=self.cfg.amp,
-                         clip=1.0, label_smoothing=self.cfg.label_smoothing, compile=self.cfg.compile,
+                         clip=1.0, label_smoothing=self.cfg.label_smoothing, compile=self.cfg.compile and not stock,
                          shapes=len(self.loader(0).shapes()),
-                         ddp=self.dist.active)
+                         ddp=self.dist.active, loss_model=loss_model)
         if self.dist.rank > 0:  # same weights everywhere, each rank its own dropout stream (as the trainer)
             torch.manual_seed(self.cfg.seed + 1_000_003 * self.dist.rank)
         return step
@@ -147,10 +156,11 @@ class Runner:
     """Base runner: the two stages and the measurements; subclasses supply the loop."""
 
     kind = "reference"
+    stock = False  # the stock-PyTorch model and loss (streamnmt.bench.stock) instead of streamnmt's
 
     def __init__(self, name: str, env: Env):
         self.name, self.env, self.device = name, env, env.device
-        self.step = TimedStep(env.new_step())
+        self.step = TimedStep(env.new_step(self.stock))
         self.losses = DeferredLosses(self.device, env.cfg.loss_interval)
         self.timer = GpuTimer(self.device)
         self.nvml = NvmlSampler(self.device)
@@ -396,20 +406,28 @@ class CompiledPeerRunner(Runner):
             yield batch
 
 
-def peer_available(device: torch.device) -> str | None:
-    """None when the ``compile-ro`` row can run on ``device``, else why not."""
+class StockPeerRunner(CompiledPeerRunner):
+    """The ``stock-ro`` row: :class:`CompiledPeerRunner` over the stock-PyTorch model and loss."""
+
+    stock = True
+
+
+def peer_available(device: torch.device, name: str = "compile-ro") -> str | None:
+    """None when the peer row ``name`` (compile-ro, stock-ro) can run on ``device``, else why not."""
     if device.type != "cuda":
-        return "compile-ro left out: reduce-overhead replays CUDA graphs, which need a CUDA device"
+        return f"{name} left out: reduce-overhead replays CUDA graphs, which need a CUDA device"
     try:
         import triton  # noqa: F401
     except ImportError:
-        return "compile-ro left out: torch.compile needs the triton package on CUDA (pip install triton)"
+        return f"{name} left out: torch.compile needs the triton package on CUDA (pip install triton)"
     return None
 
 
 def make_runner(name: str, env: Env) -> Runner:
     if name == "compile-ro":
         return CompiledPeerRunner(name, env)
+    if name == "stock-ro":
+        return StockPeerRunner(name, env)
     if name == "plain":
         return PlainRunner(name, env)
     if name == "resident":

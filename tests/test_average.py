@@ -54,6 +54,19 @@ def test_average_refuses_other_models(tmp_path):
         average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"])
 
 
+def test_average_accepts_checkpoints_that_differ_only_in_dropout(tmp_path):
+    old = _ckpt(tmp_path / "old.pt", 0)  # the model_shape of a checkpoint from before the dropout settings
+    old["model_shape"] = {k: v for k, v in old["model_shape"].items()
+                          if k not in ("attention_dropout", "activation_dropout")}
+    save_checkpoint(tmp_path / "old.pt", old)
+    new = _ckpt(tmp_path / "new.pt", 1)
+    new["model_shape"] = {**new["model_shape"], "attention_dropout": 0.0, "activation_dropout": 0.0}
+    save_checkpoint(tmp_path / "new.pt", new)
+    avg = average_checkpoints([tmp_path / "old.pt", tmp_path / "new.pt"])
+    torch.testing.assert_close(avg["model"]["generator.bias"],
+                               (old["model"]["generator.bias"] + new["model"]["generator.bias"]) / 2)
+
+
 def test_average_cli_errors(tmp_path, capsys):
     assert main(["average", "--out", str(tmp_path / "x.pt")]) == 2
     assert "--inputs" in capsys.readouterr().err

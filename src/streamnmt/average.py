@@ -52,7 +52,7 @@ def average_checkpoints(paths: list[str | Path]) -> dict[str, Any]:
                 aliases[k] = seen.setdefault(v.untyped_storage().data_ptr(), k) if v.numel() else k
             sums = {k: v.double().clone() for k, v in state.items() if aliases[k] == k}
             continue
-        if ckpt["model_shape"] != first["model_shape"]:
+        if _architecture(ckpt["model_shape"]) != _architecture(first["model_shape"]):
             raise InputError(f"--inputs: {path} holds another model ({ckpt['model_shape']}) than "
                              f"{paths[0]} ({first['model_shape']})")
         if set(state) != set(aliases):
@@ -64,6 +64,15 @@ def average_checkpoints(paths: list[str | Path]) -> dict[str, Any]:
     model = {k: out_state[aliases[k]] for k in first["model"]}  # in the inputs' key order
     return {"model": model, "model_shape": ckpt["model_shape"], "tokenizers": ckpt.get("tokenizers"),
             "config": ckpt.get("config"), "step": ckpt.get("step", 0), "averaged_from": [str(p) for p in paths]}
+
+
+# Training settings that no weight depends on: checkpoints that differ only in them average (a run
+# resumed across the release that split dropout into three settings records them differently).
+_TRAINING_ONLY = ("dropout", "attention_dropout", "activation_dropout")
+
+
+def _architecture(shape: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in shape.items() if k not in _TRAINING_ONLY}
 
 
 def run_average(cfg: AverageConfig) -> int:

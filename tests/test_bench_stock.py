@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 import torch
 
 from streamnmt.bench.apart import CHILD, rows_apart
@@ -68,3 +71,23 @@ def test_stock_ro_row_is_named_only_left_out_on_cpu_and_set_apart(monkeypatch):
     assert rows_apart(["compile-ro", "stock-ro", "graph"]) == ["compile-ro", "stock-ro"]
     assert rows_apart(["compile-ro", "stock-ro"]) == ["stock-ro"]  # two sets of graph trees: apart
     assert rows_apart(["plain", "stock-ro", "full"]) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine: pytest -m gpu)")
+def test_stock_ro_row_runs_beside_graph_mode_on_cuda(tmp_path, monkeypatch):
+    """The stock peer compiles and replays on packed batches, in its own child bench beside a
+    graph-mode row, and joins the table with a rate."""
+    from streamnmt import cli
+
+    monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path / "home"))
+    out = tmp_path / "bench"
+    code = cli.main(["bench", "--device", "cuda", "--model", "tiny", "--builtin-size", "2000", "--max-len", "32",
+                     "--max-tokens", "1024", "--vocab", "2000", "--steps", "10", "--warmup", "3", "--repeats", "1",
+                     "--no-references", "--strategies", "graph,stock-ro", "--out", str(out)])
+    assert code == 0
+    runners = json.loads((out / "bench.json").read_text())["runners"]
+    assert set(runners) == {"graph", "stock-ro"}
+    stock_runs = runners["stock-ro"]["runs"]
+    assert len(stock_runs) == 1 and stock_runs[0]["tokens_per_s"] > 0 and stock_runs[0]["real_share_pct"] > 80
+    assert any("process of its own" in n for n in runners["stock-ro"]["notes"])

@@ -118,10 +118,10 @@ def test_rows_and_auto_settings(monkeypatch):
     assert rows == ["plain", "baseline", "graph", "resident"]
     assert any("resident-graph" in n for n in notes) and any("compile-ro" in n for n in notes)
     from streamnmt.bench import runners
-    monkeypatch.setattr(runners, "peer_available", lambda device: None)  # as on a CUDA machine with Triton
+    monkeypatch.setattr(runners, "peer_available", lambda device, name="compile-ro": None)  # as on a CUDA machine with Triton
     rows, _ = cfg.rows(torch.device("cuda"))
     assert rows == ["plain", "compile-ro", "baseline", "graph", "resident", "resident-graph"]
-    monkeypatch.setattr(runners, "peer_available", lambda device: "compile-ro left out: no triton")
+    monkeypatch.setattr(runners, "peer_available", lambda device, name="compile-ro": f"{name} left out: no triton")
     rows, notes = cfg.rows(torch.device("cuda"))
     assert "compile-ro" not in rows and notes == ["compile-ro left out: no triton"]
     assert BenchConfig(strategies="all", references=False).rows(torch.device("cpu"))[0][-1] == "resident"

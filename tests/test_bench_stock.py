@@ -63,10 +63,13 @@ def test_stock_ro_row_is_named_only_left_out_on_cpu_and_set_apart(monkeypatch):
     rows, notes = BenchConfig(strategies="stock-ro,graph").rows(torch.device("cpu"))
     assert "stock-ro" not in rows and any(n.startswith("stock-ro left out") for n in notes)
     from streamnmt.bench import runners
-    monkeypatch.setattr(runners, "peer_available", lambda device: None)  # a CUDA machine with Triton
+    monkeypatch.setattr(runners, "peer_available", lambda device, name="compile-ro": None)  # a CUDA machine with Triton
     assert "stock-ro" not in BenchConfig(strategies="graph").rows(torch.device("cuda"))[0]  # not a reference
     assert "stock-ro" in BenchConfig(strategies="stock-ro,graph").rows(torch.device("cuda"))[0]
     assert "stock-ro" not in BenchConfig(strategies="stock-ro").rows(torch.device("cuda"), world=2)[0]
+    monkeypatch.setattr(runners, "peer_available", lambda device, name="compile-ro": f"{name} left out: no triton")
+    rows, notes = BenchConfig(strategies="stock-ro,graph").rows(torch.device("cuda"))
+    assert "stock-ro" not in rows and "stock-ro left out: no triton" in notes
     monkeypatch.delenv(CHILD, raising=False)
     assert rows_apart(["compile-ro", "stock-ro", "graph"]) == ["compile-ro", "stock-ro"]
     assert rows_apart(["compile-ro", "stock-ro"]) == ["stock-ro"]  # two sets of graph trees: apart
@@ -91,3 +94,13 @@ def test_stock_ro_row_runs_beside_graph_mode_on_cuda(tmp_path, monkeypatch):
     stock_runs = runners["stock-ro"]["runs"]
     assert len(stock_runs) == 1 and stock_runs[0]["tokens_per_s"] > 0 and stock_runs[0]["real_share_pct"] > 80
     assert any("process of its own" in n for n in runners["stock-ro"]["notes"])
+
+
+def test_stock_model_drops_where_the_bench_model_does():
+    shape = ModelShape(60, 60, d_model=32, n_layers=2, n_heads=4, d_ff=64, dropout=0.1, max_positions=64,
+                       attention_dropout=0.0, activation_dropout=0.05)
+    m = StockLossModel(shape, 0.1)
+    layers = [*m.transformer.encoder.layers, *m.transformer.decoder.layers]
+    assert all(layer.self_attn.dropout == 0.0 and layer.dropout.p == 0.05 and layer.dropout1.p == 0.1
+               for layer in layers)
+    assert all(layer.multihead_attn.dropout == 0.0 for layer in m.transformer.decoder.layers)

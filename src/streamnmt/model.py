@@ -147,8 +147,7 @@ class FeedForward(nn.Module):
         self.w1, self.w2, self.drop = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model), nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.w1(x))
-        return self.w2(self.drop(h) if self.drop.p > 0 else h)  # p = 0: no kernel, no random draw
+        return self.w2(self.drop(F.relu(self.w1(x))))
 
 
 class EncoderLayer(nn.Module):

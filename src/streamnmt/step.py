@@ -252,7 +252,7 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
     schedule = NoamSchedule(d_model, warmup, lr, device)
     # Fused Adam reading the learning rate from a device tensor; capturable so that graph mode
     # can put the step inside a CUDA graph (used by every strategy, so all compute the same).
-    loss_model = loss_model or LossModel(model, label_smoothing)
+    loss_model = LossModel(model, label_smoothing) if loss_model is None else loss_model
     optimizer = torch.optim.Adam(loss_model.parameters(), lr=schedule.lr_t, betas=(0.9, 0.98), eps=1e-9,
                                  fused=True, capturable=device.type == "cuda")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)

@@ -22,8 +22,9 @@ from streamnmt.engine.config import DIST_BACKENDS, PIPELINE_STREAMS
 # waits), the same for graph mode, and the loop most people write (blocking copy, loss.item()).
 # The peer row: the strongest off-the-shelf alternative, torch.compile(mode="reduce-overhead").
 REFERENCES = ("resident", "resident-graph", "plain", "compile-ro")
-# Rows run only when named: stock-ro, the same compile of a model and loss written with stock
-# PyTorch modules (nn.Transformer, F.cross_entropy; streamnmt.bench.stock).
+# The peers; stock-ro (the same compile of a model and loss written with stock PyTorch modules,
+# nn.Transformer and F.cross_entropy; streamnmt.bench.stock) is not a reference row: it runs when
+# named or with --strategies all.
 PEERS = ("compile-ro", "stock-ro")
 # Table and execution order: what users write, the peers, the engine's strategies, then the limits.
 ORDER = ("plain", *PEERS, *STRATEGY_NAMES, "resident", "resident-graph")
@@ -148,6 +149,12 @@ class BenchConfig:
             if why is None:
                 names.add("compile-ro")
             elif "compile-ro" not in self.selected():
+                notes.append(why)
+        if "stock-ro" in names:
+            from streamnmt.bench.runners import peer_available
+            why = peer_available(device, "stock-ro")
+            if why is not None:
+                names.discard("stock-ro")
                 notes.append(why)
         for peer in PEERS:
             if peer in names and device.type != "cuda":

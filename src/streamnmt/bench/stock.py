@@ -1,8 +1,8 @@
 """The ``stock-ro`` peer: the same training written with stock PyTorch modules, compiled.
 
 What a user writes without streamnmt's model, loss or engine: ``nn.Transformer`` (pre-norm,
-``batch_first``; dropout 0.1 where it puts it: the residual connections, the attention weights and
-the feed-forward's hidden activations), ``nn.Embedding`` scaled by sqrt(d_model) plus a sinusoid
+``batch_first``; its dropout sites set to the bench's: the residual connections, the attention
+weights and the feed-forward's hidden activations), ``nn.Embedding`` scaled by sqrt(d_model) plus a sinusoid
 table, an ``nn.Linear`` output layer and ``F.cross_entropy`` with label smoothing over the whole
 logits tensor, trained by the bench's own optimizer step (fused Adam, Noam schedule, clipping)
 under ``torch.compile(mode="reduce-overhead")``. It trains on the bench's batches, packed ones
@@ -45,6 +45,13 @@ class StockLossModel(nn.Module):
             warnings.simplefilter("ignore", UserWarning)
             self.transformer = nn.Transformer(d, shape.n_heads, shape.n_layers, shape.n_layers, shape.d_ff,
                                               shape.dropout, batch_first=True, norm_first=True)
+        # nn.Transformer takes one dropout for its three sites; set the attention weights' and the
+        # feed-forward activations' to the bench's (the same recipe as the rows it is compared with)
+        for layer in (*self.transformer.encoder.layers, *self.transformer.decoder.layers):
+            for attn in (layer.self_attn, getattr(layer, "multihead_attn", None)):
+                if attn is not None:
+                    attn.dropout = shape.attention_p()
+            layer.dropout = nn.Dropout(shape.activation_p())  # between the feed-forward's two linears
         self.generator = nn.Linear(d, shape.tgt_vocab)
         self.scale = math.sqrt(d)
 

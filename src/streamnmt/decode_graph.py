@@ -25,9 +25,9 @@ eager path runs, so the two give the same results.
   it to pinned memory and waits (``host_sync``) on the copy queued at the previous check, so the
   GPU always has an interval of replays queued; at most two intervals of steps are wasted.
 
-The encoder runs eagerly once per batch, at the source width of the bucket that decodes it. On the CPU :class:`GraphDecoder` runs the same bucketed
-step eagerly (tested against the eager search there). A failed capture is reported in one line
-and that batch shape decoded eagerly.
+The encoder runs eagerly once per batch, at the source width of the bucket that decodes it. On
+the CPU :class:`GraphDecoder` runs the same bucketed step eagerly (tested against the eager search
+there). A failed capture is reported in one line and that batch shape decoded eagerly.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class GraphDecoder:
         wide = F.pad(src, (0, s_enc - s), value=masks.PAD)
         src_mask = masks.src_mask(wide)  # (B, 1, 1, S')
         mem = model.encode(wide, src_mask)  # (B, S', D)
-        bucket = self._bucket(key, mem.dtype, src.device)
+        bucket = self._bucket(key, cover, mem.dtype, src.device)
         if bucket is None:  # capture failed: this batch takes the eager path
             return search_scored(model, src, opts, k, greedy=k == 1)
         bucket.load(mem, src_mask, limits)
@@ -151,9 +151,10 @@ class GraphDecoder:
             self.buckets.clear()
             self._weights = weights
 
-    def _bucket(self, key: BucketKey, dtype: torch.dtype, device: torch.device) -> _Bucket | None:
-        self._check_weights()
-        cover = self._covering(key)
+    def _bucket(self, key: BucketKey, cover: BucketKey | None, dtype: torch.dtype,
+                device: torch.device) -> _Bucket | None:
+        """The kept bucket ``cover`` (from :meth:`_covering`, after :meth:`_check_weights`), else a
+        new one for ``key``, captured on CUDA; None where its capture failed."""
         if cover is not None:
             self.buckets.move_to_end(cover)
             return self.buckets[cover]

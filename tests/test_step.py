@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from streamnmt.model import make_model
-from streamnmt.step import NoamSchedule, example_batch, make_step, noam_lr
+from streamnmt.step import NoamSchedule, example_batch, inductor_options, make_step, noam_lr
 
 
 def test_noam_schedule_values():
@@ -73,3 +73,27 @@ def test_amp_auto_prefers_native_bf16_and_guards_old_torch(monkeypatch):
     assert train._native_bf16() is False  # emulated only: fp16 with the scaler
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)  # torch without the keyword
     assert train._native_bf16() is True
+
+
+def test_compiled_step_turns_off_inductors_mix_order_reduction(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.delenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION", raising=False)
+    has = hasattr(inductor_config.triton, "mix_order_reduction")
+    assert inductor_options() == ({"triton.mix_order_reduction": False} if has else {})
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: seen.append(kw) or m)
+    model = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64)
+    make_step(model, torch.device("cpu"), d_model=32, compile=True)
+    assert seen == [{"dynamic": False, "options": inductor_options() or None}]
+    monkeypatch.setenv("TORCHINDUCTOR_MIX_ORDER_REDUCTION", "1")  # the user's own choice is kept
+    assert inductor_options() == {}
+
+
+def test_compile_options_are_accepted_by_torch_compile():
+    model = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64)
+    step = make_step(model, torch.device("cpu"), d_model=32, warmup=10, compile=True)
+    batch = example_batch((2, 6, 6), model.shape, 0)
+    loss = step.forward(batch)  # compiles with inductor_options(): an unknown option would raise here
+    step.backward(loss)
+    assert torch.isfinite(loss)

@@ -170,6 +170,30 @@ PY
       echo "== $f"; grep -E "ready in|^(graph|compile-ro) " "$OUT/$f.log" | cut -c1-140
     done
     grep -E "by family|kernels in the window" -A13 "$OUT/pp_graph.log" | cut -c1-150 | head -16 ;;
+  targets)  # the packed-training targets in one lease: graph --compile beside the compile-ro and stock-ro
+             # peers (each peer in a child bench), graph mode uncompiled, length buckets; built-in corpus
+    B="python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 --max-tokens ${TOKENS:-16384} --max-len 128"
+    B="$B --no-references --repeats 3"
+    timeout 330 $B --compile --strategies graph,compile-ro,stock-ro --out /tmp/tg_c > "$OUT/tg_compile.log" 2>&1
+    timeout 120 $B --strategies graph --out /tmp/tg_g > "$OUT/tg_graph.log" 2>&1
+    timeout 120 $B --no-pack --strategies graph --out /tmp/tg_b > "$OUT/tg_buckets.log" 2>&1
+    for f in compile graph buckets; do
+      cp /tmp/tg_${f:0:1}/bench.json "$OUT/tg_$f.json" 2>/dev/null
+      echo "== $f"; grep -E "ready in|compiled|^(graph|compile-ro|stock-ro) " "$OUT/tg_$f.log" | cut -c1-140
+    done ;;
+  knobs)  # graph --compile, one row per Inductor setting in KNOBS (NAME=VALUE words; "-" = as committed), then
+          # the long-tailed corpus as committed; each row its own process
+    B="python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 --max-tokens ${TOKENS:-16384} --max-len 128"
+    B="$B --no-references --repeats 3 --compile --strategies graph"
+    [ -d /tmp/lt ] || python3 scripts/make_longtail.py --out /tmp/lt --pairs 100000 > /dev/null
+    i=0
+    for k in ${KNOBS:-- TORCHINDUCTOR_MIX_ORDER_REDUCTION=1}; do
+      i=$((i + 1)); e=(); [ "$k" != - ] && e=("$k")
+      timeout 150 env "${e[@]}" $B --out /tmp/kn$i > "$OUT/knob$i.log" 2>&1
+      echo "== $k"; grep -E "ready in|^graph " "$OUT/knob$i.log" | cut -c1-140
+    done
+    timeout 170 $B --data /tmp/lt --out /tmp/kn_lt > "$OUT/knob_lt.log" 2>&1
+    echo "== long-tailed"; grep -E "ready in|^graph " "$OUT/knob_lt.log" | cut -c1-140 ;;
   recipe-defaults)  # time-to-BLEU: the defaults vs --max-tokens 6144 --warmup 800, the same --time-limit each
     # (the two runs of a corpus share the GPU concurrently: the same share each), built-in then long-tail
     # corpus (CORPORA=longtail: that one only); then dev BLEU of last.pt with streamnmt eval. TIME=100s each;

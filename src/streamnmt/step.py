@@ -258,7 +258,7 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
     if compile:
-        _fit_compile_cache(shapes)
+        fit_compile_cache(shapes)
 
     def compiled(m: torch.nn.Module) -> torch.nn.Module:
         return torch.compile(m, dynamic=False, options=inductor_options() or None)
@@ -295,7 +295,7 @@ def inductor_options() -> dict[str, bool]:
     return {"triton.mix_order_reduction": False}
 
 
-def _fit_compile_cache(shapes: int) -> None:
+def fit_compile_cache(shapes: int) -> None:
     """Let torch.compile keep one compiled graph per batch shape (it stops compiling, and runs
     eagerly, after ``recompile_limit`` shapes: 8 by default, fewer than a real corpus has)."""
     import torch._dynamo.config as dynamo_config

@@ -50,8 +50,8 @@ def _fused_ok(h: torch.Tensor) -> bool:
 def _fused_rows(z: torch.Tensor, y: torch.Tensor, smoothing: float, ignore_index: int, want_grad: bool):
     """(row loss, row NLL, gradient: ``z`` itself) from :func:`streamnmt.xent_triton.xent_rows`, or
     None (and the torch path from now on, with one line on stderr) where the kernel cannot be built
-    here. Inside a CUDA graph capture a failure is
-    raised: the capture is then abandoned, and its warm-up has already run this kernel eagerly."""
+    here. Inside a CUDA graph capture a failure is raised: the capture is then abandoned, and its
+    warm-up has already run this kernel eagerly."""
     try:
         return (*xent_triton.xent_rows(z, y, smoothing, ignore_index, want_grad), z)
     except torch.cuda.OutOfMemoryError:  # memory, not the kernel: the torch path would need more

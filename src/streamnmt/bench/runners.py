@@ -53,7 +53,7 @@ from streamnmt.engine.config import PIPELINES
 from streamnmt.fsutil import atomic_path
 from streamnmt.model import ModelShape, Transformer
 from streamnmt.monitor import CpuSampler, GpuTimer, NvmlSampler, TimedStep, time_graph_replays
-from streamnmt.step import NMTStep, _fit_compile_cache, example_batch, make_step
+from streamnmt.step import NMTStep, example_batch, fit_compile_cache, make_step
 
 PROFILE_WARMUP = 3      # untimed steps before a profiled window
 WINDOW = "bench.window"  # profiler range around the profiled steps and their drain
@@ -384,7 +384,7 @@ class CompiledPeerRunner(Runner):
         inner = self.step.step  # the NMTStep inside the timing wrapper: its model is the one called
         base = getattr(inner.model, "_orig_mod", inner.model)  # with --compile: not compiled twice
         inner.model = torch.compile(base, mode="reduce-overhead", dynamic=False)
-        _fit_compile_cache(len(env.loader(0).shapes()))  # one compiled graph per batch shape
+        fit_compile_cache(len(env.loader(0).shapes()))  # one compiled graph per batch shape
         # Compile (and record the graph trees) for every batch shape now, not inside a timed run.
         for shape in env.loader(0).shapes():
             b = env.example(shape).to(self.device, non_blocking=True)

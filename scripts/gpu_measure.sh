@@ -194,6 +194,17 @@ PY
     done
     timeout 170 $B --data /tmp/lt --out /tmp/kn_lt > "$OUT/knob_lt.log" 2>&1
     echo "== long-tailed"; grep -E "ready in|^graph " "$OUT/knob_lt.log" | cut -c1-140 ;;
+  budgets)  # graph --compile at each token budget in BUDGETS (the trainer's default on an H200 is 8192), the
+            # built-in then the long-tailed corpus; each row its own process, ~80 s a row
+    B="python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 --max-len 128"
+    B="$B --no-references --repeats 3 --compile --strategies graph"
+    [ -d /tmp/lt ] || python3 scripts/make_longtail.py --out /tmp/lt --pairs 100000 > /dev/null
+    for corpus in ${CORPORA:-builtin longtail}; do for t in ${BUDGETS:-8192 16384 32768}; do
+      D=""; [ $corpus = longtail ] && D="--data /tmp/lt"
+      timeout 190 $B $D --max-tokens $t --out /tmp/bu_${corpus}_$t > "$OUT/budget_${corpus}_$t.log" 2>&1
+      echo "== $corpus $t: $(grep -o 'ready in [0-9.]* s' "$OUT/budget_${corpus}_$t.log" | tail -1)"
+      grep -E "^graph " "$OUT/budget_${corpus}_$t.log" | cut -c1-90
+    done; done ;;
   recipe-defaults)  # time-to-BLEU: the defaults vs --max-tokens 6144 --warmup 800, the same --time-limit each
     # (the two runs of a corpus share the GPU concurrently: the same share each), built-in then long-tail
     # corpus (CORPORA=longtail: that one only); then dev BLEU of last.pt with streamnmt eval. TIME=100s each;

@@ -121,6 +121,25 @@ def test_flex_equals_sdpa_on_cpu():
     torch.testing.assert_close(flex[real], sdpa[real], atol=1e-4, rtol=1e-4)
 
 
+def test_flex_block_masks_follow_the_dense_masks_at_any_block_size():
+    """Each block of a BlockMask is kept iff the dense mask allows some position pair in it."""
+    if flex_importable():
+        pytest.skip(flex_importable())
+    from streamnmt.attention import dense_masks, flex_masks
+
+    b, _ = packed_batch(corpus_of(pairs(3)), shape=(3, 40, 36))
+    dense = dense_masks(b.src_seg, b.tgt_seg)
+    for size in (None, 8, 16):
+        blocks = flex_masks(b.src_seg, b.tgt_seg, block_size=size)
+        step = size or 128
+        for block, full in zip(blocks, dense):
+            assert block.BLOCK_SIZE == (step, step)
+            q, k = full.shape[-2:]
+            padded = F.pad(full[:, 0], (0, -k % step, 0, -q % step))
+            want = padded.unflatten(2, (-1, step)).unflatten(1, (-1, step)).any(4).any(2)
+            assert torch.equal(block.to_dense()[:, 0].bool(), want)
+
+
 def test_start_line_padding_under_five_percent_with_pack(tmp_path, capsys):
     import re
 

@@ -101,8 +101,10 @@ def resolve_attention(choice: str, device: torch.device, log=print) -> str:
     return "sdpa"
 
 
-def flex_masks(src_seg: torch.Tensor, tgt_seg: torch.Tensor) -> tuple[Any, Any, Any]:
-    """(enc, dec, cross) FlexAttention BlockMasks of the same rules as :func:`dense_masks`."""
+def flex_masks(src_seg: torch.Tensor, tgt_seg: torch.Tensor,
+               block_size: int | None = None) -> tuple[Any, Any, Any]:
+    """(enc, dec, cross) FlexAttention BlockMasks of the same rules as :func:`dense_masks`, in blocks
+    of ``block_size`` positions (None: FlexAttention's default, 128)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     b, s = src_seg.shape
@@ -118,7 +120,8 @@ def flex_masks(src_seg: torch.Tensor, tgt_seg: torch.Tensor) -> tuple[Any, Any, 
     def cross(bi, h, q, k):
         return (tgt_seg[bi, q] == src_seg[bi, k]) | (tgt_seg[bi, q] == 0)
 
-    block = functools.partial(create_block_mask, B=b, H=None, device=dev)
+    sized = {} if block_size is None else {"BLOCK_SIZE": block_size}
+    block = functools.partial(create_block_mask, B=b, H=None, device=dev, **sized)
     return block(enc, Q_LEN=s, KV_LEN=s), block(dec, Q_LEN=t, KV_LEN=t), block(cross, Q_LEN=t, KV_LEN=s)
 
 

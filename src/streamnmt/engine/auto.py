@@ -13,7 +13,7 @@ to win the compile time back twice. The planned time is the planned steps times 
 time, estimated from the tokens a step holds (``GRAPH_MS_PER_KTOKEN``, measured on packed batches
 of the base model, scaled by the model's matrix sizes; at least ``GRAPH_MS_PER_STEP``, the
 launch-bound floor of small batches), and at most ``--time-limit``. With the packed batches of
-the GPU defaults (one shape) that compiles any run of more than about ten minutes. Only graph mode
+the GPU defaults (one shape) that compiles any run of more than about six minutes. Only graph mode
 is considered: compiled eager steps are still bound by kernel launches.
 """
 
@@ -24,15 +24,16 @@ from dataclasses import dataclass
 import torch
 
 # Measured on the H200, base model, bf16, vocabulary 32k, packed batches of 16,384 target
-# positions (docs/PERFORMANCE.md, section 9, 2026-11-25, commit 75211d7, one lease): graph mode
-# 34.41 ms/step, 2.10 ms per 1,000 positions; with --compile 30.42 ms, a 11.6 % saving; from
-# start to ready 29.0, 26.9, 34.3 and 33.6 s (two leases, two corpora; 32 s their mean, rounded up). (2026-11-23, before the loss kernel:
-# 45.70 and 38.93 ms, 15 %; at 32 x 32 on the H100, section 4: 42-52 s of compiling, a 24 % saving.)
-# The packed figures rule: they are the shape the defaults train.
-COMPILE_S_PER_SHAPE = 32.0
-COMPILE_SAVING = 0.116
+# positions on the built-in corpus (docs/PERFORMANCE.md, section 9, 2026-11-25, commit 66616d9, one
+# lease): graph mode 32.07 ms/step, 1.96 ms per 1,000 positions; with --compile 25.86 ms, a 19.4 %
+# saving (Inductor's mix-order reduction off, as the step compiles); from start to ready 36.1, 37.7,
+# 32.2, 32.4, 31.7 and 33.3 s (two leases, two corpora, three budgets; 34 s their mean, rounded up).
+# Earlier: 34.41 and 30.42 ms, 11.6 %, at 75211d7; at 32 x 32 on the H100, section 4: 42-52 s of
+# compiling, a 24 % saving. The packed figures rule: they are the shape the defaults train.
+COMPILE_S_PER_SHAPE = 34.0
+COMPILE_SAVING = 0.194
 GRAPH_MS_PER_STEP = 6.0  # the launch-bound floor of small batches (H100, 32 x 32: 6.23 ms)
-GRAPH_MS_PER_KTOKEN = 2.10
+GRAPH_MS_PER_KTOKEN = 1.96
 BASE_MATRICES = 6 * 512 * (4 * 512 + 2 * 2048)  # n_layers x d_model x (4 d_model + 2 d_ff) of the base model
 
 

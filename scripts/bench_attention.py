@@ -1,0 +1,114 @@
+"""Attention alone at the packed training shape, on CUDA: SDPA with additive dense masks (the model's
+path) against FlexAttention block masks at block sizes 128, 64 and 32.
+
+Forward + backward of 6 layers x (encoder self, causal decoder self, cross) on the segment ids of
+real packed batches (base-model heads, bf16, ``--max-tokens 16384 --max-len 128``, the bench's
+32,000 random ids). Prints one JSON line per batch: ms of attention per training step for each
+variant (an error string where a variant did not compile), the mask build times, and flex's
+largest difference from SDPA on real positions.
+
+Usage: python3 scripts/bench_attention.py builtin|DATA_DIR   (docs/PERFORMANCE.md, section 9)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
+
+from streamnmt.attention import dense_masks, flex_masks
+from streamnmt.bench.synthvocab import random_tokens
+from streamnmt.data import DataConfig, prepare_data
+from streamnmt.data.loader import make_loader
+
+HEADS, HEAD_DIM, LAYERS = 8, 64, 6
+# (block size, kernel options): flex's defaults at 128; smaller blocks need kernel tiles that divide them
+FLEX_VARIANTS = (
+    (128, None),
+    (64, {"BLOCK_M": 64, "BLOCK_N": 64}),
+    (64, {"BLOCK_M": 64, "BLOCK_N": 64, "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
+          "bwd_BLOCK_N2": 32}),
+    (32, {"BLOCK_M": 32, "BLOCK_N": 32, "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 32, "bwd_BLOCK_M2": 32,
+          "bwd_BLOCK_N2": 32}),
+)
+
+
+def cuda_ms(fn, repeats: int = 10) -> float:
+    """Mean ms of ``fn`` on the GPU after 3 warm-up calls (CUDA events)."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def measure(src_seg: torch.Tensor, tgt_seg: torch.Tensor, flex) -> dict:
+    dev = src_seg.device
+    b, s = src_seg.shape
+    t = tgt_seg.size(1)
+
+    def qkv(tq: int, tk: int) -> list[torch.Tensor]:
+        return [torch.randn(b, HEADS, n, HEAD_DIM, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                for n in (tq, tk, tk)]
+
+    enc_in, dec_in, cross_in = qkv(s, s), qkv(t, t), qkv(t, s)
+    grad_s = torch.randn(b, HEADS, s, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    grad_t = torch.randn(b, HEADS, t, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    calls = ((enc_in, grad_s), (dec_in, grad_t), (cross_in, grad_t))
+
+    def step(attend, masks) -> None:
+        for _ in range(LAYERS):
+            for (inputs, grad), mask in zip(calls, masks):
+                attend(inputs, mask).backward(grad)
+
+    dense = dense_masks(src_seg, tgt_seg, torch.bfloat16)
+    sdpa = lambda inputs, mask: F.scaled_dot_product_attention(*inputs, attn_mask=mask)  # noqa: E731
+    row = {"shape": [b, s, t], "sdpa": cuda_ms(lambda: step(sdpa, dense)),
+           "sdpa_masks": cuda_ms(lambda: dense_masks(src_seg, tgt_seg, torch.bfloat16))}
+
+    for size, options in FLEX_VARIANTS:
+        name = f"flex{size}" + ("" if options is None else "/" + ",".join(map(str, options.values())))
+        kw = {} if options is None else {"kernel_options": options}
+
+        def blocks():
+            return flex_masks(src_seg, tgt_seg, block_size=size)
+
+        try:
+            block_masks = blocks()
+            attend = lambda inputs, mask: flex(*inputs, block_mask=mask, **kw)  # noqa: E731
+            began = time.time()
+            step(attend, block_masks)
+            torch.cuda.synchronize()
+            real = (src_seg > 0)[:, None, :, None]
+            diff = (attend(enc_in, block_masks[0]) - sdpa(enc_in, dense[0])).abs() * real
+            row.update({name: cuda_ms(lambda: step(attend, block_masks)), f"{name}_masks": cuda_ms(blocks),
+                        f"{name}_max_diff": diff.max().item(), f"{name}_first_s": time.time() - began})
+        except Exception as e:  # a variant Inductor cannot compile: say so, measure the others
+            row[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
+    return row
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    data = None if sys.argv[1] == "builtin" else sys.argv[1]
+    cfg = DataConfig(data=data, max_tokens=16384, max_len=128, builtin_size=40000)
+    bundle = prepare_data(cfg, log=lambda line: None)
+    loader = make_loader(random_tokens(bundle.train, 32000, 0), cfg, train=True, seed=0, pin_memory=False)
+    flex = torch.compile(flex_attention, dynamic=False)
+    batches = iter(loader)
+    for _ in range(2):
+        batch = next(batches)
+        print(json.dumps(measure(batch.src_seg.cuda(), batch.tgt_seg.cuda(), flex)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

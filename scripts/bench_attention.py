@@ -7,7 +7,7 @@ real packed batches (base-model heads, bf16, ``--max-tokens 16384 --max-len 128`
 variant (an error string where a variant did not compile), the mask build times, and flex's
 largest difference from SDPA on real positions.
 
-Usage: python3 scripts/bench_attention.py builtin|DATA_DIR   (docs/PERFORMANCE.md, section 9)
+Usage: python3 scripts/bench_attention.py builtin|DATA_DIR [VARIANT,...] [BATCHES]   (PERFORMANCE.md, section 9)
 """
 
 from __future__ import annotations
@@ -26,14 +26,17 @@ from streamnmt.data import DataConfig, prepare_data
 from streamnmt.data.loader import make_loader
 
 HEADS, HEAD_DIM, LAYERS = 8, 64, 6
-# (block size, kernel options): flex's defaults at 128; smaller blocks need kernel tiles that divide them
+# (name, block size, kernel options, autotuned): flex's defaults at 128; smaller blocks need kernel tiles
+# that divide them. On sm90 at head dim 64 Inductor's one default backward tile is (64, 128, 128, 64),
+# and a tile that does not divide the block size is dropped before kernel_options apply, so blocks
+# under 128 compile only with max-autotune's wider list of tiles ("tuned").
 FLEX_VARIANTS = (
-    (128, None),
-    (64, {"BLOCK_M": 64, "BLOCK_N": 64}),
-    (64, {"BLOCK_M": 64, "BLOCK_N": 64, "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
-          "bwd_BLOCK_N2": 32}),
-    (32, {"BLOCK_M": 32, "BLOCK_N": 32, "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 32, "bwd_BLOCK_M2": 32,
-          "bwd_BLOCK_N2": 32}),
+    ("flex128", 128, None, False),
+    ("flex64", 64, {"BLOCK_M": 64, "BLOCK_N": 64}, False),
+    ("flex32", 32, {"BLOCK_M": 32, "BLOCK_N": 32, "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 32, "bwd_BLOCK_M2": 32,
+                    "bwd_BLOCK_N2": 32}, False),
+    ("flex64-tuned", 64, None, True),
+    ("flex32-tuned", 32, None, True),
 )
 
 
@@ -51,7 +54,7 @@ def cuda_ms(fn, repeats: int = 10) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def measure(src_seg: torch.Tensor, tgt_seg: torch.Tensor, flex) -> dict:
+def measure(src_seg: torch.Tensor, tgt_seg: torch.Tensor, plain_flex, tuned_flex, only: set[str]) -> dict:
     dev = src_seg.device
     b, s = src_seg.shape
     t = tgt_seg.size(1)
@@ -75,9 +78,11 @@ def measure(src_seg: torch.Tensor, tgt_seg: torch.Tensor, flex) -> dict:
     row = {"shape": [b, s, t], "sdpa": cuda_ms(lambda: step(sdpa, dense)),
            "sdpa_masks": cuda_ms(lambda: dense_masks(src_seg, tgt_seg, torch.bfloat16))}
 
-    for size, options in FLEX_VARIANTS:
-        name = f"flex{size}" + ("" if options is None else "/" + ",".join(map(str, options.values())))
+    for name, size, options, tuned in FLEX_VARIANTS:
+        if only and name not in only:
+            continue
         kw = {} if options is None else {"kernel_options": options}
+        flex = tuned_flex if tuned else plain_flex
 
         def blocks():
             return flex_masks(src_seg, tgt_seg, block_size=size)
@@ -100,14 +105,17 @@ def measure(src_seg: torch.Tensor, tgt_seg: torch.Tensor, flex) -> dict:
 def main() -> None:
     torch.manual_seed(0)
     data = None if sys.argv[1] == "builtin" else sys.argv[1]
+    only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else set()  # variant names (default: all)
+    batches = int(sys.argv[3]) if len(sys.argv) > 3 else 2
     cfg = DataConfig(data=data, max_tokens=16384, max_len=128, builtin_size=40000)
     bundle = prepare_data(cfg, log=lambda line: None)
     loader = make_loader(random_tokens(bundle.train, 32000, 0), cfg, train=True, seed=0, pin_memory=False)
-    flex = torch.compile(flex_attention, dynamic=False)
-    batches = iter(loader)
-    for _ in range(2):
-        batch = next(batches)
-        print(json.dumps(measure(batch.src_seg.cuda(), batch.tgt_seg.cuda(), flex)), flush=True)
+    plain = torch.compile(flex_attention, dynamic=False)
+    tuned = torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
+    source = iter(loader)
+    for _ in range(batches):
+        batch = next(source)
+        print(json.dumps(measure(batch.src_seg.cuda(), batch.tgt_seg.cuda(), plain, tuned, only)), flush=True)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from streamnmt.attention import dense_masks, flex_masks
 from streamnmt.bench.synthvocab import random_tokens
 from streamnmt.data import DataConfig, prepare_data
 from streamnmt.data.loader import make_loader
+from streamnmt.engine.syncstats import host_sync
 
 HEADS, HEAD_DIM, LAYERS = 8, 64, 6
 # (name, block size, kernel options, autotuned): flex's defaults at 128; smaller blocks need kernel tiles
@@ -40,17 +41,22 @@ FLEX_VARIANTS = (
 )
 
 
+def wait(why: str) -> None:
+    """Block the host until the GPU is idle, counted (streamnmt's one place for host syncs)."""
+    host_sync(f"bench_attention.{why}", lambda: torch.cuda.synchronize())
+
+
 def cuda_ms(fn, repeats: int = 10) -> float:
     """Mean ms of ``fn`` on the GPU after 3 warm-up calls (CUDA events)."""
     for _ in range(3):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
+    wait("timing")  # needed: the timed calls start on an idle GPU
     start.record()
     for _ in range(repeats):
         fn()
     end.record()
-    torch.cuda.synchronize()
+    wait("timing")  # needed: elapsed_time reads both events, so the calls must be done
     return start.elapsed_time(end) / repeats
 
 
@@ -92,11 +98,14 @@ def measure(src_seg: torch.Tensor, tgt_seg: torch.Tensor, plain_flex, tuned_flex
             attend = lambda inputs, mask: flex(*inputs, block_mask=mask, **kw)  # noqa: E731
             began = time.time()
             step(attend, block_masks)
-            torch.cuda.synchronize()
+            wait("compile")  # needed: the first call's wall time (compiling) includes its kernels
+            first_s = time.time() - began
             real = (src_seg > 0)[:, None, :, None]
             diff = (attend(enc_in, block_masks[0]) - sdpa(enc_in, dense[0])).abs() * real
+            # needed: the largest difference is printed from the host
+            max_diff = host_sync("bench_attention.check", lambda: diff.max().item())
             row.update({name: cuda_ms(lambda: step(attend, block_masks)), f"{name}_masks": cuda_ms(blocks),
-                        f"{name}_max_diff": diff.max().item(), f"{name}_first_s": time.time() - began})
+                        f"{name}_max_diff": max_diff, f"{name}_first_s": first_s})
         except Exception as e:  # a variant Inductor cannot compile: say so, measure the others
             row[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
     return row

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from streamnmt.attention import dense_masks, flex_masks
+from streamnmt.models.attention import dense_masks, flex_masks
 from streamnmt.bench.synthvocab import random_tokens
 from streamnmt.data import DataConfig, prepare_data
 from streamnmt.data.loader import make_loader

@@ -4,12 +4,12 @@ Why: translation has to run at the speed users get from dedicated inference engi
 on one device and with one set of random weights:
 
 * GPU grid (``--device cuda``, the default where CUDA is present): for each dtype, batch size and
-  search (greedy, beam), streamnmt's graph-cached search (:mod:`streamnmt.decode_graph`), its eager
+  search (greedy, beam), streamnmt's graph-cached search (:mod:`streamnmt.inference.graph_search`), its eager
   cached search, the uncached reference (the decoder re-run over the whole prefix), and Hugging Face
   transformers ``generate`` on a MarianMT model of the same shape (random weights, nothing
   downloaded; the row is skipped with a note where transformers is absent).
 * ``--ct2``: streamnmt on the CPU beside CTranslate2 on the CPU for the same model exported with
-  ``streamnmt.export`` (sentences/s, ``--threads`` threads each).
+  ``streamnmt.inference.export`` (sentences/s, ``--threads`` threads each).
 
 Sources are random ids of 20-40 tokens (5-10 with ``--quick``). A random model almost never emits EOS, so every sentence
 is decoded to its length limit (1.5 * source tokens + 10): figures compare decoding cost, not
@@ -36,11 +36,11 @@ from collections.abc import Callable
 
 import torch
 
-from streamnmt import masks
-from streamnmt.decode import SearchOptions, pad_batch, translate_ids
-from streamnmt.decode_graph import GraphDecoder
+from streamnmt.models import masks
+from streamnmt.inference.search import SearchOptions, pad_batch, translate_ids
+from streamnmt.inference.graph_search import GraphDecoder
 from streamnmt.fsutil import atomic_write
-from streamnmt.model import Transformer, make_model
+from streamnmt.models.transformer import Transformer, make_model
 
 NOTE = ("random weights: the model almost never emits EOS, so every sentence is decoded to its length "
         "limit (1.5 * source tokens + 10); figures compare decoding cost, not quality")
@@ -255,7 +255,7 @@ def ct2_compare(args: argparse.Namespace, shape: dict) -> list[dict]:
     except ImportError:
         print("  CTranslate2 comparison skipped: pip install 'streamnmt[deploy]'")
         return [{"variant": "ct2-cpu", "label": LABELS["ct2-cpu"], "note": "skipped: ctranslate2 not installed"}]
-    from streamnmt.export import make_converter
+    from streamnmt.inference.export import make_converter
 
     cpu = torch.device("cpu")
     torch.manual_seed(args.seed)

@@ -39,11 +39,11 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "scripts")]
 from bench_decode import streamnmt_run, timed  # noqa: E402
 from streamnmt.checkpoint import save_checkpoint, tokenizer_entry  # noqa: E402
 from streamnmt.data import Tokenizer  # noqa: E402
-from streamnmt.decode import SearchOptions  # noqa: E402
-from streamnmt.decode_graph import translate_ids  # noqa: E402
-from streamnmt.evaluation import bleu_on_pairs, encode_sources  # noqa: E402
-from streamnmt.model import make_model  # noqa: E402
-from streamnmt.translate import load_for_inference  # noqa: E402
+from streamnmt.inference.search import SearchOptions  # noqa: E402
+from streamnmt.inference.graph_search import translate_ids  # noqa: E402
+from streamnmt.inference.scoring import bleu_on_pairs, encode_sources  # noqa: E402
+from streamnmt.models.transformer import make_model  # noqa: E402
+from streamnmt.inference.translate import load_for_inference  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

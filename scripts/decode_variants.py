@@ -8,9 +8,10 @@ vocabulary 8,000, beam 3, bench_decode's sources."""
 import sys, collections, torch
 sys.path[:0] = [str(__import__("pathlib").Path(__file__).resolve().parent)]
 from torch.nn.attention import SDPBackend
-from streamnmt import decode, decode_graph
-from streamnmt.decode import SearchOptions
-from streamnmt.model import make_model
+from streamnmt.inference import search as decode
+from streamnmt.inference import graph_search as decode_graph
+from streamnmt.inference.search import SearchOptions
+from streamnmt.models.transformer import make_model
 from bench_decode import random_sources, timed, streamnmt_run
 dev = torch.device("cuda")
 dtype = getattr(torch, sys.argv[2]) if len(sys.argv) > 2 else torch.float32

@@ -11,16 +11,17 @@ if len(sys.argv) > 3 and sys.argv[1] == "--inner":
     sys.path[:0] = [str(__import__("pathlib").Path(__file__).resolve().parent)]
     import torch
     from torch.nn.attention import SDPBackend
-    from streamnmt import decode, decode_graph
+    from streamnmt.inference import search as decode
+    from streamnmt.inference import graph_search as decode_graph
     for kv in filter(None, variant.split(",")):
         if kv.startswith("env:"): continue
         k, v = kv.split("=")
         if k == "span": decode.SPAN = decode_graph.SPAN = int(v)
         if k == "bf16att": decode.STEP_ATTENTION[torch.bfloat16] = [getattr(SDPBackend, v.upper())]
         if k == "fp32att": decode.STEP_ATTENTION[torch.float32] = [getattr(SDPBackend, v.upper())]
-    from streamnmt.translate import load_for_inference
-    from streamnmt.evaluation import bleu_on_pairs, encode_sources
-    from streamnmt.decode import SearchOptions
+    from streamnmt.inference.translate import load_for_inference
+    from streamnmt.inference.scoring import bleu_on_pairs, encode_sources
+    from streamnmt.inference.search import SearchOptions
     from bench_decode import timed, streamnmt_run
     dev = torch.device("cuda")
     model, st, tt, _ = load_for_inference(ckpt, dev, dtype=torch.bfloat16)

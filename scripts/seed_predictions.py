@@ -114,7 +114,7 @@ def predictions(rows: dict[str, dict], steps: int) -> str:
 
 def timeline(bench_dir: Path, row: str, steps_shown: int, ms_per_step: float) -> Path | None:
     from streamnmt.bench.profile import analyze_trace, load_trace
-    from streamnmt.plots import plot_timeline
+    from streamnmt.training.plots import plot_timeline
 
     trace = bench_dir / f"trace_{row}.json"
     if not trace.is_file():

@@ -21,8 +21,8 @@ import torch
 from streamnmt.config import PRESETS
 from streamnmt.data import DataConfig, make_loader, prepare_data
 from streamnmt.engine import DeferredLosses, EngineConfig, make_strategy
-from streamnmt.model import ModelShape, Transformer
-from streamnmt.step import example_batch, make_step
+from streamnmt.models.transformer import ModelShape, Transformer
+from streamnmt.training.step import example_batch, make_step
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import torch
 from streamnmt.cli import main
 from streamnmt.data import BucketSampler, bucket_lengths
 from streamnmt.engine import DeferredLosses
-from streamnmt.runs import read_csv
+from streamnmt.training.runs import read_csv
 
 TINY = ["--device", "cpu", "--model", "tiny", "--builtin-size", "500", "--bleu-samples", "0", "--max-len", "32",
         "--dropout", "0", "--epochs", "5", "--loss-interval", "5", "--seed", "3", "--workers", "0"]

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamnmt.average import average_checkpoints
+from streamnmt.inference.average import average_checkpoints
 from streamnmt.checkpoint import save_checkpoint
 from streamnmt.cli import main
 from streamnmt.errors import InputError
-from streamnmt.model import make_model
+from streamnmt.models.transformer import make_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -16,7 +16,7 @@ from streamnmt.bench import BenchConfig, forward_flops, peak_flops, spread, trai
 from streamnmt.bench.profile import analyze_trace, format_summary
 from streamnmt.bench.stats import NOISE, format_table, summarize
 from streamnmt.errors import ConfigError
-from streamnmt.model import ModelShape
+from streamnmt.models.transformer import ModelShape
 from tests.conftest import single_thread
 
 SMALL = ["--device", "cpu", "--model", "tiny", "--builtin-size", "2000", "--batch-size", "16", "--max-len", "16",

@@ -12,8 +12,8 @@ from streamnmt.bench.apart import CHILD, rows_apart
 from streamnmt.bench.config import BenchConfig
 from streamnmt.bench.stock import StockLossModel
 from streamnmt.data import collate
-from streamnmt.model import ModelShape
-from streamnmt.step import make_step
+from streamnmt.models.transformer import ModelShape
+from streamnmt.training.step import make_step
 from tests.test_packing_model import corpus_of, packed_batch, pairs
 
 SHAPE = ModelShape(60, 60, d_model=32, n_layers=2, n_heads=4, d_ff=64, dropout=0.0, max_positions=64)

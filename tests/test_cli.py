@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from streamnmt.cli import main
-from streamnmt.runs import read_csv
+from streamnmt.training.runs import read_csv
 
 TINY = ["--device", "cpu", "--model", "tiny", "--builtin-size", "2000", "--bleu-samples", "0",
         "--batch-size", "16", "--max-len", "32"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamnmt.runs import read_csv
+from streamnmt.training.runs import read_csv
 from tests.test_reliability import run_cli
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -8,10 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from streamnmt import decode, masks
-from streamnmt.decode import SearchOptions, beam_search, greedy_search, pad_batch, translate_ids
+from streamnmt.inference import search as decode
+
+from streamnmt.models import masks
+from streamnmt.inference.search import SearchOptions, beam_search, greedy_search, pad_batch, translate_ids
 from streamnmt.engine.syncstats import STATS
-from streamnmt.model import Transformer, make_model
+from streamnmt.models.transformer import Transformer, make_model
 
 VOCAB = 40
 
@@ -214,7 +216,7 @@ def test_gpu_cached_equals_uncached_without_unlabelled_syncs(beam):
 
 @pytest.mark.parametrize("beam,alpha", [(1, 0.6), (3, 0.6), (4, 0.0), (2, 1.0), (3, 2.0)])
 def test_graph_decoder_cpu_fallback_equals_todays_decoder(model, sources, beam, alpha):
-    from streamnmt.decode_graph import GraphDecoder
+    from streamnmt.inference.graph_search import GraphDecoder
 
     opts = SearchOptions(beam_size=beam, len_penalty=alpha, max_len_b=5)
     gd = GraphDecoder(model, opts, batch_size=3)  # 8 sentences: the last batch has a padding row
@@ -229,7 +231,7 @@ def test_graph_decoder_cpu_fallback_equals_todays_decoder(model, sources, beam, 
 
 
 def test_static_cache_step_equals_growing_cache_step(model, sources):
-    from streamnmt.decode_graph import StaticCache
+    from streamnmt.inference.graph_search import StaticCache
 
     src = pad_batch(sources, "cpu")
     with torch.no_grad():
@@ -248,8 +250,8 @@ def test_static_cache_step_equals_growing_cache_step(model, sources):
 
 
 def test_graph_decoder_stops_when_all_finished_and_reuses_buckets(model, sources, monkeypatch):
-    from streamnmt import decode_graph
-    from streamnmt.decode_graph import GraphDecoder
+    from streamnmt.inference import graph_search as decode_graph
+    from streamnmt.inference.graph_search import GraphDecoder
 
     for module in (decode, decode_graph):
         monkeypatch.setattr(module, "SPAN", 16)  # spans short enough for these short outputs to cross
@@ -273,7 +275,7 @@ def test_graph_decoder_stops_when_all_finished_and_reuses_buckets(model, sources
 def test_a_wider_bucket_serves_narrower_batches_up_to_half_its_width(model):
     """Longest first, as translation sorts: the first batch's bucket decodes the narrower batches
     after it (source width down to half its own), with the results of their own buckets."""
-    from streamnmt.decode_graph import GraphDecoder, source_bucket
+    from streamnmt.inference.graph_search import GraphDecoder, source_bucket
 
     opts = SearchOptions(beam_size=3, max_len_b=5)
     g = torch.Generator().manual_seed(7)

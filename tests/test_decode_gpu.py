@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamnmt import decode, masks
-from streamnmt.decode import SearchOptions, pad_batch, translate_ids
-from streamnmt.decode_graph import GraphDecoder
-from streamnmt.decode_graph import translate_ids as translate_graph
+from streamnmt.inference import search as decode
+
+from streamnmt.models import masks
+from streamnmt.inference.search import SearchOptions, pad_batch, translate_ids
+from streamnmt.inference.graph_search import GraphDecoder
+from streamnmt.inference.graph_search import translate_ids as translate_graph
 from streamnmt.engine.syncstats import STATS
 from tests.test_decode import VOCAB, tiny_model
 
@@ -123,7 +125,7 @@ def test_one_search_captured_equals_eager_and_no_graph(beam):
 
 
 def test_shared_decoder_captures_each_bucket_once_per_process():
-    from streamnmt.decode_graph import shared_decoder, source_bucket
+    from streamnmt.inference.graph_search import shared_decoder, source_bucket
 
     dev = torch.device("cuda")
     model = tiny_model().to(dev)
@@ -162,7 +164,7 @@ def test_trainer_bleu_pass_decodes_a_bf16_copy(tmp_path):
     from tests.test_portable import write_corpus
     from streamnmt.cli import build_parser
     from streamnmt.config import build_job
-    from streamnmt.train import Trainer
+    from streamnmt.training.trainer import Trainer
 
     corpus = write_corpus(tmp_path / "corpus")
     args = vars(build_parser().parse_args([

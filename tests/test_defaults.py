@@ -9,8 +9,8 @@ import torch
 
 from streamnmt.config import ModelConfig, OptimConfig, recipe_max_tokens, recipe_warmup
 from streamnmt.data.config import DataConfig
-from streamnmt.step import noam_lr
-from streamnmt.train import Trainer
+from streamnmt.training.step import noam_lr
+from streamnmt.training.trainer import Trainer
 
 
 def test_token_budget_follows_gpu_memory_and_width():

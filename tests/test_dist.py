@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from streamnmt.cli import main
-from streamnmt.runs import read_csv
+from streamnmt.training.runs import read_csv
 from tests.test_accum import TINY, assert_same_training
 
 STEPS = 30

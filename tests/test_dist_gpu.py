@@ -58,8 +58,8 @@ def _sync_debug_rank(rank: int, world: int, port: int, strategy: str, accum: int
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     from streamnmt import dist
     from streamnmt.engine import DeferredLosses, EngineConfig, make_strategy
-    from streamnmt.model import make_model
-    from streamnmt.step import example_batch, make_step
+    from streamnmt.models.transformer import make_model
+    from streamnmt.training.step import example_batch, make_step
     from tests.engine.test_engine import run_collect, run_without_host_syncs
     from tests.engine.test_graphs_gpu import SHAPES, random_batches, with_global_norm
 

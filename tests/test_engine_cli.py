@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-import streamnmt.train
+import streamnmt.training.trainer
 from streamnmt.cli import main
 from streamnmt.engine import make_strategy
-from streamnmt.runs import read_csv
+from streamnmt.training.runs import read_csv
 from tests.engine.streamdouble import RecordingStreamManager
 from tests.test_cli import TINY
 
@@ -33,7 +33,7 @@ def with_manager(monkeypatch, **kw) -> list[RecordingStreamManager]:
         made.append(RecordingStreamManager(device, n, **kw))
         return made[-1]
 
-    monkeypatch.setattr(streamnmt.train, "make_strategy", functools.partial(make_strategy, manager=factory))
+    monkeypatch.setattr(streamnmt.training.trainer, "make_strategy", functools.partial(make_strategy, manager=factory))
     return made
 
 

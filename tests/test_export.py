@@ -10,11 +10,11 @@ import pytest
 
 from streamnmt import cli
 from streamnmt.data import DataConfig, read_pairs
-from streamnmt.decode import SearchOptions
-from streamnmt.evaluation import encode_sources, translate_texts
-from streamnmt.export import export_ctranslate2
-from streamnmt.model import Transformer
-from streamnmt.translate import load_for_inference
+from streamnmt.inference.search import SearchOptions
+from streamnmt.inference.scoring import encode_sources, translate_texts
+from streamnmt.inference.export import export_ctranslate2
+from streamnmt.models.transformer import Transformer
+from streamnmt.inference.translate import load_for_inference
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -3,8 +3,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from streamnmt import masks
-from streamnmt.model import make_model
+from streamnmt.models import masks
+from streamnmt.models.transformer import make_model
 
 
 def test_src_mask_shape_and_values():
@@ -93,7 +93,7 @@ def test_tied_embeddings_are_one_parameter():
 
 def test_tied_embeddings_stay_tied_through_training_and_reload(tmp_path):
     from streamnmt.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
-    from streamnmt.step import example_batch, make_step
+    from streamnmt.training.step import example_batch, make_step
 
     torch.manual_seed(0)
     model = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64, tie_embeddings="all")
@@ -133,7 +133,7 @@ def test_bf16_autocast_keeps_the_residual_stream_and_layer_norms_in_bf16():
     """Under bf16 autocast the layer norms read and write bf16 (not autocast's fp32 copies), the
     outputs agree with the fp32 model to bf16's precision, and every parameter gets a gradient of
     its own (fp32) dtype."""
-    from streamnmt.model import LayerNorm
+    from streamnmt.models.transformer import LayerNorm
 
     torch.manual_seed(0)
     model = make_model(40, 50, d_model=32, n_layers=2, n_heads=4, d_ff=64, dropout=0.0)
@@ -156,7 +156,7 @@ def test_bf16_autocast_keeps_the_residual_stream_and_layer_norms_in_bf16():
 def test_the_position_table_is_computed_on_the_cpu_whatever_the_default_device():
     """Inference builds the model under ``with torch.device(...)``; the sinusoid table must still be
     the CPU's (the trainer's), bit for bit, not the other device's sin/cos."""
-    from streamnmt.model import PositionalEncoding
+    from streamnmt.models.transformer import PositionalEncoding
 
     want = PositionalEncoding(32, 40).pe
     with torch.device("meta"):

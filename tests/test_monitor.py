@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from streamnmt.engine import STATS
-from streamnmt.monitor import CpuSampler, GpuTimer, NvmlSampler, TimedStep, time_graph_replays
-from streamnmt.plots import plot_bench, plot_results, plot_timeline
+from streamnmt.training.monitor import CpuSampler, GpuTimer, NvmlSampler, TimedStep, time_graph_replays
+from streamnmt.training.plots import plot_bench, plot_results, plot_timeline
 
 RESULTS = """epoch,train_loss,val_loss,bleu,tokens_per_s,epoch_s,gpu_busy
 1,5.21,4.80,,12000.5,10.2,35.0

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from streamnmt import masks
+from streamnmt.models import masks
 from streamnmt.data.packing import PackSampler, collate_packed
 from streamnmt.engine import DeferredLosses, EngineConfig, make_strategy
-from streamnmt.model import make_model
-from streamnmt.step import example_batch, make_step
+from streamnmt.models.transformer import make_model
+from streamnmt.training.step import example_batch, make_step
 from tests.data.test_packing import random_corpus
 from tests.engine.test_engine import run_collect, run_without_host_syncs
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from streamnmt import masks
-from streamnmt.attention import flex_importable
+from streamnmt.models import masks
+from streamnmt.models.attention import flex_importable
 from streamnmt.data import collate
 from streamnmt.data.packing import PackSampler, collate_packed
-from streamnmt.model import make_model
-from streamnmt.runs import read_csv
+from streamnmt.models.transformer import make_model
+from streamnmt.training.runs import read_csv
 from tests.data.test_packing import corpus_of
 
 
@@ -125,7 +125,7 @@ def test_flex_block_masks_follow_the_dense_masks_at_any_block_size():
     """Each block of a BlockMask is kept iff the dense mask allows some position pair in it."""
     if flex_importable():
         pytest.skip(flex_importable())
-    from streamnmt.attention import dense_masks, flex_masks
+    from streamnmt.models.attention import dense_masks, flex_masks
 
     b, _ = packed_batch(corpus_of(pairs(3)), shape=(3, 40, 36))
     dense = dense_masks(b.src_seg, b.tgt_seg)
@@ -204,7 +204,7 @@ def test_packed_training_is_the_same_in_every_strategy(tmp_path, tmp_path_factor
 def test_additive_masks_under_autocast_compute_what_boolean_masks_do(monkeypatch):
     """Under autocast the packed masks are additive (0 / -inf) in autocast's dtype: they mark the
     same keys as the boolean masks, and the model's output is the same with either."""
-    from streamnmt import attention
+    from streamnmt.models import attention
 
     mask_dtype = attention.sdpa_mask_dtype
     assert mask_dtype(torch.device("cpu")) is None  # no autocast: boolean masks

@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamnmt.average import average_checkpoints
+from streamnmt.inference.average import average_checkpoints
 from streamnmt.checkpoint import embedded_tokenizer, load_checkpoint, save_checkpoint
 from streamnmt.cli import build_parser, main
 from streamnmt.config import RESUME_SETTINGS, build_job
-from streamnmt.decode import decode_dtype, decoding_copy
+from streamnmt.inference.search import decode_dtype, decoding_copy
 from streamnmt.errors import ConfigError
-from streamnmt.model import make_model
-from streamnmt.runs import read_csv
-from streamnmt.train import Trainer
-from streamnmt.translate import EvalConfig, TranslateConfig, load_for_inference
+from streamnmt.models.transformer import make_model
+from streamnmt.training.runs import read_csv
+from streamnmt.training.trainer import Trainer
+from streamnmt.inference.translate import EvalConfig, TranslateConfig, load_for_inference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

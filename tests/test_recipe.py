@@ -17,11 +17,11 @@ import torch
 from streamnmt.cli import build_parser, main
 from streamnmt.config import ModelConfig, RunConfig, build_job
 from streamnmt.errors import ConfigError
-from streamnmt.model import make_model
-from streamnmt.runs import read_csv
-from streamnmt.step import example_batch, make_step
-from streamnmt.stopping import EarlyStopping, TimeBudget, parse_duration
-from streamnmt.train import Trainer
+from streamnmt.models.transformer import make_model
+from streamnmt.training.runs import read_csv
+from streamnmt.training.step import example_batch, make_step
+from streamnmt.training.stopping import EarlyStopping, TimeBudget, parse_duration
+from streamnmt.training.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -228,7 +228,7 @@ def test_keep_last_tied_run_and_quiet_output(tmp_path):
     assert len(saved) > 3 and kept == [f"step_{k:06d}.pt" for k in saved[-3:]]
     assert torch.load(weights / kept[0], weights_only=True)["step"] == saved[-3]
     assert t.data.src_tok.path == t.data.tgt_tok.path and t.data.src_tok.path.name == "shared.model"
-    from streamnmt.translate import load_for_inference
+    from streamnmt.inference.translate import load_for_inference
     model, *_ = load_for_inference(weights / "best.pt", "cpu")
     assert model.generator.weight is model.tgt_embed.weight is model.src_embed.weight
     # one line per epoch; the host-sync table once, at the end
@@ -293,7 +293,7 @@ def test_cpu_start_line_names_the_builtin_corpus_only_without_data(tmp_path):
 
 
 def test_results_png_curves_are_per_step_and_per_evaluation(tmp_path):
-    from streamnmt.plots import plot_results, results_series
+    from streamnmt.training.plots import plot_results, results_series
 
     (tmp_path / "steps.csv").write_text("step,epoch,loss,lr,tokens\n1,1,5.0,0.1,10\n2,1,4.0,0.1,10\n3,1,inf,0.1,10\n"
                                         "4,1,3.5,0.1,10\n")

@@ -17,7 +17,7 @@ import torch
 
 from streamnmt.checkpoint import load_safetensors
 from streamnmt.cli import main
-from streamnmt.runs import read_csv
+from streamnmt.training.runs import read_csv
 
 TINY = ["--device", "cpu", "--model", "tiny", "--builtin-size", "500", "--bleu-samples", "0",
         "--batch-size", "16", "--max-len", "32", "--epochs", "3"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamnmt.model import make_model
-from streamnmt.step import NoamSchedule, example_batch, inductor_options, make_step, noam_lr
+from streamnmt.models.transformer import make_model
+from streamnmt.training.step import NoamSchedule, example_batch, inductor_options, make_step, noam_lr
 
 
 def test_noam_schedule_values():
@@ -67,7 +67,7 @@ def test_step_stats_hold_grad_norm_and_skipped_flag(monkeypatch):
 
 
 def test_amp_auto_prefers_native_bf16_and_guards_old_torch(monkeypatch):
-    from streamnmt import train
+    from streamnmt.training import trainer as train
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     assert train._native_bf16() is False  # emulated only: fp16 with the scaler

@@ -15,13 +15,15 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from streamnmt import cli, masks
+from streamnmt import cli
+
+from streamnmt.models import masks
 from streamnmt.checkpoint import save_checkpoint
 from streamnmt.configbase import from_dict
-from streamnmt.decode import SearchOptions
+from streamnmt.inference.search import SearchOptions
 from streamnmt.errors import ConfigError, InputError
-from streamnmt.model import ModelShape, Transformer
-from streamnmt.translate import (EvalConfig, TranslateConfig, bleu_on_pairs, load_for_inference, read_lines,
+from streamnmt.models.transformer import ModelShape, Transformer
+from streamnmt.inference.translate import (EvalConfig, TranslateConfig, bleu_on_pairs, load_for_inference, read_lines,
                                  encode_sources, run_eval, run_translate, score, translate_texts)
 
 EN_WORDS = "the a cat dog sees likes big small red house tree runs eats fish bird green old new".split()
@@ -204,7 +206,7 @@ def _scorer_case(n: int = 50):
 def test_scorer_batch_by_batch_equals_the_corpus_score(lang):
     """The scores from segment statistics extracted batch by batch, in any order, in the worker
     processes, are those of one corpus_score call (BLEU, chrF and the signature)."""
-    from streamnmt.evaluation import Scorer
+    from streamnmt.inference.scoring import Scorer
 
     refs, hyps, batches = _scorer_case()
     want = score(hyps, refs, lang)
@@ -226,7 +228,7 @@ def test_scorer_batch_by_batch_equals_the_corpus_score(lang):
 
 def test_scorer_scores_in_process_what_a_dead_worker_left():
     """A worker killed mid-way (or none at all): the missing batches are scored at the end, same numbers."""
-    from streamnmt.evaluation import Scorer
+    from streamnmt.inference.scoring import Scorer
 
     refs, hyps, batches = _scorer_case()
     want = score(hyps, refs, "ch")
@@ -354,9 +356,9 @@ def test_beam_larger_than_half_the_vocabulary(env):
 
 def test_train_and_translate_do_not_import_each_other():
     code = ("import sys, importlib; importlib.import_module(sys.argv[1]); "
-            "print(sorted(m for m in ('streamnmt.train', 'streamnmt.translate') if m in sys.modules))")
+            "print(sorted(m for m in ('streamnmt.training.trainer', 'streamnmt.inference.translate') if m in sys.modules))")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    for module, other in (("streamnmt.translate", "streamnmt.train"), ("streamnmt.train", "streamnmt.translate")):
+    for module, other in (("streamnmt.inference.translate", "streamnmt.training.trainer"), ("streamnmt.training.trainer", "streamnmt.inference.translate")):
         out = subprocess.run([sys.executable, "-c", code, module], capture_output=True, text=True, env=env, check=True)
         assert out.stdout.strip() == repr([module]), (module, other, out.stdout)
 

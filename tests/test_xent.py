@@ -1,4 +1,4 @@
-"""The chunked output layer and loss (streamnmt.xent) against PyTorch's cross-entropy on whole logits."""
+"""The chunked output layer and loss (streamnmt.models.xent) against PyTorch's cross-entropy on whole logits."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from streamnmt import masks
-from streamnmt.model import make_model
-from streamnmt.step import example_batch, make_step
-from streamnmt.xent import linear_cross_entropy
+from streamnmt.models import masks
+from streamnmt.models.transformer import make_model
+from streamnmt.training.step import example_batch, make_step
+from streamnmt.models.xent import linear_cross_entropy
 
 
 def _reference(h, w, b, y, ls):
@@ -170,7 +170,7 @@ def test_graph_captured_loss_equals_eager_at_a_32k_vocabulary():
 
 def test_traces_into_one_graph_for_torch_compile():
     """torch.compile traces the chunked loss and its backward whole (aot_eager, CPU). The trainer keeps the
-    loss out of its compiled region all the same: see streamnmt.step and tests/test_compile_gpu.py."""
+    loss out of its compiled region all the same: see streamnmt.training.step and tests/test_compile_gpu.py."""
     torch.manual_seed(3)
     h, w, b = (torch.randn(20, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True),
                torch.randn(30, requires_grad=True))
@@ -193,7 +193,8 @@ def test_traces_into_one_graph_for_torch_compile():
 def test_fused_kernel_equals_the_torch_path(monkeypatch, dtype, v, smoothing):
     """The Triton kernel (CUDA) gives the torch path's losses and gradients: a vocabulary under one
     block and one that is not a multiple of it, ignored rows, fp32, bf16 and fp16."""
-    from streamnmt import xent, xent_triton
+    from streamnmt.models import xent
+    from streamnmt.models import xent_triton
 
     dev = torch.device("cuda")
     assert xent_triton.available(torch.empty(1, device=dev)), "Triton is missing on this CUDA machine"
@@ -230,7 +231,8 @@ def test_fused_kernel_equals_the_torch_path(monkeypatch, dtype, v, smoothing):
 def test_a_kernel_that_cannot_be_built_falls_back_to_the_torch_path_once(monkeypatch, capsys):
     """Where the Triton kernel fails (a build error, say), the chunk is computed by the torch path,
     one line says so, and later calls do not try the kernel again."""
-    from streamnmt import xent, xent_triton
+    from streamnmt.models import xent
+    from streamnmt.models import xent_triton
 
     calls = []
 
@@ -259,7 +261,8 @@ def test_kernel_rows_saturate_the_nll_as_the_torch_path(dtype):
     """A row whose target logit is far below the others: the kernel's NLL saturates at -log of
     fp32's smallest normal, as the torch path's clamped probability, and its loss and gradient
     match the torch path's, row by row, in each compute dtype."""
-    from streamnmt import xent, xent_triton
+    from streamnmt.models import xent
+    from streamnmt.models import xent_triton
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -284,7 +287,8 @@ def test_kernel_rows_saturate_the_nll_as_the_torch_path(dtype):
 def test_out_of_memory_in_the_kernel_is_raised_not_taken_for_a_build_failure(monkeypatch):
     """Memory running out inside the kernel's call is raised as it is: the kernel stays on (the
     torch path would need more memory, not less)."""
-    from streamnmt import xent, xent_triton
+    from streamnmt.models import xent
+    from streamnmt.models import xent_triton
 
     def oom(*args):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
@@ -301,7 +305,8 @@ def test_out_of_memory_in_the_kernel_is_raised_not_taken_for_a_build_failure(mon
 def test_after_a_failed_kernel_the_torch_path_runs_in_its_own_chunk_size(monkeypatch):
     """The kernel's chunks are larger than the torch path can hold (no fp32 softmax): when the
     kernel fails, the chunk is made again at the torch path's size, and so are the rest."""
-    from streamnmt import xent, xent_triton
+    from streamnmt.models import xent
+    from streamnmt.models import xent_triton
 
     def broken(*args):
         raise RuntimeError("no compiler for this GPU")

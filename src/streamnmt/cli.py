@@ -36,7 +36,7 @@ def _train(args: dict) -> int:
 
 def _run_trainer(args: dict, config_file: str | None, resume: str | None) -> int:
     from streamnmt.config import RESUME_SETTINGS, build_job
-    from streamnmt.train import Trainer
+    from streamnmt.training.trainer import Trainer
 
     if resume is not None:
         extra = sorted(set(args) - {"device", *RESUME_SETTINGS})
@@ -123,11 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_args(p.add_argument_group(name), cls)
     p.set_defaults(_run=_train)
     for command, module, cfg_name, fn_name, help_text in (
-            ("translate", "translate", "TranslateConfig", "run_translate", "translate lines of text"),
-            ("eval", "translate", "EvalConfig", "run_eval", "BLEU and chrF of a checkpoint on a split"),
+            ("translate", "inference.translate", "TranslateConfig", "run_translate", "translate lines of text"),
+            ("eval", "inference.translate", "EvalConfig", "run_eval", "BLEU and chrF of a checkpoint on a split"),
             ("bench", "bench", "BenchConfig", "run_bench", "benchmark the sync strategies side by side"),
-            ("average", "average", "AverageConfig", "run_average", "average the weights of checkpoints"),
-            ("export", "export", "ExportConfig", "run_export", "write a checkpoint as a CTranslate2 model")):
+            ("average", "inference.average", "AverageConfig", "run_average", "average the weights of checkpoints"),
+            ("export", "inference.export", "ExportConfig", "run_export", "write a checkpoint as a CTranslate2 model")):
         try:
             mod = __import__(f"streamnmt.{module}", fromlist=[cfg_name])
             cls = getattr(mod, cfg_name)

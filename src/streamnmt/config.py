@@ -19,7 +19,7 @@ from streamnmt.configbase import check, check_choice, from_dict, opt, to_dict
 from streamnmt.data.config import DataConfig
 from streamnmt.engine.config import EngineConfig
 from streamnmt.errors import ConfigError
-from streamnmt.stopping import check_recipe
+from streamnmt.training.stopping import check_recipe
 
 # Model presets: (d_model, n_layers, n_heads, d_ff). "base" is the original system's model.
 PRESETS = {

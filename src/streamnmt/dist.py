@@ -202,7 +202,7 @@ def init(backend: str, device: str | None, timeout_s: int) -> Dist:
 def parallelize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """``model`` in DistributedDataParallel over the default process group (any world size). The
     trainer and the benchmark ask for it with ``make_step(ddp=dist.active)``; the step calls this
-    lazily, at its first forward or :meth:`streamnmt.step.NMTStep.parallel`.
+    lazily, at its first forward or :meth:`streamnmt.training.step.NMTStep.parallel`.
 
     Call it under the stream the forwards will run on (the strategy's compute or capture stream):
     DDP ties its gradient hooks to the stream it was built under, and a mismatch makes autograd

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from streamnmt import masks
+from streamnmt.models import masks
 from streamnmt.data import Batch, BucketSampler, bucket_lengths, make_loader
 from streamnmt.data.batch import collate, collate_host
 from streamnmt.errors import InputError
-from streamnmt.masks import BOS, EOS, PAD
+from streamnmt.models.masks import BOS, EOS, PAD
 
 
 def _rounded(n: int, k: int) -> int:

@@ -11,7 +11,7 @@ from streamnmt.data import DataConfig, make_loader
 from streamnmt.data.corpus import TokenizedCorpus
 from streamnmt.data.packing import PackSampler, collate_packed, pack_rows, pack_shape
 from streamnmt.errors import InputError
-from streamnmt.masks import BOS, EOS, PAD
+from streamnmt.models.masks import BOS, EOS, PAD
 
 
 def corpus_of(pairs: list[tuple[list[int], list[int]]]) -> TokenizedCorpus:

@@ -6,7 +6,7 @@ import pytest
 
 from streamnmt.data import prepare_data
 from streamnmt.errors import ConfigError
-from streamnmt.masks import UNK
+from streamnmt.models.masks import UNK
 
 from .conftest import HANZI, small_config
 

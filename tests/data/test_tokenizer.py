@@ -13,7 +13,7 @@ import torch
 
 from streamnmt.data import Tokenizer, prepare_data, read_pairs, train_tokenizer
 from streamnmt.errors import InputError
-from streamnmt.masks import BOS, EOS, PAD, UNK
+from streamnmt.models.masks import BOS, EOS, PAD, UNK
 
 from .conftest import make_pairs, small_config, write_corpus
 

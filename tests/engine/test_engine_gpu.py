@@ -88,8 +88,8 @@ TRANSFORMER_RUN = textwrap.dedent("""
     torch.backends.cuda.enable_mem_efficient_sdp(False)
     torch.backends.cuda.enable_flash_sdp(False)
     from streamnmt.engine import DeferredLosses, EngineConfig, make_strategy
-    from streamnmt.model import make_model
-    from streamnmt.step import make_step
+    from streamnmt.models.transformer import make_model
+    from streamnmt.training.step import make_step
     from tests.engine.test_engine import run_collect
     from tests.engine.test_graphs_gpu import random_batches, with_global_norm
     dev = torch.device("cuda")
@@ -155,8 +155,8 @@ def test_stream_sanitizer_finds_no_race_in_the_transformer_pipeline(streams, tmp
     script.write_text(textwrap.dedent(f"""
         import torch
         from streamnmt.engine import DeferredLosses, EngineConfig, make_strategy
-        from streamnmt.model import make_model
-        from streamnmt.step import make_step
+        from streamnmt.models.transformer import make_model
+        from streamnmt.training.step import make_step
         from tests.engine.test_engine import run_collect
         from tests.engine.test_graphs_gpu import random_batches, with_global_norm
         dev = torch.device("cuda")

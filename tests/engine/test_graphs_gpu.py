@@ -9,8 +9,8 @@ import torch
 
 from streamnmt.data import Batch
 from streamnmt.engine import DeferredLosses, EngineConfig, make_strategy
-from streamnmt.model import make_model
-from streamnmt.step import example_batch, make_step
+from streamnmt.models.transformer import make_model
+from streamnmt.training.step import example_batch, make_step
 from tests.engine.test_engine import run_collect, run_without_host_syncs
 
 pytestmark = pytest.mark.gpu

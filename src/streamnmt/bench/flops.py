@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from streamnmt.model import ModelShape
+from streamnmt.models.transformer import ModelShape
 
 
 def forward_flops(shape: ModelShape, b: int, s: int, t: int) -> int:

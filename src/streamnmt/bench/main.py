@@ -43,11 +43,11 @@ from streamnmt.config import PRESETS
 from streamnmt.configbase import check, to_dict
 from streamnmt.data import DataConfig, prepare_data
 from streamnmt.fsutil import atomic_write
-from streamnmt.model import ModelShape
-from streamnmt.plots import plot_bench, plot_timeline
-from streamnmt.runs import increment_path, write_json
+from streamnmt.models.transformer import ModelShape
+from streamnmt.training.plots import plot_bench, plot_timeline
+from streamnmt.training.runs import increment_path, write_json
 from streamnmt.devices import resolve_device
-from streamnmt.train import seed_everything
+from streamnmt.training.trainer import seed_everything
 
 Log = Callable[[str], None]
 

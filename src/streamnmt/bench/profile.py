@@ -7,7 +7,7 @@ table says can be checked against the picture) and derives:
 **Kernels per stream.** Each GPU op (kernel, memcpy, memset) carries its CUDA stream and the
 correlation id of the host call that launched it. The launch's host time is looked up in the
 benchmark's phase ranges (``step.forward``, ``step.backward``, ``step.optimizer``,
-``graph.replay``, recorded by :class:`streamnmt.monitor.TimedStep`): a kernel launched while
+``graph.replay``, recorded by :class:`streamnmt.training.monitor.TimedStep`): a kernel launched while
 ``step.backward`` was open is a backward kernel, whichever thread launched it (autograd launches
 backward kernels from its own thread). Copies are classed by direction, NCCL kernels (DDP's
 gradient all-reduce, on several processes) as ``nccl all-reduce`` whenever they were launched. So

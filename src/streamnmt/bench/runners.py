@@ -44,16 +44,16 @@ import torch
 
 from streamnmt.bench.config import BenchConfig
 from streamnmt.dist import Dist
-from streamnmt.attention import resolve_attention
+from streamnmt.models.attention import resolve_attention
 from streamnmt.bench.flops import real_token_flops, training_flops
 from streamnmt.data import Batch, BatchLoader, DataConfig, make_loader
 from streamnmt.data.corpus import TokenizedCorpus
 from streamnmt.engine import STATS, DeferredLosses, EngineConfig, host_sync, make_strategy
 from streamnmt.engine.config import PIPELINES
 from streamnmt.fsutil import atomic_path
-from streamnmt.model import ModelShape, Transformer
-from streamnmt.monitor import CpuSampler, GpuTimer, NvmlSampler, TimedStep, time_graph_replays
-from streamnmt.step import NMTStep, example_batch, fit_compile_cache, make_step
+from streamnmt.models.transformer import ModelShape, Transformer
+from streamnmt.training.monitor import CpuSampler, GpuTimer, NvmlSampler, TimedStep, time_graph_replays
+from streamnmt.training.step import NMTStep, example_batch, fit_compile_cache, make_step
 
 PROFILE_WARMUP = 3      # untimed steps before a profiled window
 WINDOW = "bench.window"  # profiler range around the profiled steps and their drain

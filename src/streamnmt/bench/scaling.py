@@ -111,7 +111,7 @@ def run_world(cfg: BenchConfig, n: int, out: Path) -> int:
 
 def run_sizes(cfg: BenchConfig, sizes: list[int], log: Log = print) -> int:
     """``--nproc N`` or ``--nproc 1,2,4``: see the module docstring."""
-    from streamnmt.runs import increment_path
+    from streamnmt.training.runs import increment_path
 
     check_world_sizes(cfg, sizes)
     out = Path(cfg.out) if cfg.out else increment_path("runs/bench", "exp")
@@ -219,7 +219,7 @@ def write_scaling(cfg: BenchConfig, records: dict[int, dict[str, Any]], rows: li
     """``bench.json`` (config, world sizes, where each size's record is, the scaling rows), ``bench.csv``,
     ``bench.png``, each written atomically."""
     from streamnmt.bench.main import git_commit
-    from streamnmt.runs import write_json
+    from streamnmt.training.runs import write_json
 
     first = records[min(records)]
     write_json(out / "bench.json", {

@@ -6,7 +6,7 @@ weights and the feed-forward's hidden activations), ``nn.Embedding`` scaled by s
 table, an ``nn.Linear`` output layer and ``F.cross_entropy`` with label smoothing over the whole
 logits tensor, trained by the bench's own optimizer step (fused Adam, Noam schedule, clipping)
 under ``torch.compile(mode="reduce-overhead")``. It trains on the bench's batches, packed ones
-included: the segment masks of :func:`streamnmt.attention.dense_masks`, expanded to the
+included: the segment masks of :func:`streamnmt.models.attention.dense_masks`, expanded to the
 ``(batch x heads, L, S)`` additive masks ``nn.MultiheadAttention`` takes, and positions that
 restart for each pair. Same sizes as the bench's model (``ModelShape``), weights initialised as
 ``nn.Transformer`` does.
@@ -24,14 +24,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from streamnmt import masks
-from streamnmt.attention import dense_masks
-from streamnmt.model import ModelShape, PositionalEncoding
+from streamnmt.models import masks
+from streamnmt.models.attention import dense_masks
+from streamnmt.models.transformer import ModelShape, PositionalEncoding
 
 
 class StockLossModel(nn.Module):
     """``(src, tgt_in, tgt_out, segments) -> (loss sum, loss sum)``: the interface of
-    :class:`streamnmt.step.LossModel`, so the bench's step function drives it unchanged."""
+    :class:`streamnmt.training.step.LossModel`, so the bench's step function drives it unchanged."""
 
     def __init__(self, shape: ModelShape, label_smoothing: float):
         super().__init__()

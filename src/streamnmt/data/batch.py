@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from streamnmt.data.corpus import TokenizedCorpus
-from streamnmt.masks import BOS, EOS, PAD, src_mask, tgt_mask
+from streamnmt.models.masks import BOS, EOS, PAD, src_mask, tgt_mask
 
 
 @dataclass
@@ -74,12 +74,12 @@ class Batch:
 
     @property
     def src_mask(self) -> torch.Tensor:
-        """:func:`streamnmt.masks.src_mask` of ``src``, on the tensors' device."""
+        """:func:`streamnmt.models.masks.src_mask` of ``src``, on the tensors' device."""
         return src_mask(self.src)
 
     @property
     def tgt_mask(self) -> torch.Tensor:
-        """:func:`streamnmt.masks.tgt_mask` of ``tgt_in``, on the tensors' device."""
+        """:func:`streamnmt.models.masks.tgt_mask` of ``tgt_in``, on the tensors' device."""
         return tgt_mask(self.tgt_in)
 
     def _tensor_fields(self) -> tuple[str, ...]:

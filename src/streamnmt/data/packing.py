@@ -5,7 +5,7 @@ batch places whole pairs one after another: pair ``k`` of a row takes the next `
 columns (tokens + EOS) of the encoder row and the next ``m_k + 1`` target columns of the decoder
 row (``[BOS] + tokens`` in ``tgt_in``, ``tokens + [EOS]`` in ``tgt_out``). Each row carries
 segment ids (1, 2, ... per pair; 0 for padding) and positions that restart at 0 for each pair, so
-the model keeps attention inside a pair (:mod:`streamnmt.attention`) and every pair sees the
+the model keeps attention inside a pair (:mod:`streamnmt.models.attention`) and every pair sees the
 positions it would see alone.
 
 Shape: every batch is ``(rows, src width, tgt width)`` (:func:`pack_shape`): the target width is
@@ -43,7 +43,7 @@ import torch
 from streamnmt.data.corpus import TokenizedCorpus
 from streamnmt.data.workers import detach
 from streamnmt.errors import InputError
-from streamnmt.masks import BOS, EOS, PAD
+from streamnmt.models.masks import BOS, EOS, PAD
 
 WINDOW = 8192  # pairs packed together (first-fit-decreasing inside a window)
 _ROWS_CACHE: dict[tuple, list[np.ndarray]] = {}  # see PackSampler._rows

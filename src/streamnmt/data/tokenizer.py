@@ -1,7 +1,7 @@
 """SentencePiece tokenizers: load a model, or train one from the training split.
 
 The trainer, the decoder and BLEU all need the same two things from a tokenizer: text to ids and
-ids back to text, with the special ids fixed by :mod:`streamnmt.masks` (pad 0, unk 1, bos 2,
+ids back to text, with the special ids fixed by :mod:`streamnmt.models.masks` (pad 0, unk 1, bos 2,
 eos 3). Training is seeded (:data:`SPM_SEED`), so the same sample gives the same model. :class:`Tokenizer` wraps one SentencePiece model file and refuses a model whose special
 ids differ; :func:`train_tokenizer` builds one quietly from a sample of sentences, capping the
 vocabulary for small corpora, and writes it atomically; :func:`train_shared_tokenizer` builds one
@@ -21,7 +21,7 @@ import sentencepiece as spm
 
 from streamnmt.errors import InputError
 from streamnmt.fsutil import atomic_write
-from streamnmt.masks import BOS, EOS, PAD, UNK
+from streamnmt.models.masks import BOS, EOS, PAD, UNK
 
 # Languages written without spaces between words: SentencePiece keeps rare characters out of the
 # vocabulary (they become UNK) and the text is not NFKC-folded, so that decoded output keeps the

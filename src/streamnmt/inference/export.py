@@ -31,12 +31,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from streamnmt import masks
+from streamnmt.models import masks
 from streamnmt.configbase import check, check_choice, opt
 from streamnmt.data import Tokenizer
 from streamnmt.errors import ConfigError, InputError
-from streamnmt.model import Transformer
-from streamnmt.translate import load_for_inference
+from streamnmt.models.transformer import Transformer
+from streamnmt.inference.translate import load_for_inference
 
 FORMATS = ("ctranslate2",)
 QUANTIZATIONS = ("none", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16",

@@ -4,8 +4,8 @@ Loading a checkpoint for inference with the tokenizers it was trained with
 (:func:`load_for_inference`), reading input lines, and the two commands: the CLI builds
 :class:`TranslateConfig` / :class:`EvalConfig` from flags and calls :func:`run_translate` /
 :func:`run_eval`. Text to encoder input, detokenizing and scoring live in
-:mod:`streamnmt.evaluation`, which the trainer shares (its per-epoch BLEU); they are re-exported
-here. On CUDA both commands decode through CUDA graphs (:mod:`streamnmt.decode_graph`) unless
+:mod:`streamnmt.inference.scoring`, which the trainer shares (its per-epoch BLEU); they are re-exported
+here. On CUDA both commands decode through CUDA graphs (:mod:`streamnmt.inference.graph_search`) unless
 ``--no-graph`` is given.
 """
 
@@ -25,12 +25,12 @@ from streamnmt.checkpoint import embedded_tokenizer, load_checkpoint, load_model
 from streamnmt.config import RunConfig
 from streamnmt.configbase import check, check_choice, from_dict, opt, pick
 from streamnmt.data import DataConfig, Tokenizer, read_pairs
-from streamnmt.decode import DTYPES, SearchOptions, decode_dtype, dtype_name
+from streamnmt.inference.search import DTYPES, SearchOptions, decode_dtype, dtype_name
 from streamnmt.errors import ConfigError, InputError
 from streamnmt.fsutil import atomic_write
-from streamnmt.model import ModelShape, Transformer
+from streamnmt.models.transformer import ModelShape, Transformer
 from streamnmt.devices import resolve_device
-from streamnmt.evaluation import CHINESE, bleu_on_pairs, encode_sources, score, translate_texts
+from streamnmt.inference.scoring import CHINESE, bleu_on_pairs, encode_sources, score, translate_texts
 
 __all__ = ["CHINESE", "EvalConfig", "InferenceConfig", "TranslateConfig", "bleu_on_pairs", "encode_sources",
            "load_for_inference", "read_lines", "run_eval", "run_translate", "score", "translate_texts"]

@@ -1,8 +1,8 @@
-"""Decoding at serving speed: the search step of :mod:`streamnmt.decode` in CUDA graphs.
+"""Decoding at serving speed: the search step of :mod:`streamnmt.inference.search` in CUDA graphs.
 
 The eager search launches about a hundred small kernels per token and the GPU, in bf16 above all,
-mostly waits for them. Here the whole per-token step of :class:`streamnmt.decode.StaticSearch`
-(decoder on its preallocated :class:`~streamnmt.decode.StaticCache`, and the search bookkeeping)
+mostly waits for them. Here the whole per-token step of :class:`streamnmt.inference.search.StaticSearch`
+(decoder on its preallocated :class:`~streamnmt.inference.search.StaticCache`, and the search bookkeeping)
 is captured once in a CUDA graph and replayed: one launch per token. It is the same search the
 eager path runs, so the two give the same results.
 
@@ -42,12 +42,12 @@ from torch import Tensor
 from torch.nn import functional as F
 from torch.nn.attention import sdpa_kernel
 
-from streamnmt import masks
-from streamnmt.decode import (DECODE_ATTENTION, SPAN, SearchOptions, StaticCache, StaticSearch, check_search,
+from streamnmt.models import masks
+from streamnmt.inference.search import (DECODE_ATTENTION, SPAN, SearchOptions, StaticCache, StaticSearch, check_search,
                               output_limits, search_scored, sync_interval)
-from streamnmt.decode import translate_ids as translate_ids_eager
+from streamnmt.inference.search import translate_ids as translate_ids_eager
 from streamnmt.engine.syncstats import host_sync
-from streamnmt.model import Transformer
+from streamnmt.models.transformer import Transformer
 
 __all__ = ["BucketKey", "GraphDecoder", "SPAN", "StaticCache", "shared_decoder", "source_bucket", "translate_ids"]
 WARMUP_STEPS = 2  # eager steps on a side stream before a capture (lazy initialisations); even: see _capture
@@ -281,7 +281,7 @@ def translate_ids(model: Transformer, sources: list[list[int]], opts: SearchOpti
                   batch_size: int = 64, device: torch.device | str = "cpu",
                   decoder: GraphDecoder | None = None,
                   on_batch: Callable[[list[int], list[list[int]]], None] | None = None) -> list[list[int]]:
-    """:func:`streamnmt.decode.translate_ids` through a :class:`GraphDecoder` when ``opts.graph``
+    """:func:`streamnmt.inference.search.translate_ids` through a :class:`GraphDecoder` when ``opts.graph``
     and ``device`` is CUDA (``decoder``, or this process's shared one for the model and settings);
     otherwise the eager search. ``on_batch`` as there."""
     if not opts.graph or torch.device(device).type != "cuda":

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from streamnmt import xent_triton
+from streamnmt.models import xent_triton
 
 CHUNK_ELEMENTS = 2 ** 25  # logits per chunk (rows x vocabulary): 128 MB in fp32, ~1k rows at 32k
 # With the Triton kernel a chunk is only its logits in the compute dtype (no fp32 softmax), so
@@ -48,7 +48,7 @@ def _fused_ok(h: torch.Tensor) -> bool:
 
 
 def _fused_rows(z: torch.Tensor, y: torch.Tensor, smoothing: float, ignore_index: int, want_grad: bool):
-    """(row loss, row NLL, gradient: ``z`` itself) from :func:`streamnmt.xent_triton.xent_rows`, or
+    """(row loss, row NLL, gradient: ``z`` itself) from :func:`streamnmt.models.xent_triton.xent_rows`, or
     None (and the torch path from now on, with one line on stderr) where the kernel cannot be built
     here. Inside a CUDA graph capture a failure is raised: the capture is then abandoned, and its
     warm-up has already run this kernel eagerly."""

@@ -1,6 +1,6 @@
 """The label-smoothed cross-entropy of a chunk of logits in one Triton kernel, the gradient in place.
 
-:mod:`streamnmt.xent` computes the loss chunk by chunk; on CUDA, where Triton is importable, each
+:mod:`streamnmt.models.xent` computes the loss chunk by chunk; on CUDA, where Triton is importable, each
 chunk of logits ``z`` (C, V) goes through :func:`xent_rows`: one program per row reads the row
 twice (an online max and sum of exponentials, the sum of logits and the target's logit; then the
 gradient) and writes ``dloss/dz = (softmax(z) - e / V - (1 - e) onehot(y)) * valid`` over ``z``
@@ -23,7 +23,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: streamnmt.xent keeps its torch path
+except ImportError:  # CPU-only installs: streamnmt.models.xent keeps its torch path
     triton = None
 
 NLL_MAX = -math.log(torch.finfo(torch.float32).tiny)  # 87.3365...: -log of fp32's smallest normal

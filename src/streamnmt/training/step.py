@@ -32,11 +32,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from streamnmt import masks
+from streamnmt.models import masks
 from streamnmt.data import Batch
-from streamnmt.ema import EMA
-from streamnmt.model import ModelShape
-from streamnmt.xent import linear_cross_entropy
+from streamnmt.training.ema import EMA
+from streamnmt.models.transformer import ModelShape
+from streamnmt.models.xent import linear_cross_entropy
 
 # The chunked loss runs outside torch.compile: compiled by inductor for CUDA (torch 2.11, bf16),
 # its gradients came out zero (grad_norm 0.0 on an H200 under `--compile on`, graph and full
@@ -82,7 +82,7 @@ class LossSums(NamedTuple):
 
 class LossModel(nn.Module):
     """The model and its output loss as one module, which DDP wraps and torch.compile compiles: the
-    generator runs inside the chunked loss (:func:`streamnmt.xent.linear_cross_entropy`), so the
+    generator runs inside the chunked loss (:func:`streamnmt.models.xent.linear_cross_entropy`), so the
     logits of a whole batch never exist."""
 
     def __init__(self, model: nn.Module, label_smoothing: float):
@@ -150,7 +150,7 @@ class NMTStep:
     def loss_sum(self, batch) -> LossSums:
         """The batch's summed smoothed cross-entropy (with the training's label smoothing), summed plain
         NLL (what validation reports) and target token count: device scalars, from one pass over the
-        logits (:mod:`streamnmt.xent`)."""
+        logits (:mod:`streamnmt.models.xent`)."""
         dev_type = batch.src.device.type
         with torch.autocast(dev_type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
             loss, nll = self.model(batch.src, batch.tgt_in, batch.tgt_out,

@@ -1,7 +1,7 @@
 """Training: the Trainer that runs epochs through the stream engine.
 
 The engine (``streamnmt.engine``) knows nothing of translation; it drives the step function of
-``streamnmt.step`` (loss, backward, clipped Adam on the Noam schedule, without a host sync). The
+``streamnmt.training.step`` (loss, backward, clipped Adam on the Noam schedule, without a host sync). The
 Trainer owns everything around it: run directory, data, model, epochs, validation, BLEU,
 checkpoints, resume, signals, logs. The training loop reads top to bottom in
 :meth:`Trainer.run_epoch`. On several processes (torchrun; ``streamnmt.dist``) every rank runs
@@ -37,22 +37,22 @@ from streamnmt import dist as distributed
 from streamnmt.errors import ConfigError, InputError, NonFiniteLoss
 from streamnmt.fsutil import atomic_write
 from streamnmt.data.tokenizer import file_sha256
-from streamnmt.attention import resolve_attention
+from streamnmt.models.attention import resolve_attention
 from streamnmt.data import batch_plan, make_loader, prepare_data, read_pairs
 from streamnmt.devices import resolve_device
 from streamnmt.engine import STATS, DeferredLosses, host_sync, make_strategy
 from streamnmt.engine.auto import choose_compile, choose_strategy, graph_step_s
 from streamnmt.engine.losses import StepLoss
 from streamnmt.engine.syncstats import format_table
-from streamnmt.decode import decode_dtype, decoding_copy
-from streamnmt.evaluation import bleu_on_pairs
-from streamnmt.model import ModelShape, Transformer
-from streamnmt.step import example_batch, make_step, noam_lr
-from streamnmt.monitor import CpuSampler, NvmlSampler
-from streamnmt.plots import plot_results
-from streamnmt.reporting import Scalars, merge_sync_stats
-from streamnmt.runs import CsvLog, increment_path, write_json
-from streamnmt.stopping import EarlyStopping, TimeBudget, best_metric, parse_duration
+from streamnmt.inference.search import decode_dtype, decoding_copy
+from streamnmt.inference.scoring import bleu_on_pairs
+from streamnmt.models.transformer import ModelShape, Transformer
+from streamnmt.training.step import example_batch, make_step, noam_lr
+from streamnmt.training.monitor import CpuSampler, NvmlSampler
+from streamnmt.training.plots import plot_results
+from streamnmt.training.reporting import Scalars, merge_sync_stats
+from streamnmt.training.runs import CsvLog, increment_path, write_json
+from streamnmt.training.stopping import EarlyStopping, TimeBudget, best_metric, parse_duration
 
 STEP_COLUMNS = ["step", "epoch", "loss", "nll", "lr", "tokens", "grad_norm", "skipped"]
 # train_loss: with the training's label smoothing; train_nll (and train_ppl = exp of it): the plain

@@ -2,8 +2,8 @@
 
 The trainer computes dev BLEU at each epoch end; ``streamnmt translate`` and ``eval`` translate
 files and score splits. All three turn lines of text into encoder input the way the training
-batches are built (tokens then EOS), decode them through :mod:`streamnmt.decode` (or, where asked,
-:mod:`streamnmt.decode_graph`), detokenize through SentencePiece, and score with sacrebleu (BLEU
+batches are built (tokens then EOS), decode them through :mod:`streamnmt.inference.search` (or, where asked,
+:mod:`streamnmt.inference.graph_search`), detokenize through SentencePiece, and score with sacrebleu (BLEU
 with its ``zh`` tokenizer for Chinese targets, ``13a`` otherwise, and chrF). This module holds
 those pieces below both the trainer and the commands, so that imports run one way:
 ``train -> evaluation`` and ``translate -> evaluation``, never ``train <-> translate``.
@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
-from streamnmt import masks, scoreworker
+from streamnmt.models import masks
+
+from streamnmt.inference import scoreworker
 from streamnmt.data import Tokenizer
-from streamnmt.decode import SearchOptions
-from streamnmt.decode_graph import translate_ids
-from streamnmt.model import Transformer
+from streamnmt.inference.search import SearchOptions
+from streamnmt.inference.graph_search import translate_ids
+from streamnmt.models.transformer import Transformer
 
 CHINESE = scoreworker.CHINESE  # target languages scored with sacrebleu's "zh" tokenizer
 MAX_SCORE_WORKERS = 2  # scoring processes per Scorer (see score_workers)
@@ -77,7 +79,7 @@ def score_workers() -> int:
 
 
 class _Worker:
-    """One :mod:`streamnmt.scoreworker` process and the thread that reads its answers."""
+    """One :mod:`streamnmt.inference.scoreworker` process and the thread that reads its answers."""
 
     def __init__(self, tgt_lang: str, results: dict[int, Any]):
         self.proc = subprocess.Popen([sys.executable, scoreworker.__file__, tgt_lang], stdin=subprocess.PIPE,
@@ -123,7 +125,7 @@ class Scorer:
     Scoring is pure Python (sacrebleu tokenizes and counts n-grams: about 1 s for 1,000 sentences
     of 30 words, as long as decoding them on a GPU), and in the decoding process it would compete
     with decoding for the interpreter lock. So each decoded batch is sent to one of
-    :func:`score_workers` :mod:`streamnmt.scoreworker` processes (round robin), which return its
+    :func:`score_workers` :mod:`streamnmt.inference.scoreworker` processes (round robin), which return its
     segment statistics; the corpus scores are computed from their sum at the end, the same numbers
     as :func:`score` over the whole corpus (sacrebleu's corpus score is a function of the summed
     segment statistics; tested). A batch whose worker could not be started or died is scored here

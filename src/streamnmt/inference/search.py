@@ -10,7 +10,7 @@ There is one search, :class:`StaticSearch`: its state (tokens, scores, histories
 pools, the step counter) is a set of fixed-shape tensors, the decoder's keys/values live in a
 preallocated :class:`StaticCache`, and one step has no host sync, so it can be captured in a CUDA
 graph. :func:`greedy_search` and :func:`beam_search_scored` run it eagerly (what the CPU and
-``--no-graph`` use), shrinking the batch as sentences finish; :mod:`streamnmt.decode_graph` runs
+``--no-graph`` use), shrinking the batch as sentences finish; :mod:`streamnmt.inference.graph_search` runs
 the same step replayed from CUDA graphs. ``SearchOptions.cached=False`` computes each step's
 log-probabilities by re-running the decoder over the whole prefix instead (the slow reference that
 the tests and ``scripts/bench_decode.py`` compare with).
@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from streamnmt import masks
+from streamnmt.models import masks
 from streamnmt.configbase import check, check_choice
 from streamnmt.engine.syncstats import host_sync
-from streamnmt.model import Transformer
+from streamnmt.models.transformer import Transformer
 
 NEG_INF = float("-inf")
 # A captured step reads its self-attention keys in spans of this many slots (StaticCache): one
@@ -213,7 +213,7 @@ class StaticSearch:
     """Greedy (``beam`` 1) or beam search over ``rows`` sentences as tensors of fixed shapes.
 
     The one implementation of both searches: :func:`greedy_search` / :func:`beam_search_scored`
-    run it eagerly (retiring finished sentences every few steps), :mod:`streamnmt.decode_graph`
+    run it eagerly (retiring finished sentences every few steps), :mod:`streamnmt.inference.graph_search`
     captures :meth:`step` in CUDA graphs. A step has fixed shapes and no host sync: rows are never
     removed by it, a finished sentence keeps running with its result frozen, so results do not
     depend on when the host looks. ``cached=False`` re-runs the decoder over the whole prefix at

@@ -9,7 +9,7 @@ them 1, 2, ... (0 on padding). Three masks follow from the segment ids alone:
 
 Padding positions (segment 0) see the other padding positions (themselves at least) and, across
 attention, every source position: no query row is ever fully masked, which would make SDPA return
-NaN and poison the gradients of the real rows (see :mod:`streamnmt.masks`).
+NaN and poison the gradients of the real rows (see :mod:`streamnmt.models.masks`).
 
 Two implementations, chosen by ``--attention``:
 

@@ -1,6 +1,6 @@
 """A scoring worker process: sacrebleu segment statistics for batches of translations.
 
-Run as ``python scoreworker.py LANG`` by :class:`streamnmt.evaluation.Scorer` (by file path, so it
+Run as ``python scoreworker.py LANG`` by :class:`streamnmt.inference.scoring.Scorer` (by file path, so it
 needs neither an installed package nor the parent's ``sys.path``; it imports sacrebleu and nothing
 of PyTorch). It reads frames ``(tag, hyps, refs)`` from stdin and writes ``(tag, bleu_stats,
 chrf_stats)`` to stdout, until a ``None`` frame or the end of stdin. A frame is a 4-byte

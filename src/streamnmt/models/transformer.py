@@ -9,7 +9,7 @@ Self-attention projects queries, keys and values with one fused matrix; embeddin
 N(0, d_model^-0.5) with the PAD row zero.
 
 Packed batches (several pairs per row, :mod:`streamnmt.data.packing`) pass ``segments`` to
-``forward``: attention stays inside each pair (:mod:`streamnmt.attention`) and positions restart
+``forward``: attention stays inside each pair (:mod:`streamnmt.models.attention`) and positions restart
 for each pair, so every pair computes what it would alone.
 
 Besides ``forward`` for training, the decoder supports incremental decoding: the encoder output's
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamnmt import masks
-from streamnmt.attention import SegmentMasks, is_block_mask, flex, segment_masks
+from streamnmt.models import masks
+from streamnmt.models.attention import SegmentMasks, is_block_mask, flex, segment_masks
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ class DecoderCache:
 
     Self-attention keys/values grow by one position per step (``torch.cat``): the simplest cache,
     which the tests hold the search's preallocated one against. The search itself decodes on
-    :class:`streamnmt.decode.StaticCache` (fixed width, the same methods), which
+    :class:`streamnmt.inference.search.StaticCache` (fixed width, the same methods), which
     :meth:`Transformer.decode_step` runs unchanged.
     """
 
@@ -288,7 +288,7 @@ class Transformer(nn.Module):
                 emb.weight[masks.PAD].zero_()
 
     def set_attention(self, kind: str) -> None:
-        """``sdpa`` or ``flex``: how packed batches' segment masks are applied (see streamnmt.attention)."""
+        """``sdpa`` or ``flex``: how packed batches' segment masks are applied (see streamnmt.models.attention)."""
         if kind not in ("sdpa", "flex"):
             raise ValueError(f"attention must be sdpa or flex; got {kind!r}")
         self.attention = kind

@@ -117,11 +117,11 @@ def test_rows_and_auto_settings(monkeypatch):
     rows, notes = cfg.rows(torch.device("cpu"))
     assert rows == ["plain", "baseline", "graph", "resident"]
     assert any("resident-graph" in n for n in notes) and any("compile-ro" in n for n in notes)
-    from streamnmt.bench import runners
-    monkeypatch.setattr(runners, "peer_available", lambda device, name="compile-ro": None)  # as on a CUDA machine with Triton
+    from streamnmt.bench import config as bench_config
+    monkeypatch.setattr(bench_config, "peer_available", lambda device, name="compile-ro": None)  # as on a CUDA machine with Triton
     rows, _ = cfg.rows(torch.device("cuda"))
     assert rows == ["plain", "compile-ro", "baseline", "graph", "resident", "resident-graph"]
-    monkeypatch.setattr(runners, "peer_available", lambda device, name="compile-ro": f"{name} left out: no triton")
+    monkeypatch.setattr(bench_config, "peer_available", lambda device, name="compile-ro": f"{name} left out: no triton")
     rows, notes = cfg.rows(torch.device("cuda"))
     assert "compile-ro" not in rows and notes == ["compile-ro left out: no triton"]
     assert BenchConfig(strategies="all", references=False).rows(torch.device("cpu"))[0][-1] == "resident"

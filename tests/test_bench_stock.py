@@ -62,12 +62,12 @@ def test_the_bench_step_trains_the_stock_model():
 def test_stock_ro_row_is_named_only_left_out_on_cpu_and_set_apart(monkeypatch):
     rows, notes = BenchConfig(strategies="stock-ro,graph").rows(torch.device("cpu"))
     assert "stock-ro" not in rows and any(n.startswith("stock-ro left out") for n in notes)
-    from streamnmt.bench import runners
-    monkeypatch.setattr(runners, "peer_available", lambda device, name="compile-ro": None)  # a CUDA machine with Triton
+    from streamnmt.bench import config as bench_config
+    monkeypatch.setattr(bench_config, "peer_available", lambda device, name="compile-ro": None)  # a CUDA machine with Triton
     assert "stock-ro" not in BenchConfig(strategies="graph").rows(torch.device("cuda"))[0]  # not a reference
     assert "stock-ro" in BenchConfig(strategies="stock-ro,graph").rows(torch.device("cuda"))[0]
     assert "stock-ro" not in BenchConfig(strategies="stock-ro").rows(torch.device("cuda"), world=2)[0]
-    monkeypatch.setattr(runners, "peer_available", lambda device, name="compile-ro": f"{name} left out: no triton")
+    monkeypatch.setattr(bench_config, "peer_available", lambda device, name="compile-ro": f"{name} left out: no triton")
     rows, notes = BenchConfig(strategies="stock-ro,graph").rows(torch.device("cuda"))
     assert "stock-ro" not in rows and "stock-ro left out: no triton" in notes
     monkeypatch.delenv(CHILD, raising=False)

@@ -1,4 +1,4 @@
-"""The default batch and warm-up (streamnmt.config's recipe rules and Trainer._resolve_recipe)."""
+"""The default batch and warm-up (streamnmt.config's recipe rules and training.recipe.resolve_recipe)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from streamnmt.config import ModelConfig, OptimConfig, recipe_max_tokens, recipe_warmup
 from streamnmt.data.config import DataConfig
 from streamnmt.training.step import noam_lr
-from streamnmt.training.trainer import Trainer
+from streamnmt.training.recipe import resolve_recipe
 
 
 def test_token_budget_follows_gpu_memory_and_width():
@@ -30,9 +30,8 @@ def test_warmup_spans_the_reference_tokens_and_the_peak_grows_with_the_root_of_t
 
 def _resolver(device: str, world: int = 1):
     lines: list[str] = []
-    fake = types.SimpleNamespace(device=torch.device(device), dist=types.SimpleNamespace(world=world),
-                                 log=lines.append)
-    return (lambda data, optim, model, accum=1: Trainer._resolve_recipe(fake, data, optim, model, accum)), lines
+    return (lambda data, optim, model, accum=1: resolve_recipe(data, optim, model, accum, torch.device(device), world,
+                                                               lines.append)), lines
 
 
 def test_gpu_defaults_are_a_device_sized_budget_with_its_warmup(monkeypatch):

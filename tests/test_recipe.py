@@ -283,11 +283,11 @@ def test_help_shows_no_none_defaults():
 
 
 def test_cpu_start_line_names_the_builtin_corpus_only_without_data(tmp_path):
-    t = Trainer.__new__(Trainer)
+    from streamnmt.training.recipe import resolve_job
+
     lines: list[str] = []
-    t.device, t.log = torch.device("cpu"), lines.append
-    t._resolve(build_job({"data": str(tmp_path)}))
-    t._resolve(build_job({}))
+    resolve_job(build_job({"data": str(tmp_path)}), torch.device("cpu"), 1, lines.append)
+    resolve_job(build_job({}), torch.device("cpu"), 1, lines.append)
     lines = [line for line in lines if "preset" in line]  # the strategy choice is logged here too
     assert len(lines) == 2 and "built-in" not in lines[0] and "16000-pair built-in corpus" in lines[1]
 

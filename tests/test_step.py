@@ -67,12 +67,12 @@ def test_step_stats_hold_grad_norm_and_skipped_flag(monkeypatch):
 
 
 def test_amp_auto_prefers_native_bf16_and_guards_old_torch(monkeypatch):
-    from streamnmt.training import trainer as train
+    from streamnmt.training.recipe import native_bf16
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert train._native_bf16() is False  # emulated only: fp16 with the scaler
+    assert native_bf16() is False  # emulated only: fp16 with the scaler
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)  # torch without the keyword
-    assert train._native_bf16() is True
+    assert native_bf16() is True
 
 
 def test_compiled_step_turns_off_inductors_mix_order_reduction(monkeypatch):

@@ -90,7 +90,7 @@ class Dist:
         import torch
         import torch.distributed as dist
 
-        from streamnmt.engine import host_sync
+        from streamnmt.engine.syncstats import host_sync
         t = torch.tensor([int(flag)], dtype=torch.int32)
         # Needed: all ranks must stop after the same step; host-side (gloo), not a GPU wait.
         host_sync(site, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control))
@@ -102,7 +102,7 @@ class Dist:
             return obj
         import torch.distributed as dist
 
-        from streamnmt.engine import host_sync
+        from streamnmt.engine.syncstats import host_sync
         box = [obj]
         # Needed: the other ranks wait for rank 0's value (run directory, evaluation results).
         host_sync(site, lambda: dist.broadcast_object_list(box, src=0, group=self.control))
@@ -114,7 +114,7 @@ class Dist:
             return [obj]
         import torch.distributed as dist
 
-        from streamnmt.engine import host_sync
+        from streamnmt.engine.syncstats import host_sync
         out: list[Any] = [None] * self.world
         # Needed: rank 0's checkpoint holds every rank's RNG state (exact resume).
         host_sync(site, lambda: dist.all_gather_object(out, obj, group=self.control))
@@ -125,7 +125,7 @@ class Dist:
         if self.active:
             import torch.distributed as dist
 
-            from streamnmt.engine import host_sync
+            from streamnmt.engine.syncstats import host_sync
             # Needed: the ranks that read what rank 0 writes wait until it is written.
             host_sync(site, lambda: dist.barrier(group=self.control))
 

@@ -144,14 +144,12 @@ class BenchConfig:
                 names.add("resident-graph")
         notes = []
         if self.references:
-            from streamnmt.bench.runners import peer_available
             why = peer_available(device)
             if why is None:
                 names.add("compile-ro")
             elif "compile-ro" not in self.selected():
                 notes.append(why)
         if "stock-ro" in names:
-            from streamnmt.bench.runners import peer_available
             why = peer_available(device, "stock-ro")
             if why is not None:
                 names.discard("stock-ro")
@@ -185,3 +183,14 @@ class BenchConfig:
 def _cpus() -> int:
     import os
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def peer_available(device: torch.device, name: str = "compile-ro") -> str | None:
+    """None when the peer row ``name`` (compile-ro, stock-ro) can run on ``device``, else why not."""
+    if device.type != "cuda":
+        return f"{name} left out: reduce-overhead replays CUDA graphs, which need a CUDA device"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return f"{name} left out: torch.compile needs the triton package on CUDA (pip install triton)"
+    return None

@@ -20,7 +20,6 @@ import dataclasses
 import io
 import os
 import platform
-import subprocess
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -33,6 +32,7 @@ from streamnmt import dist as distributed
 from streamnmt.bench.apart import ChildRow, rows_apart, run_apart
 from streamnmt.bench.config import BenchConfig
 from streamnmt.bench.flops import peak_flops, precision
+from streamnmt.bench.provenance import git_commit
 from streamnmt.bench.profile import (ALL_REDUCE, GRAPH_BRANCHES, analyze_trace, format_summary, load_trace,
                                      stream_label)
 from streamnmt.bench.runners import Env, Runner, make_runner
@@ -61,19 +61,6 @@ def device_info(device: torch.device) -> dict[str, Any]:
     else:
         info["name"] = platform.processor() or platform.machine() or "cpu"
     return info
-
-
-def git_commit() -> dict[str, Any] | None:
-    """The commit of the source tree this module runs from, if it is a git checkout."""
-    here = str(Path(__file__).resolve().parent)
-    try:
-        commit = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return {"commit": commit, "dirty": bool(dirty)}
 
 
 def _progress(name: str, repeat: int, repeats: int, r: dict[str, Any]) -> str:

@@ -413,17 +413,6 @@ class StockPeerRunner(CompiledPeerRunner):
     stock = True
 
 
-def peer_available(device: torch.device, name: str = "compile-ro") -> str | None:
-    """None when the peer row ``name`` (compile-ro, stock-ro) can run on ``device``, else why not."""
-    if device.type != "cuda":
-        return f"{name} left out: reduce-overhead replays CUDA graphs, which need a CUDA device"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return f"{name} left out: torch.compile needs the triton package on CUDA (pip install triton)"
-    return None
-
-
 def make_runner(name: str, env: Env) -> Runner:
     if name == "compile-ro":
         return CompiledPeerRunner(name, env)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from streamnmt.bench.config import BenchConfig
+from streamnmt.bench.provenance import git_commit
 from streamnmt.bench.stats import NOISE, spread, within_noise
 from streamnmt.configbase import check, flag_name, to_dict
 from streamnmt.fsutil import atomic_write
@@ -218,7 +219,6 @@ CSV_FIELDS = ["name", "world", "repeats", "ms_per_step", "ms_min", "ms_max", "to
 def write_scaling(cfg: BenchConfig, records: dict[int, dict[str, Any]], rows: list[dict[str, Any]], out: Path) -> None:
     """``bench.json`` (config, world sizes, where each size's record is, the scaling rows), ``bench.csv``,
     ``bench.png``, each written atomically."""
-    from streamnmt.bench.main import git_commit
     from streamnmt.training.runs import write_json
 
     first = records[min(records)]

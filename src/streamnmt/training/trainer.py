@@ -30,9 +30,7 @@ import torch
 
 from streamnmt.checkpoint import (keep_step_copy, load_checkpoint, load_model_weights, rng_state, save_checkpoint,
                                   embedded_tokenizer, save_safetensors, set_rng_state, tokenizer_entry)
-from streamnmt.config import (RESUME_SETTINGS, TOKENS_PER_GIB, WARMUP_TOKENS, ModelConfig, OptimConfig, TrainJob,
-                              job_from_dict, recipe_max_tokens, recipe_warmup)
-from streamnmt.data.config import DataConfig
+from streamnmt.config import RESUME_SETTINGS, ModelConfig, TrainJob, job_from_dict
 from streamnmt import dist as distributed
 from streamnmt.errors import ConfigError, InputError, NonFiniteLoss
 from streamnmt.fsutil import atomic_write
@@ -41,7 +39,7 @@ from streamnmt.models.attention import resolve_attention
 from streamnmt.data import batch_plan, make_loader, prepare_data, read_pairs
 from streamnmt.devices import resolve_device
 from streamnmt.engine import STATS, DeferredLosses, host_sync, make_strategy
-from streamnmt.engine.auto import choose_compile, choose_strategy, graph_step_s
+from streamnmt.training.recipe import resolve_compile, resolve_job
 from streamnmt.engine.losses import StepLoss
 from streamnmt.engine.syncstats import format_table
 from streamnmt.inference.search import decode_dtype, decoding_copy
@@ -79,7 +77,7 @@ class Trainer:
     def __init__(self, job: TrainJob, log: Callable[[str], None] = print, resume: dict[str, Any] | None = None):
         # Each build step validates what it makes; errors before _build_run_dir leave nothing behind.
         self._build_process(job, log)
-        self.job = self._resolve(job) if resume is None else job
+        self.job = resolve_job(job, self.device, self.dist.world, self.log) if resume is None else job
         self._build_data(resume)
         self._build_model(resume)
         self._build_engine()
@@ -113,7 +111,7 @@ class Trainer:
         if resume is not None:
             self._check_tokenizers(resume)
         else:
-            self.job = self._resolve_compile(self.job)
+            self.job = resolve_compile(self.job, self.data.train, self.device, self.dist.world, self.log)
 
     def _build_model(self, resume: dict[str, Any] | None) -> None:
         """The model (from --weights if given) and the step function: optimizer, schedule, scaler."""
@@ -275,75 +273,6 @@ class Trainer:
             log(f"resume: {', '.join(said)}")
         run = dataclasses.replace(job.run, resume=str(path))
         return cls(dataclasses.replace(job, run=run), log=log, resume=ckpt)
-
-    def _resolve(self, job: TrainJob) -> TrainJob:
-        """Fill the 'auto' settings from the device; the result is what config.yaml records."""
-        cuda = self.device.type == "cuda"
-        preset = job.model.model
-        if preset == "auto":
-            preset = "base" if cuda else "small"
-            if not cuda:
-                pairs = job.data.builtin_size or 16000
-                corpus = f" and a {pairs}-pair built-in corpus" if job.data.data is None else ""  # not with --data
-                self.log(f"no GPU: using the 'small' model preset{corpus} so a CPU run finishes in minutes "
-                         "(--model base for the original size)")
-        model = job.model.resolve(preset)
-        optim, run, data = job.optim, job.run, job.data
-        data, optim = self._resolve_recipe(data, optim, model, job.engine.accum_steps)
-        if optim.amp == "auto":  # bf16 where the GPU has it natively, else fp16 with the grad scaler
-            optim = dataclasses.replace(optim, amp=("bf16" if _native_bf16() else "fp16") if cuda else "off")
-        if run.epochs is None:
-            run = dataclasses.replace(run, epochs=10 if cuda else 2)
-        if data.builtin_size is None:
-            data = dataclasses.replace(data, builtin_size=40000 if preset == "base" else 16000)
-        run = dataclasses.replace(run, device=str(self.device))
-        strategy = choose_strategy(job.engine.sync_strategy, self.device)
-        if job.engine.sync_strategy == "auto":
-            self.log(f"engine: strategy {strategy.value} ({strategy.why})")
-        engine = dataclasses.replace(job.engine, sync_strategy=strategy.value)
-        return dataclasses.replace(job, model=model, optim=optim, run=run, data=data, engine=engine)
-
-    def _resolve_recipe(self, data: DataConfig, optim: OptimConfig, model: ModelConfig,
-                        accum: int) -> tuple[DataConfig, OptimConfig]:
-        """The default token budget (on a GPU) and the warm-up that follows the tokens per update
-        (rules and reference in streamnmt.config); one start line says what was chosen and why."""
-        notes, d_model = [], model.d_model
-        if data.max_tokens is None:
-            if self.device.type == "cuda":
-                gib = torch.cuda.get_device_properties(self.device).total_memory / 2 ** 30
-                tokens = max(recipe_max_tokens(gib, d_model), data.max_len)
-                notes.append(f"--max-tokens {tokens} (auto: {TOKENS_PER_GIB} per GiB of the GPU's {gib:.0f} GiB at "
-                             f"d_model 512, x 512/{d_model}, a power of two)")
-            else:
-                tokens = 0  # CPU: small batches of --batch-size sentences keep a CPU run short
-            data = dataclasses.replace(data, max_tokens=tokens)
-        if optim.warmup is None:
-            if data.max_tokens:
-                per_update = data.max_tokens * accum * self.dist.world
-                warmup = recipe_warmup(per_update)
-                notes.append(f"--warmup {warmup} (auto: {WARMUP_TOKENS / 1e6:.1f}M tokens over {per_update} "
-                             f"per update; peak lr {noam_lr(warmup, d_model, warmup, optim.lr):.2e})")
-            else:
-                warmup = 4000 if model.model == "base" else 400  # sentence batches: per preset
-            optim = dataclasses.replace(optim, warmup=warmup)
-        if notes:
-            self.log("recipe: " + "; ".join(notes))
-        return data, optim
-
-    def _resolve_compile(self, job: TrainJob) -> TrainJob:
-        """``--compile auto``: decided from the run's planned steps and batch shapes (see engine.auto)."""
-        per_epoch, shapes = batch_plan(self.data.train, job.data)
-        steps = per_epoch * job.run.epochs // self.dist.world  # micro-batches each process runs
-        if job.run.max_steps:
-            steps = min(steps, job.run.max_steps * job.engine.accum_steps)
-        tokens = max((b * t for b, _, t in shapes), default=0)  # target positions of the largest step
-        m = job.model  # sizes resolved from the preset by now
-        choice = choose_compile(job.engine.compile, self.device, job.engine.sync_strategy, steps, len(shapes),
-                                graph_step_s(tokens, m.n_layers, m.d_model, m.d_ff),
-                                parse_duration(job.run.time_limit) or 0.0)
-        if job.engine.compile == "auto":
-            self.log(f"engine: compile {'on' if choice.value else 'off'} ({choice.why})")
-        return dataclasses.replace(job, engine=dataclasses.replace(job.engine, compile="on" if choice.value else "off"))
 
     def _check_tokenizers(self, ckpt: dict[str, Any]) -> None:
         for side, tok in (("src", self.data.src_tok), ("tgt", self.data.tgt_tok)):
@@ -670,14 +599,6 @@ class Trainer:
             ckpt = load_checkpoint(best)
             save_safetensors(best.with_suffix(".safetensors"), ckpt["model"],
                              {"model_shape": json.dumps(ckpt["model_shape"])})
-
-
-def _native_bf16() -> bool:
-    """The GPU computes bf16 natively (not emulated; torch < 2.4 has no ``including_emulation``)."""
-    try:
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    except TypeError:
-        return torch.cuda.is_bf16_supported()
 
 
 def _running(strategy) -> str:

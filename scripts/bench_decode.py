@@ -37,7 +37,8 @@ from collections.abc import Callable
 import torch
 
 from streamnmt.models import masks
-from streamnmt.inference.search import SearchOptions, pad_batch, translate_ids
+from streamnmt.inference.decoding import SearchOptions
+from streamnmt.inference.search import pad_batch, translate_ids
 from streamnmt.inference.graph_search import GraphDecoder
 from streamnmt.fsutil import atomic_write
 from streamnmt.models.transformer import Transformer, make_model
@@ -52,7 +53,7 @@ LABELS = {"graph": "graph-cached", "eager": "eager-cached", "uncached": "uncache
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N for the grid (default: cuda if present)")
     p.add_argument("--quick", action="store_true",
                    help="tiny settings that finish in about a minute on a CPU (2+2 x 64 model, vocab 500, 8 "

@@ -39,7 +39,7 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "scripts")]
 from bench_decode import streamnmt_run, timed  # noqa: E402
 from streamnmt.checkpoint import save_checkpoint, tokenizer_entry  # noqa: E402
 from streamnmt.data import Tokenizer  # noqa: E402
-from streamnmt.inference.search import SearchOptions  # noqa: E402
+from streamnmt.inference.decoding import SearchOptions  # noqa: E402
 from streamnmt.inference.graph_search import translate_ids  # noqa: E402
 from streamnmt.inference.scoring import bleu_on_pairs, encode_sources  # noqa: E402
 from streamnmt.models.transformer import make_model  # noqa: E402
@@ -47,7 +47,7 @@ from streamnmt.inference.translate import load_for_inference  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--sentences", type=int, default=1024, help="test sentences")
     p.add_argument("--words", type=int, default=7996, help="distinct words (vocabulary = words + 4 specials)")
     p.add_argument("--batch-size", type=int, default=64)

@@ -149,7 +149,7 @@ def loader_rate(corpus, cfg: DataConfig, workers: int, batches: int, warmup: int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--dir", required=True, type=Path, help="corpus directory (created)")
     ap.add_argument("--out", required=True, type=Path, help="JSON results file")
     ap.add_argument("--pairs", type=int, default=1_000_000, help="training pairs to generate")

@@ -10,7 +10,7 @@ sys.path[:0] = [str(__import__("pathlib").Path(__file__).resolve().parent)]
 from torch.nn.attention import SDPBackend
 from streamnmt.inference import search as decode
 from streamnmt.inference import graph_search as decode_graph
-from streamnmt.inference.search import SearchOptions
+from streamnmt.inference.decoding import SearchOptions
 from streamnmt.models.transformer import make_model
 from bench_decode import random_sources, timed, streamnmt_run
 dev = torch.device("cuda")

@@ -21,7 +21,7 @@ if len(sys.argv) > 3 and sys.argv[1] == "--inner":
         if k == "fp32att": decode.STEP_ATTENTION[torch.float32] = [getattr(SDPBackend, v.upper())]
     from streamnmt.inference.translate import load_for_inference
     from streamnmt.inference.scoring import bleu_on_pairs, encode_sources
-    from streamnmt.inference.search import SearchOptions
+    from streamnmt.inference.decoding import SearchOptions
     from bench_decode import timed, streamnmt_run
     dev = torch.device("cuda")
     model, st, tt, _ = load_for_inference(ckpt, dev, dtype=torch.bfloat16)

@@ -248,3 +248,27 @@ print(f"{corpus:<9} {run:<9} {cfg['data']['max_tokens']:>10} {cfg['optim']['warm
 PY
     done; done ;;
 esac
+case "$1" in
+  wall)  # where a 120-s run's wall clock goes, and time to BLEU against an earlier tree's 360-s run on the
+         # same corpus (BASE: a source tree of that commit, e.g. `git archive 46a1d58 src | tar -x -C .base`)
+    python3 scripts/make_longtail.py --out /tmp/lt40 --pairs 40000 > /dev/null
+    cp -r /tmp/lt40 /tmp/lt40new  # the trees' tokenized caches apart (the tokenizers train once per copy)
+    if [ -n "${BASE:-}" ]; then
+      (cd /tmp && PYTHONPATH=$OLDPWD/$BASE/src STREAMNMT_HOME=/tmp/snhome_base timeout 450 python3 -m streamnmt train \
+        --data /tmp/lt40 --time-limit ${BASE_T:-360s} --project /tmp/runs --name base_lt > "$OUT/wall_base_lt.log" 2>&1)
+      grep -E "^ +[0-9]+/|time limit|recipe|engine:" "$OUT/wall_base_lt.log" | tail -6
+    fi
+    /usr/bin/time -f "%e s wall (outside)" timeout 200 python3 -m streamnmt train --data /tmp/lt40new --time-limit 120s \
+      --project /tmp/runs --name new_lt > "$OUT/wall_new_lt.log" 2>&1
+    grep -E "^ +[0-9]+/|^wall|time limit|outside|recipe|engine:|eval:" "$OUT/wall_new_lt.log"
+    for r in /tmp/runs/*_lt; do n=$(basename $r); cp $r/evals.csv "$OUT/${n}_evals.csv"; cp $r/results.csv "$OUT/${n}_results.csv"; done
+    timeout 60 python3 scripts/bench_train_eval.py /tmp/runs/new_lt --out "$OUT/train_eval_lt.json" ;;
+  wall2)  # the same 120-s run on the built-in corpus; checkpoint stalls (async against sync), base, vocab 32k
+    /usr/bin/time -f "%e s wall (outside)" timeout 200 python3 -m streamnmt train --time-limit 120s \
+      --project /tmp/runs --name new_builtin > "$OUT/wall_new_builtin.log" 2>&1
+    grep -E "^ +[0-9]+/|^wall|time limit|outside|recipe|eval:" "$OUT/wall_new_builtin.log"
+    cp /tmp/runs/new_builtin/evals.csv "$OUT/new_builtin_evals.csv"
+    cp /tmp/runs/new_builtin/results.csv "$OUT/new_builtin_results.csv"
+    timeout 60 python3 scripts/bench_train_eval.py /tmp/runs/new_builtin --out "$OUT/train_eval_builtin.json"
+    timeout 150 python3 scripts/bench_checkpoint.py --repeats 5 --out "$OUT/bench_checkpoint.json" ;;
+esac

@@ -79,7 +79,7 @@ def make_pairs(n: int, seed: int, words: str = "lexicon") -> list[dict[str, str]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="corpus directory to write")
     ap.add_argument("--pairs", type=int, default=200000, help="training pairs (dev and test: 1000 each)")
     ap.add_argument("--seed", type=int, default=0)

@@ -130,7 +130,7 @@ def timeline(bench_dir: Path, row: str, steps_shown: int, ms_per_step: float) ->
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("bench_dir", type=Path)
     p.add_argument("--streams3", type=Path, default=None)
     p.add_argument("--timeline", default="deep")

@@ -26,7 +26,7 @@ from streamnmt.training.step import example_batch, make_step
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--early", type=int, default=500)
     ap.add_argument("--model", default="tiny")

@@ -65,6 +65,25 @@ def test_compile_auto_turns_on_for_a_packed_base_run_of_ten_minutes():
     assert cut.value is False and "~3 min" in cut.why
 
 
+def test_compile_auto_with_a_warm_cache_compiles_a_run_of_two_minutes():
+    """The compile time is the caller's: from a warm compile cache it is a fraction of the cold one,
+    so a packed base-model run of 1.5-2 minutes compiles, which a cold cache leaves eager; a run of
+    20 s stays eager either way, and each shape still counts."""
+    from streamnmt.engine.auto import COMPILE_S_PER_SHAPE_WARM, graph_step_s
+
+    assert COMPILE_S_PER_SHAPE_WARM < COMPILE_S_PER_SHAPE / 2
+    step = graph_step_s(8192)
+    for seconds in (90, 120):
+        steps = int(seconds / step)
+        warm = choose_compile("auto", CUDA, "graph", steps, 1, step, compile_s=COMPILE_S_PER_SHAPE_WARM)
+        cold = choose_compile("auto", CUDA, "graph", steps, 1, step, compile_s=COMPILE_S_PER_SHAPE)
+        assert warm.value is True and f"~{COMPILE_S_PER_SHAPE_WARM:.0f} s of compiling" in warm.why
+        assert cold.value is False and choose_compile("auto", CUDA, "graph", steps, 1, step).value is False
+    warm_s = COMPILE_S_PER_SHAPE_WARM
+    assert choose_compile("auto", CUDA, "graph", int(20 / step), 1, step, compile_s=warm_s).value is False
+    assert choose_compile("auto", CUDA, "graph", int(120 / step), 4, step, compile_s=warm_s).value is False
+
+
 def test_compile_flag_values():
     assert EngineConfig(compile=True).compile == "on" and EngineConfig(compile="false").compile == "off"
     with pytest.raises(ConfigError, match="--compile"):

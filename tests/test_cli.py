@@ -107,3 +107,110 @@ def test_exist_ok_starts_fresh_logs(tmp_path):
 def test_tokenizer_sample_is_validated(tmp_path, capsys):
     assert train(tmp_path, "--tokenizer-sample", "5") == 2
     assert "--tokenizer-sample" in capsys.readouterr().err
+
+
+# -- flags: no abbreviations, --nproc's children, a broken subcommand, help -----------------------
+
+def _train_parser():
+    from streamnmt.cli import build_parser, command_parsers
+
+    return command_parsers(build_parser())["train"]
+
+
+@pytest.mark.parametrize("argv, full", [(["train", "--np", "2"], "--nproc"),
+                                        (["train", "--max-tok", "10"], "--max-tokens"),
+                                        (["train", "--epoch=3"], "--epochs")])
+def test_abbreviated_flag_exits_2_naming_the_full_flag(argv, full, monkeypatch, capsys):
+    from streamnmt import cli
+
+    monkeypatch.setattr(cli, "_train", lambda args, **kw: 0)  # were the flag taken, nothing would run
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1
+    assert argv[1].split("=")[0] in err[0] and full in err[0]
+
+
+@pytest.mark.parametrize("flags", [["--nproc=2", "--epochs", "1"], ["--nproc", "2", "--epochs", "1"],
+                                   ["--epochs", "1", "--nproc", "3", "--no-pack", "--compile", "--nproc", "2"],
+                                   ["--config", "CFG", "--nproc", "2", "--project", "p", "--name=--nproc", "--seed=-3"],
+                                   ["--npr", "2", "--epochs", "1"]])
+def test_nproc_children_get_every_flag_but_nproc(flags, tmp_path, monkeypatch, capsys):
+    """The ranks that ``train --nproc N`` starts get the flags argparse parsed, less --nproc: none
+    of its forms (nor an abbreviation of it, which is refused) reaches them, every other flag does."""
+    from streamnmt import dist
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("optim:\n  lr: 0.001\n")
+    flags = [str(cfg) if f == "CFG" else f for f in flags]
+    children: list[list[str]] = []
+    monkeypatch.setattr(dist, "run_torchrun", lambda n, argv: children.append([str(n), *argv]) or 0)
+    argv = ["train", "--device", "cpu", *flags]
+    try:
+        assert main(argv) == 0
+    except SystemExit as e:  # an abbreviation: refused before anything starts
+        assert e.code == 2 and "--npr" in capsys.readouterr().err and not children
+        assert "--npr" in flags
+        return
+    (child,) = children
+    assert child[:4] == ["2", "-m", "streamnmt", "train"]
+    parser = _train_parser()
+    expected = vars(parser.parse_args(argv[1:]))
+    del expected["nproc"]
+    assert vars(parser.parse_args(child[4:])) == expected
+    assert not any(a.startswith("--np") for a in child[4:])
+
+
+def _broken_bench(kind: str, monkeypatch) -> None:
+    """Make ``import streamnmt.bench`` fail: not importable at all, or a bug raising inside it."""
+    import sys
+    import types
+
+    if kind == "import":
+        monkeypatch.setitem(sys.modules, "streamnmt.bench", None)  # import raises ModuleNotFoundError
+        return
+    module = types.ModuleType("streamnmt.bench")
+
+    def raising(name: str):
+        raise RuntimeError(f"a bug in bench while looking up {name}")
+
+    module.__getattr__ = raising
+    monkeypatch.setitem(sys.modules, "streamnmt.bench", module)
+
+
+@pytest.mark.parametrize("kind, error", [("import", "ModuleNotFoundError"), ("bug", "RuntimeError: a bug in bench")])
+def test_a_subcommand_that_fails_to_import_shows_why(kind, error, monkeypatch, capsys):
+    _broken_bench(kind, monkeypatch)
+    for argv in (["bench"], ["bench", "--steps", "3", "--out", "x"]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert "Traceback (most recent call last)" in err and error in err and "streamnmt.bench" in err
+        assert "invalid choice" not in err
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "bench" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:  # the other commands are untouched
+        main(["average", "--help"])
+    assert e.value.code == 0 and "--out" in capsys.readouterr().out
+
+
+def test_help_shows_the_dist_timeout_default_in_seconds():
+    text = " ".join(_train_parser().format_help().split())
+    start = text.rindex("--dist-timeout")  # its entry, after the usage line
+    entry = text[start:text.index(" --", start + 2)]
+    assert "(default: 600)" in entry and "PyTorch's default" not in entry
+
+
+def test_a_percent_sign_in_a_flag_help_is_printed_as_is():
+    import argparse
+    from dataclasses import dataclass
+
+    from streamnmt.configbase import add_args, opt
+
+    @dataclass(kw_only=True)
+    class Cfg:
+        share: int = opt(10, "checks under ~10 % of the run")
+
+    parser = argparse.ArgumentParser()
+    add_args(parser, Cfg)
+    assert "under ~10 % of the run (default: 10)" in " ".join(parser.format_help().split())

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from streamnmt.config import build_job, job_from_dict, load_yaml
+from streamnmt.config import ModelConfig, build_job, job_from_dict, load_yaml
 from streamnmt.errors import ConfigError
 
 
@@ -55,3 +55,62 @@ def test_attention_and_activation_dropout_default_off_and_are_checked(key):
     assert getattr(build_job({key: "0.1"}).model, key) == 0.1
     with pytest.raises(ConfigError, match="--" + key.replace("_", "-")):
         build_job({key: "1.0"})
+
+
+# -- the big preset ------------------------------------------------------------------------------
+
+def test_big_preset_sizes_and_dropout():
+    big = ModelConfig().resolve("big")
+    assert (big.d_model, big.n_layers, big.n_heads, big.d_ff, big.dropout) == (1024, 6, 16, 4096, 0.3)
+    assert ModelConfig().resolve("base").dropout == 0.1 and ModelConfig().resolve("tiny").dropout == 0.1
+    # an explicit --dropout wins over the preset's, 0.1 included
+    assert build_job({"model": "big", "dropout": "0.1"}).model.resolve("big").dropout == 0.1
+    assert build_job({"model": "big", "dropout": "0"}).model.resolve("big").dropout == 0.0
+
+
+def test_model_big_resolves_to_a_job(tmp_path):
+    import torch
+
+    from streamnmt.training.recipe import resolve_job
+    job = resolve_job(build_job({"model": "big", "device": "cpu"}), torch.device("cpu"), 1, lambda _: None)
+    m = job.model
+    assert (m.model, m.d_model, m.n_layers, m.n_heads, m.d_ff, m.dropout) == ("big", 1024, 6, 16, 4096, 0.3)
+    assert job.optim.warmup == 4000 and job.data.builtin_size == 40000  # sentence batches: base's recipe
+    path = tmp_path / "config.yaml"  # what config.yaml records loads back as the same job
+    path.write_text(job.to_yaml())
+    assert job_from_dict(load_yaml(path)) == job
+
+
+def test_config_yaml_from_before_the_big_preset_loads(tmp_path):
+    """A run's config.yaml written before the preset-dependent dropout (its model section as it
+    was) loads with the dropout it recorded; a resume of it resolves nothing again."""
+    path = tmp_path / "config.yaml"
+    path.write_text("model:\n  model: base\n  d_model: 512\n  n_layers: 6\n  n_heads: 8\n  d_ff: 2048\n"
+                    "  dropout: 0.1\n  attention_dropout: 0.0\n  activation_dropout: 0.0\n  label_smoothing: 0.1\n"
+                    "  tie_embeddings: none\n  attention: auto\noptim:\n  lr: 1.0\n  warmup: 600\n  amp: bf16\n")
+    job = build_job({}, str(path))
+    assert job.model.dropout == 0.1 and job.model.d_model == 512 and job.optim.warmup == 600
+    assert build_job({"dropout": "0.2"}, str(path)).model.dropout == 0.2
+    assert build_job({}).model.dropout is None  # unset until a preset resolves it
+
+
+def test_bench_accepts_model_big():
+    import torch
+
+    from streamnmt.bench.config import BenchConfig
+    from streamnmt.bench.flops import forward_flops
+    from streamnmt.cli import build_parser
+    from streamnmt.models.transformer import ModelShape
+
+    args = vars(build_parser().parse_args(["bench", "--model", "big"]))
+    assert args["model"] == "big"
+    cfg = BenchConfig(model="big").resolve(torch.device("cpu"))
+    assert cfg.model == "big" and cfg.dropout == 0.3
+    assert BenchConfig(model="big", dropout=0.1).resolve(torch.device("cpu")).dropout == 0.1
+    assert BenchConfig().resolve(torch.device("cpu")).dropout == 0.1
+    # MFU counts FLOPs from the shape: the big model's matrix products are ~4x base's per token
+    # (twice the width squared), less the output layer's 2x
+    base = ModelShape(32000, 32000, 512, 6, 8, 2048, 0.1)
+    big = ModelShape(32000, 32000, 1024, 6, 16, 4096, 0.3)
+    ratio = forward_flops(big, 64, 128, 128) / forward_flops(base, 64, 128, 128)
+    assert 3.0 < ratio < 4.0

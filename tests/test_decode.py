@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from streamnmt.inference import search as decode
 
 from streamnmt.models import masks
-from streamnmt.inference.search import SearchOptions, beam_search, greedy_search, pad_batch, translate_ids
+from streamnmt.inference.decoding import SearchOptions, sync_interval
+from streamnmt.inference.search import beam_search, greedy_search, pad_batch, translate_ids
+from streamnmt.inference.staticcache import StaticCache
 from streamnmt.engine.syncstats import STATS
 from streamnmt.models.transformer import Transformer, make_model
 
@@ -133,8 +135,8 @@ def test_beam_size_one_equals_greedy(model, sources):
 
 def test_finished_sentences_are_retired(model, sources, monkeypatch):
     sizes: list[int] = []
-    select = decode.StaticCache.select
-    monkeypatch.setattr(decode.StaticCache, "select", lambda self, index: (sizes.append(len(index)),
+    select = StaticCache.select
+    monkeypatch.setattr(StaticCache, "select", lambda self, index: (sizes.append(len(index)),
                                                                            select(self, index))[1])
     beam_search(model, pad_batch(sources, "cpu"), SearchOptions(beam_size=3, max_len_b=5, sync_every=1))
     full = 3 * len(sources)
@@ -209,7 +211,7 @@ def test_gpu_cached_equals_uncached_without_unlabelled_syncs(beam):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert cached == uncached
-    assert retires <= math.ceil(limit(max(LENGTHS) + 1, SearchOptions(max_len_b=5)) / decode.sync_interval(dev))
+    assert retires <= math.ceil(limit(max(LENGTHS) + 1, SearchOptions(max_len_b=5)) / sync_interval(dev))
 
 
 # -- graph decoding's static step (run eagerly on the CPU) -------------------------------------

@@ -8,7 +8,8 @@ import torch
 from streamnmt.inference import search as decode
 
 from streamnmt.models import masks
-from streamnmt.inference.search import SearchOptions, pad_batch, translate_ids
+from streamnmt.inference.decoding import SearchOptions
+from streamnmt.inference.search import pad_batch, translate_ids
 from streamnmt.inference.graph_search import GraphDecoder
 from streamnmt.inference.graph_search import translate_ids as translate_graph
 from streamnmt.engine.syncstats import STATS

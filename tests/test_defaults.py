@@ -68,3 +68,14 @@ def test_the_real_gpu_gets_its_budget_in_one_start_line():
     if "H200" in torch.cuda.get_device_name(0):
         assert (data.max_tokens, optim.warmup) == (8192, 600)
     assert len(lines) == 1 and f"--max-tokens {data.max_tokens}" in lines[0] and f"--warmup {optim.warmup}" in lines[0]
+
+
+def test_big_model_gets_half_the_budget_and_the_warmup_of_its_tokens(monkeypatch):
+    """--model big (d_model 1024) on one H200: 4096 tokens (half base's 8192, as the width doubles),
+    and the warm-up spans the same tokens: 1200 steps, twice base's 600 (not scaled by d_model)."""
+    from streamnmt.training import recipe
+    monkeypatch.setattr(recipe, "device_memory_gib", lambda device: 139.8)
+    resolve, lines = _resolver("cuda:0")
+    data, optim = resolve(DataConfig(), OptimConfig(), ModelConfig().resolve("big"))
+    assert (data.max_tokens, optim.warmup) == (4096, 1200)
+    assert "--max-tokens 4096" in lines[0] and "x 512/1024" in lines[0]

@@ -10,7 +10,7 @@ import pytest
 
 from streamnmt import cli
 from streamnmt.data import DataConfig, read_pairs
-from streamnmt.inference.search import SearchOptions
+from streamnmt.inference.decoding import SearchOptions
 from streamnmt.inference.scoring import encode_sources, translate_texts
 from streamnmt.inference.export import export_ctranslate2
 from streamnmt.models.transformer import Transformer

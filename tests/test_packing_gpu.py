@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from streamnmt.models import masks
-from streamnmt.data.packing import PackSampler, collate_packed
+from streamnmt.data.packbatch import collate_packed
+from streamnmt.data.packing import PackSampler
 from streamnmt.engine import DeferredLosses, EngineConfig, make_strategy
 from streamnmt.models.transformer import make_model
 from streamnmt.training.step import example_batch, make_step

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from streamnmt.models import masks
 from streamnmt.models.attention import flex_importable
 from streamnmt.data import collate
-from streamnmt.data.packing import PackSampler, collate_packed
+from streamnmt.data.packbatch import collate_packed
+from streamnmt.data.packing import PackSampler
 from streamnmt.models.transformer import make_model
 from streamnmt.training.runs import read_csv
 from tests.data.test_packing import corpus_of

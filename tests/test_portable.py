@@ -18,7 +18,7 @@ from streamnmt.inference.average import average_checkpoints
 from streamnmt.checkpoint import embedded_tokenizer, load_checkpoint, save_checkpoint
 from streamnmt.cli import build_parser, main
 from streamnmt.config import RESUME_SETTINGS, build_job
-from streamnmt.inference.search import decode_dtype, decoding_copy
+from streamnmt.inference.decoding import decode_dtype, decoding_copy
 from streamnmt.errors import ConfigError
 from streamnmt.models.transformer import make_model
 from streamnmt.training.runs import read_csv

@@ -8,6 +8,7 @@ import importlib.util
 import math
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from streamnmt.models.transformer import make_model
 from streamnmt.training.runs import read_csv
 from streamnmt.training.step import example_batch, make_step
 from streamnmt.training.stopping import EarlyStopping, TimeBudget, parse_duration
+from streamnmt.training.evaluator import Evaluator
 from streamnmt.training.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -99,7 +101,7 @@ def test_early_stopping_unit():
 
 
 def test_patience_stops_a_run_that_does_not_improve(tmp_path, monkeypatch):
-    monkeypatch.setattr(Trainer, "validate", lambda self: 5.0)  # a metric that never improves
+    monkeypatch.setattr(Evaluator, "validate", lambda self: 5.0)  # a metric that never improves
     lines: list[str] = []
     t = make_trainer(tmp_path, "--name", "p", "--epochs", "20", "--eval-every", "5", "--patience", "1",
                      "--best-metric", "val_loss", lines=lines)
@@ -113,7 +115,7 @@ def test_patience_stops_a_run_that_does_not_improve(tmp_path, monkeypatch):
 
 def test_best_pt_follows_best_metric_and_eval_every(tmp_path, monkeypatch):
     values = iter([5.0, 4.0, 6.0, 4.5, 7.0, 8.0])
-    monkeypatch.setattr(Trainer, "validate", lambda self: next(values))
+    monkeypatch.setattr(Evaluator, "validate", lambda self: next(values))
     t = make_trainer(tmp_path, "--name", "b", "--epochs", "2", "--eval-every", "6", "--best-metric", "val_loss")
     n = len(t.train_loader)  # batches per epoch (14 here): evaluations every 6 steps and at each epoch end
     t.train()
@@ -127,7 +129,7 @@ def test_best_pt_follows_best_metric_and_eval_every(tmp_path, monkeypatch):
 
 def test_eval_comes_before_a_save_of_the_same_step_and_max_steps_evaluates_once(tmp_path, monkeypatch):
     values = iter([5.0, 4.0, 3.0, 2.0])
-    monkeypatch.setattr(Trainer, "validate", lambda self: next(values))
+    monkeypatch.setattr(Evaluator, "validate", lambda self: next(values))
     t = make_trainer(tmp_path, "--name", "o", "--epochs", "5", "--max-steps", "6", "--eval-every", "3",
                      "--save-every", "3", "--keep-last", "3", "--best-metric", "val_loss")
     assert len(t.train_loader) > 6  # step 6 ends the run mid-epoch
@@ -182,6 +184,7 @@ def test_time_limit_stops_saves_and_resume_is_exact(tmp_path):
     lines: list[str] = []
     cut = make_trainer(tmp_path, "--name", "cut", *common, "--time-limit", "20s", lines=lines)
     cut.budget.clock = lambda: float(cut.global_step)  # one second per step: the limit is reached at step 20
+    cut.budget.t0 = 0.0
     result = cut.train()
     assert result["stopped"] and result["steps"] == 20
     assert any(line.startswith("time limit (20 s) reached after step 20; saved") for line in lines)
@@ -196,17 +199,25 @@ def test_time_limit_stops_saves_and_resume_is_exact(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a["ema"]["shadow"], b["ema"]["shadow"]))
 
 
-def test_time_limit_in_a_real_process(tmp_path, home):
+def test_time_limit_in_a_real_process_counts_from_the_command_start(tmp_path, home):
     env = dict(os.environ, STREAMNMT_HOME=str(home), PYTHONPATH=os.pathsep.join(sys.path))
-    cmd = [sys.executable, "-m", "streamnmt", "train", *TINY, "--epochs", "1000", "--time-limit", "2s",
+    cmd = [sys.executable, "-m", "streamnmt", "train", *TINY, "--epochs", "1000", "--time-limit", "12s",
            "--project", str(tmp_path), "--name", "t"]
+    t0 = time.monotonic()
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    wall = time.monotonic() - t0
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout + res.stderr
-    assert "time limit (2 s) reached after step" in out
+    assert "time limit (12 s) reached after step" in out
     step = int(out.split("reached after step ")[1].split(";")[0])
     assert torch.load(tmp_path / "t" / "weights" / "last.pt", weights_only=True)["step"] == step > 0
     assert len(read_csv(tmp_path / "t" / "steps.csv")) == step
+    # the budget is the command's: start-up, the last evaluation and the last save fit in it
+    assert wall < 12 + 2.5, f"the run took {wall:.1f} s"
+    evals = read_csv(tmp_path / "t" / "evals.csv")
+    assert evals and int(evals[-1]["step"]) == step  # the end of the run was evaluated
+    line = [x for x in out.splitlines() if x.startswith("wall ")]
+    assert len(line) == 1 and "training" in line[0] and "set-up" in line[0]
 
 
 def test_resume_takes_a_new_time_limit_but_not_a_new_lr(tmp_path, capsys):

@@ -20,7 +20,7 @@ from streamnmt import cli
 from streamnmt.models import masks
 from streamnmt.checkpoint import save_checkpoint
 from streamnmt.configbase import from_dict
-from streamnmt.inference.search import SearchOptions
+from streamnmt.inference.decoding import SearchOptions
 from streamnmt.errors import ConfigError, InputError
 from streamnmt.models.transformer import ModelShape, Transformer
 from streamnmt.inference.translate import (EvalConfig, TranslateConfig, bleu_on_pairs, load_for_inference, read_lines,

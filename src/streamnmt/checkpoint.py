@@ -8,12 +8,14 @@ the previous good checkpoint in place.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import pickle
 import random
 import shutil
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 
 from streamnmt.errors import InputError
-from streamnmt.fsutil import atomic_path
+from streamnmt.fsutil import atomic_path, atomic_write
 
 FORMAT, VERSION = "streamnmt-checkpoint", 1
 
@@ -213,3 +215,46 @@ def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
         return out
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise InputError(f"{path}: not a valid safetensors file ({e})") from None
+
+
+def embedded_tokenizers(ckpt: dict[str, Any], path: str, out: Path | None = None,
+                         shared: bool | None = None, by_hash: bool = False) -> dict[str, str]:
+    """Write the tokenizers a checkpoint embeds to files and return the data settings that name
+    them, so that a run goes on with the very models the checkpoint was trained with even where
+    the corpus directory's tokenizers are gone. ``out``: the directory (default: the run
+    directory's ``tokenizer/``, for --resume); ``shared``: one model for both sides (default: as
+    the checkpoint's run had it); ``by_hash``: files named by their sha256, else src/tgt. Empty for older checkpoints, which only name their files."""
+    from streamnmt.data.tokenizer import file_sha256
+
+    toks = {side: embedded_tokenizer(ckpt, side, path) for side in ("src", "tgt")}
+    if any(tok is None for tok in toks.values()):
+        return {}
+    if shared is None:
+        shared = (ckpt.get("config") or {}).get("data", {}).get("shared_vocab", False)
+    out = out or Path(path).resolve().parent.parent / "tokenizer"
+    files = {}
+    for side, tok in toks.items():
+        files[side] = out / (f"{tok.sha256[:16]}.model" if by_hash else f"{side}.model")
+        if not files[side].is_file() or file_sha256(files[side]) != tok.sha256:
+            atomic_write(files[side], tok.model_bytes())
+    return {"tokenizer_eng": str(files["src"])} if shared else \
+        {"tokenizer_eng": str(files["src"]), "tokenizer_chn": str(files["tgt"])}
+
+
+def tokenizers_of_weights(job: Any, log: Callable[[str], None]) -> Any:
+    """``--weights``: fine-tune with the tokenizers the checkpoint carries (its model's vocabulary)
+    unless --tokenizer-eng/--tokenizer-chn name others; they are written, named by their hash, to
+    ``$STREAMNMT_HOME/tokenizers/``, which config.yaml then records."""
+    d = job.data
+    if not job.run.weights or d.tokenizer_eng or d.tokenizer_chn:
+        return job
+    ckpt = load_checkpoint(job.run.weights)
+    metas = ckpt.get("tokenizers") or {}
+    one = (metas.get("src") or {}).get("sha256") == (metas.get("tgt") or {}).get("sha256")
+    if d.shared_vocab and not one:
+        return job  # two models cannot serve --shared-vocab: the data directory's shared model is used
+    home = Path(os.environ.get("STREAMNMT_HOME", "~/.cache/streamnmt")).expanduser() / "tokenizers"
+    files = embedded_tokenizers(ckpt, job.run.weights, home, shared=d.shared_vocab, by_hash=True)
+    if files:
+        log(f"weights: tokenizers from {job.run.weights} ({', '.join(sorted(set(files.values())))})")
+    return dataclasses.replace(job, data=dataclasses.replace(d, **files)) if files else job

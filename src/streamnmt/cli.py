@@ -8,22 +8,27 @@ non-zero (2 for a bad flag or config value, 1 for a bad input file); no tracebac
 from __future__ import annotations
 
 import argparse
+import difflib
+import functools
+import importlib
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from streamnmt.configbase import add_args, from_dict
 from streamnmt.dist import CaptureFailed, PeerLost
 from streamnmt.errors import ConfigError, DeviceError, InputError, NonFiniteLoss
 
 
-def _train(args: dict) -> int:
+def _train(args: dict, parser: argparse.ArgumentParser) -> int:
     from streamnmt import dist
 
     config_file = args.pop("config", None)
     nproc = args.pop("nproc", None)
     if nproc is not None:
-        return _exec_torchrun(nproc, args, config_file)
+        return _exec_torchrun(nproc, args, config_file, parser)
     resume = args.pop("resume", None)
     try:
         return _run_trainer(args, config_file, resume)
@@ -56,11 +61,12 @@ def _run_trainer(args: dict, config_file: str | None, resume: str | None) -> int
     return 0
 
 
-def _exec_torchrun(nproc: str, args: dict, config_file: str | None) -> int:
+def _exec_torchrun(nproc: str, args: dict, config_file: str | None, parser: argparse.ArgumentParser) -> int:
     """``streamnmt train --nproc N``: check the flags, then run torchrun (``torch.distributed.run``'s
-    own entry point, ``--standalone``) in this process, which starts N trainer processes. A stop
-    by SIGTERM/SIGINT, which torchrun forwards to the ranks (they finish the step, rank 0 saves),
-    exits 0; a failed rank exits non-zero with one line naming it."""
+    own entry point, ``--standalone``) in this process, which starts N trainer processes with the
+    flags given, less --nproc (:func:`_flags_argv`). A stop by SIGTERM/SIGINT, which torchrun
+    forwards to the ranks (they finish the step, rank 0 saves), exits 0; a failed rank exits
+    non-zero with one line naming it."""
     import torch
 
     from streamnmt import dist
@@ -84,66 +90,142 @@ def _exec_torchrun(nproc: str, args: dict, config_file: str | None) -> int:
     if cuda:
         check(n <= torch.cuda.device_count(), "nproc",
               f"{n} processes but only {torch.cuda.device_count()} CUDA device(s); one GPU per process")
-    argv = _argv_without_nproc(sys.argv[1:] if _ARGV is None else list(_ARGV))
-    return dist.run_torchrun(n, ["-m", "streamnmt", *argv])
+    given = {**args, **({"config": config_file} if config_file is not None else {})}
+    return dist.run_torchrun(n, ["-m", "streamnmt", "train", *_flags_argv(parser, given)])
 
 
-def _argv_without_nproc(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            out.append(a)
-    return out
+def _flags_argv(parser: argparse.ArgumentParser, given: dict[str, Any]) -> list[str]:
+    """The command line that ``parser`` parses back into ``given`` (dest -> value as parsed).
+
+    The ranks of ``train --nproc`` get the flags argparse parsed, less --nproc, rebuilt from the
+    namespace rather than filtered out of the raw argv by string matching, which only knows the
+    spellings it lists. Defaults are SUPPRESSed, so ``given`` holds only the flags the user gave
+    (and ``--config``): the ranks apply the same file and the same overrides.
+    """
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    argv: list[str] = []
+    for dest, value in given.items():
+        action = actions[dest]
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else action.option_strings[1])
+        elif isinstance(value, list):
+            argv += [flag, *value]
+        else:  # one token, so that a value starting with '-' cannot be read as a flag
+            argv.append(f"{flag}={value}")
+    return argv
 
 
-_ARGV: Sequence[str] | None = None  # main()'s argv, for --nproc's re-exec
+COMMANDS = (  # (command, module under streamnmt, config class, run function, help)
+    ("translate", "inference.translate", "TranslateConfig", "run_translate", "translate lines of text"),
+    ("eval", "inference.translate", "EvalConfig", "run_eval", "BLEU and chrF of a checkpoint on a split"),
+    ("bench", "bench", "BenchConfig", "run_bench", "benchmark the sync strategies side by side"),
+    ("average", "inference.average", "AverageConfig", "run_average", "average the weights of checkpoints"),
+    ("export", "inference.export", "ExportConfig", "run_export", "write a checkpoint as a CTranslate2 model"),
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the usage argparse prints first runs to 30+ lines for train
+    and buries the message."""
+
+    takes_any_args = False  # set on a command that failed to import: running it shows the error
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
 def _sub(module: str, cfg_name: str, fn_name: str) -> Callable[[dict], int]:
     def run(args: dict) -> int:
-        mod = __import__(f"streamnmt.{module}", fromlist=[cfg_name, fn_name])
+        mod = importlib.import_module(f"streamnmt.{module}")
         return getattr(mod, fn_name)(from_dict(getattr(mod, cfg_name), args))
     return run
 
 
+def _import_failed(command: str, module: str, error: Exception) -> Callable[[dict], int]:
+    """The run function of a command whose module did not import: shows why, with the traceback
+    (a bug in the command's code is not a usage error, so no one-line message hides it)."""
+    def run(args: dict) -> int:
+        traceback.print_exception(error)
+        print(f"streamnmt: error: the {command} command is unavailable: importing streamnmt.{module} failed "
+              f"(traceback above)", file=sys.stderr)
+        return 1
+    return run
+
+
+def _add_command(sub: argparse._SubParsersAction, command: str, module: str, cfg_name: str, fn_name: str,
+                 help_text: str) -> None:
+    """One subcommand, its flags made from its config class. The class is imported now (the flags
+    need it); when that fails the command is still offered, and running it shows the error."""
+    try:
+        cls = getattr(importlib.import_module(f"streamnmt.{module}"), cfg_name)
+    except Exception as e:  # noqa: BLE001 -- any bug in one command must neither hide it nor break the others
+        p = sub.add_parser(command, help=f"{help_text} [unavailable: its import failed]", allow_abbrev=False,
+                           description=f"unavailable: importing streamnmt.{module} failed ({type(e).__name__}: "
+                                       f"{e}); run `streamnmt {command}` for the traceback")
+        p.set_defaults(_run=_import_failed(command, module, e))
+        p.takes_any_args = True
+        return
+    p = sub.add_parser(command, help=help_text, allow_abbrev=False)
+    add_args(p, cls)
+    p.set_defaults(_run=_sub(module, cfg_name, fn_name))
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``streamnmt`` parser. No parser takes abbreviations (allow_abbrev=False): ``--np 2`` is
+    refused instead of silently meaning ``--nproc 2``, and a flag added later cannot change what an
+    abbreviation in someone's script means."""
     from streamnmt.config import SECTIONS
 
-    parser = argparse.ArgumentParser(prog="streamnmt", description="Transformer NMT training that keeps the GPU busy")
+    parser = _Parser(prog="streamnmt", description="Transformer NMT training that keeps the GPU busy",
+                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train a model (built-in English->Chinese corpus without --data)")
+    p = sub.add_parser("train", help="train a model (built-in English->Chinese corpus without --data)",
+                       allow_abbrev=False)
     p.add_argument("--config", default=argparse.SUPPRESS, help="YAML config file; flags override it")
     p.add_argument("--nproc", default=argparse.SUPPRESS, metavar="N",
                    help="train on N processes of this host (one per GPU): starts torchrun for you")
     for name, cls in SECTIONS.items():
         add_args(p.add_argument_group(name), cls)
-    p.set_defaults(_run=_train)
-    for command, module, cfg_name, fn_name, help_text in (
-            ("translate", "inference.translate", "TranslateConfig", "run_translate", "translate lines of text"),
-            ("eval", "inference.translate", "EvalConfig", "run_eval", "BLEU and chrF of a checkpoint on a split"),
-            ("bench", "bench", "BenchConfig", "run_bench", "benchmark the sync strategies side by side"),
-            ("average", "inference.average", "AverageConfig", "run_average", "average the weights of checkpoints"),
-            ("export", "inference.export", "ExportConfig", "run_export", "write a checkpoint as a CTranslate2 model")):
-        try:
-            mod = __import__(f"streamnmt.{module}", fromlist=[cfg_name])
-            cls = getattr(mod, cfg_name)
-        except (ImportError, AttributeError):
-            continue  # a command whose module is not installed is not offered
-        p = sub.add_parser(command, help=help_text)
-        add_args(p, cls)
-        p.set_defaults(_run=_sub(module, cfg_name, fn_name))
+    p.set_defaults(_run=functools.partial(_train, parser=p))
+    for command in COMMANDS:
+        _add_command(sub, *command)
     return parser
 
 
+def _unknown_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """argparse's "unrecognized arguments" message, plus the flags each unknown one may mean: an
+    abbreviation (no longer accepted) names the flag it abbreviates, a typo the closest flag."""
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for token in unknown:
+        if not token.startswith("--"):
+            continue
+        name = token.split("=", 1)[0]
+        close = [f for f in flags if f.startswith(name)][:4] or difflib.get_close_matches(name, flags, n=1)
+        if close:
+            hints.append(f"{name}: did you mean {' or '.join(close)}?")
+    return f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else "")
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> dict[str, Any]:
+    """Parse ``argv``; an unknown flag exits 2 with one line from the subcommand's parser, which
+    knows the flags to suggest (the top-level parser's own message cannot name them)."""
+    namespace, unknown = parser.parse_known_args(argv)
+    command_parser = command_parsers(parser)[namespace.command]
+    if unknown and not getattr(command_parser, "takes_any_args", False):
+        command_parser.error(_unknown_flags(command_parser, unknown))
+    return vars(namespace)
+
+
+def command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The subcommands' parsers of ``build_parser()``'s parser, by command."""
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    global _ARGV
-    _ARGV = argv
-    parser = build_parser()
-    args = vars(parser.parse_args(argv))
+    args = parse(build_parser(), argv)
     run = args.pop("_run")
     args.pop("command")
     try:

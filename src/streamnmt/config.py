@@ -21,23 +21,35 @@ from streamnmt.engine.config import EngineConfig
 from streamnmt.errors import ConfigError
 from streamnmt.training.stopping import check_recipe
 
-# Model presets: (d_model, n_layers, n_heads, d_ff). "base" is the original system's model.
+# Model presets: (d_model, n_layers, n_heads, d_ff). "base" is the original system's model; "big" is
+# the Transformer paper's big model (Vaswani et al. 2017, table 3; fairseq's transformer_wmt_en_de_big).
 PRESETS = {
     "base": (512, 6, 8, 2048),
+    "big": (1024, 6, 16, 4096),
     "small": (256, 3, 4, 1024),
     "tiny": (64, 2, 4, 128),
 }
+# The residual/embedding dropout a preset trains with when --dropout is not given: the paper's big
+# model used 0.3 on EN-DE (a model 3x the size of base overfits the same data sooner; fairseq's big
+# recipe keeps 0.3 too); every other preset the paper's 0.1.
+PRESET_DROPOUT = {"big": 0.3}
+DEFAULT_DROPOUT = 0.1
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    model: str = opt("auto", "model preset: base (6+6 x 512), small, tiny; auto = base on a GPU, "
-                             "small on CPU", choices=("auto", *PRESETS))
+    model: str = opt("auto", "model preset: base (6+6 x 512, 8 heads, d_ff 2048), big (6+6 x 1024, 16 heads, "
+                             "d_ff 4096, dropout 0.3: the Transformer paper's big model), small (3+3 x 256), "
+                             "tiny; auto = base on a GPU, small on CPU", choices=("auto", *PRESETS))
     d_model: int | None = opt(None, "model width (overrides the preset)")
     n_layers: int | None = opt(None, "encoder and decoder layers each (overrides the preset)")
     n_heads: int | None = opt(None, "attention heads (overrides the preset)")
     d_ff: int | None = opt(None, "feed-forward width (overrides the preset)")
-    dropout: float = opt(0.1, "dropout probability of the residual connections and the embeddings")
+    # None until resolved: the default depends on the preset (PRESET_DROPOUT), so an explicit
+    # --dropout 0.1 with --model big stays 0.1; config.yaml records the resolved number.
+    dropout: float | None = opt(None, "dropout probability of the residual connections and the embeddings "
+                                      f"(default: {PRESET_DROPOUT['big']} for big, {DEFAULT_DROPOUT} for the "
+                                      "other presets)")
     attention_dropout: float = opt(0.0, "dropout probability of the attention weights (0, as fairseq's and "
                                         "Marian's Transformer defaults; runs before this setting used --dropout)")
     activation_dropout: float = opt(0.0, "dropout probability of the feed-forward's hidden activations (0, as "
@@ -59,7 +71,7 @@ class ModelConfig:
             check(v is None or v > 0, key, f"must be a positive integer; got {v}")
         for key in ("dropout", "attention_dropout", "activation_dropout"):
             v = getattr(self, key)
-            check(0.0 <= v < 1.0, key, f"must be in [0, 1); got {v}")
+            check((v is None and key == "dropout") or 0.0 <= v < 1.0, key, f"must be in [0, 1); got {v}")
         check(0.0 <= self.label_smoothing < 1.0, "label_smoothing",
               f"must be in [0, 1); got {self.label_smoothing}")
         check_choice(self.tie_embeddings, "tie_embeddings", ("none", "decoder", "all"))
@@ -68,18 +80,25 @@ class ModelConfig:
                   f"must divide --d-model ({self.d_model}); got {self.n_heads}")
 
     def resolve(self, preset: str) -> ModelConfig:
-        """Fill unset sizes from ``preset`` (the resolved config is what config.yaml records)."""
+        """Fill unset sizes and the dropout from ``preset`` (the resolved config is what config.yaml
+        records)."""
         d, n, h, f = PRESETS[preset]
+        dropout = self.dropout if self.dropout is not None else preset_dropout(preset)
         return dataclasses.replace(self, model=preset, d_model=self.d_model or d, n_layers=self.n_layers or n,
-                                   n_heads=self.n_heads or h, d_ff=self.d_ff or f)
+                                   n_heads=self.n_heads or h, d_ff=self.d_ff or f, dropout=dropout)
+
+
+def preset_dropout(preset: str) -> float:
+    """The dropout ``preset`` trains with unless --dropout says otherwise."""
+    return PRESET_DROPOUT.get(preset, DEFAULT_DROPOUT)
 
 
 @dataclass(kw_only=True)
 class OptimConfig:
     lr: float = opt(1.0, "Noam factor: lr = lr * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)")
     warmup: int | None = opt(None, "Noam warm-up steps (default: from the tokens per update with a token "
-                                   "budget, see streamnmt.config.recipe_warmup; else 4000 for base, 400 for "
-                                   "smaller presets)")
+                                   "budget, see streamnmt.config.recipe_warmup; else 4000 for base and big, "
+                                   "400 for smaller presets)")
     clip_grad: float = opt(1.0, "clip the gradient norm to this (0 = off)")
     amp: str = opt("auto", "mixed precision: bf16, fp16 (with a grad scaler) or off; auto = bf16 on a "
                            "GPU that has it natively, fp16 on other GPUs, off on the CPU",
@@ -114,7 +133,14 @@ def recipe_warmup(tokens_per_update: int) -> int:
     """Default Noam warm-up for ``tokens_per_update`` (the token budget x --accum-steps x processes):
     the warm-up spans ``WARMUP_TOKENS`` tokens, within ``WARMUP_RANGE`` steps. The Noam peak,
     lr * d_model^-0.5 * warmup^-0.5, then grows with the square root of the batch (Adam's
-    square-root scaling rule): 6144 tokens -> 800 steps, 8192 -> 600, 16384 -> 300."""
+    square-root scaling rule): 6144 tokens -> 800 steps, 8192 -> 600, 16384 -> 300.
+
+    Not scaled by d_model: the Noam schedule already divides the peak by sqrt(d_model), so the big
+    model (d_model 1024) peaks 1/sqrt(2) lower than base at the same warm-up, and both reference
+    recipes keep the warm-up of base for big (the paper: 4000 steps for both; fairseq's big recipe:
+    4000 updates at lr 1e-3 like its base). The width shows up in the tokens per update instead: the
+    budget halves for a model twice as wide (recipe_max_tokens), so the warm-up, which spans the
+    same tokens, takes twice the steps."""
     lo, hi = WARMUP_RANGE
     return int(min(max(round(WARMUP_TOKENS / tokens_per_update), lo), hi))
 
@@ -130,7 +156,10 @@ class RunConfig:
     name: str = opt("exp", "run directory name; exp, exp2, ... (the next free one unless --exist-ok)")
     exist_ok: bool = opt(False, "reuse project/name if it exists instead of taking the next free name")
     weights: str | None = opt(None, "start from these model weights (fine-tuning)")
-    save_every: int = opt(0, "also save weights/last.pt every this many optimizer steps (0 = per epoch only)")
+    save_every: int = opt(0, "also save weights/last.pt every this many optimizer steps (0 = at epoch ends, "
+                             "by the --eval-every auto rule, and at the end of the run)")
+    async_save: bool = opt(True, "write checkpoints on a background thread: the loop waits only for a copy of "
+                                 "the state into pinned host memory (--no-async-save: write on the loop)")
     resume: str | None = opt(None, "continue the run of this checkpoint (weights/last.pt) in its own run dir")
     on_nan: str = opt("stop", "a non-finite loss or gradient: stop (exit non-zero, last good checkpoint "
                               "kept) or skip (the update is discarded on the device)", choices=("stop", "skip"))
@@ -140,14 +169,17 @@ class RunConfig:
     beam_size: int = opt(3, "beam size of the epoch-end BLEU decoding")
     eval_dtype: str = opt("auto", "weights' dtype of the BLEU decoding: auto (bf16 on a GPU that has it natively, "
                                   "else fp32), bf16, fp16 (CUDA only) or fp32", choices=("auto", "bf16", "fp16", "fp32"))
-    eval_every: int = opt(0, "also evaluate (val loss, BLEU, best.pt, patience) every N optimizer steps "
-                             "(0 = at epoch ends only)")
+    eval_every: str = opt("auto", "when to evaluate (val loss, BLEU, best.pt, patience): auto = once the training "
+                                  "since the last evaluation is 9x what that evaluation cost (evaluation stays "
+                                  "under ~10 % of the run), and at the end of the run; N = every N optimizer steps "
+                                  "and at epoch ends; 0 = at epoch ends only")
     best_metric: str = opt("auto", "what chooses best.pt and drives --patience: bleu (higher is better) or "
                                    "val_loss; auto = bleu when --bleu-samples > 0",
                            choices=("auto", "bleu", "val_loss"))
     patience: int = opt(0, "stop when --best-metric has not improved for N evaluations in a row (0 = never)")
-    time_limit: str | None = opt(None, "stop cleanly after this much training time, e.g. 2h, 90m, 20s, 1h30m: "
-                                       "last.pt is saved, exit 0, --resume continues (none = no limit)")
+    time_limit: str | None = opt(None, "the run's wall clock, counted from the command's start, e.g. 2h, 90m, "
+                                       "20s, 1h30m: training stops early enough for the last evaluation and "
+                                       "last.pt to fit, exit 0, --resume continues (none = no limit)")
     keep_last: int = opt(0, "with --save-every S: also keep the last N step checkpoints as weights/step_NNNNNN.pt "
                             "(for streamnmt average; 0 = none)")
     ema: float = opt(0.0, "keep an exponential moving average of the weights on the device, updated in the "
@@ -156,6 +188,10 @@ class RunConfig:
     verbose: bool = opt(False, "print the host-sync table after every epoch (else once, at the end)")
     tensorboard: bool = opt(False, "write TensorBoard scalars (loss, lr, tokens/s, BLEU, sync counts) to the "
                                    "run directory (needs: pip install tensorboard)")
+
+    def eval_steps(self) -> int | None:
+        """``--eval-every`` as a number of steps: None for ``auto`` (the time rule)."""
+        return None if str(self.eval_every).strip().lower() == "auto" else int(self.eval_every)
 
     def __post_init__(self) -> None:
         check(self.epochs is None or self.epochs >= 1, "epochs", f"must be at least 1; got {self.epochs}")

@@ -122,7 +122,8 @@ def add_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: typ
         help_text = f.metadata.get("help", "")
         if default is not None and "default" not in help_text:  # None: the help says what happens
             help_text += f" (default: {default})"
-        kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
+        # argparse %-formats help strings: a literal "10 %" would make --help itself fail
+        kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
         if typ is bool:
             parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **kw)
             continue

@@ -1,4 +1,4 @@
-"""Which torch device a command runs on.
+"""Which torch device a command runs on, and its random seeds.
 
 Training, translation, evaluation and the benchmark all turn a ``--device`` value into a
 ``torch.device`` the same way. It lives in its own module, below all of them, so that none of
@@ -7,6 +7,9 @@ those commands has to import another to get it.
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 
 
@@ -15,3 +18,10 @@ def resolve_device(name: str | None) -> torch.device:
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, NumPy's and torch's generators (every device's) from one seed."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

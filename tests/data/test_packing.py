@@ -9,7 +9,10 @@ import pytest
 
 from streamnmt.data import DataConfig, make_loader
 from streamnmt.data.corpus import TokenizedCorpus
-from streamnmt.data.packing import PackSampler, collate_packed, pack_rows, pack_shape
+from streamnmt.data.packbatch import collate_packed
+from streamnmt.data.packing import PackSampler
+from streamnmt.data.packrows import pack_rows
+from streamnmt.data.packshape import pack_shape
 from streamnmt.errors import InputError
 from streamnmt.models.masks import BOS, EOS, PAD
 
@@ -170,7 +173,7 @@ def test_source_width_keeps_the_target_full_with_less_source_padding():
     """pack_shape's source width: among 1 to 1.25 x the token ratio, the one with the most real
     target tokens per unit of work that keeps >= 95 % of the target positions real. Source
     lengths twice the target's, varying pair by pair, as in an EN->ZH corpus."""
-    from streamnmt.data import packing
+    from streamnmt.data import packshape
 
     rng = np.random.default_rng(3)
     pairs = []
@@ -180,12 +183,12 @@ def test_source_width_keeps_the_target_full_with_less_source_padding():
     c = corpus_of(pairs)
     shape = pack_shape(c.src_lengths, c.tgt_lengths, max_len=128, max_tokens=4096, batch_size=32, pad_multiple=8)
     ratio = (c.src_lengths.sum() + len(c)) / (c.tgt_lengths.sum() + len(c))
-    widest = packing.round_up(int(np.ceil(128 * ratio * max(packing.SRC_SLACKS))), 8)
+    widest = packshape.round_up(int(np.ceil(128 * ratio * max(packshape.SRC_SLACKS))), 8)
     assert shape[0] == 32 and shape[2] == 128 and shape[1] < widest
     src_fill, tgt_fill = _fills(c, shape)
     wide_src, wide_tgt = _fills(c, (32, widest, 128))
-    assert tgt_fill >= packing.MIN_TGT_FILL and src_fill > wide_src + 0.03
-    work = lambda fill, width: fill * 128 / (packing.SRC_COST * width + 128)  # noqa: E731
+    assert tgt_fill >= packshape.MIN_TGT_FILL and src_fill > wide_src + 0.03
+    work = lambda fill, width: fill * 128 / (packshape.SRC_COST * width + 128)  # noqa: E731
     assert work(tgt_fill, shape[1]) > work(wide_tgt, widest)  # more real target tokens per unit of work
 
 
@@ -213,7 +216,7 @@ def test_the_next_epoch_is_planned_in_the_background_with_the_same_rows(monkeypa
     and after the planner dies the epochs are planned here, the same rows again."""
     import multiprocessing
 
-    from streamnmt.data import packing
+    from streamnmt.data import packing, packrows
 
     if "fork" not in multiprocessing.get_all_start_methods():
         pytest.skip("no fork start method here: epochs are planned when they start")
@@ -221,13 +224,13 @@ def test_the_next_epoch_is_planned_in_the_background_with_the_same_rows(monkeypa
     src, tgt = rng.integers(1, 30, 3000), rng.integers(1, 30, 3000)
     shape = pack_shape(src, tgt, max_len=32, max_tokens=512, batch_size=0, pad_multiple=8)
     monkeypatch.setattr(packing, "_ROWS_CACHE", {})
-    monkeypatch.setattr(packing, "_PLANNER", None)
+    monkeypatch.setattr(packrows, "_PLANNER", None)
     s = PackSampler(src, tgt, shape, shuffle=True, seed=11)
-    planner = packing._PLANNER
+    planner = packrows._PLANNER
     assert planner and planner._proc.is_alive()  # forked with the sampler
     s.plan(0)
     assert planner._asked == [s._key(1)]  # epoch 1 under way
-    want = packing.epoch_rows(s.src_len, s.tgt_len, shape, True, 11, 1, packing.WINDOW)
+    want = packrows.epoch_rows(s.src_len, s.tgt_len, shape, True, 11, 1, packrows.WINDOW)
     got = s._rows(1)
     assert not planner._asked and len(got) == len(want) > 10
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
@@ -242,9 +245,9 @@ def test_the_next_epoch_is_planned_in_the_background_with_the_same_rows(monkeypa
     s._plan_ahead(2)
     planner._proc.kill()
     planner._proc.join()
-    want2 = packing.epoch_rows(s.src_len, s.tgt_len, shape, True, 11, 2, packing.WINDOW)
+    want2 = packrows.epoch_rows(s.src_len, s.tgt_len, shape, True, 11, 2, packrows.WINDOW)
     assert all(np.array_equal(a, b) for a, b in zip(s._rows(2), want2))
-    assert packing._PLANNER is False and packing._planner() is None
+    assert packrows._PLANNER is False and packrows._planner() is None
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="Linux: a fork planner and /proc")
@@ -255,10 +258,11 @@ def test_the_planner_ends_when_its_trainer_is_killed(tmp_path):
     import sys
     import time
 
-    code = ("import numpy as np, os, sys; from streamnmt.data.packing import PackSampler, pack_shape, _PLANNER; "
+    code = ("import numpy as np, os, sys; from streamnmt.data.packing import PackSampler; "
+            "from streamnmt.data.packshape import pack_shape; "
             "rng = np.random.default_rng(0); s, t = rng.integers(1, 30, 500), rng.integers(1, 30, 500); "
             "p = PackSampler(s, t, pack_shape(s, t, max_len=32, max_tokens=256, batch_size=0, pad_multiple=8), "
-            "shuffle=True); from streamnmt.data import packing; print(packing._PLANNER._proc.pid, flush=True); "
+            "shuffle=True); from streamnmt.data import packrows; print(packrows._PLANNER._proc.pid, flush=True); "
             "os.kill(os.getpid(), 9)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -9, proc.stderr[-500:]

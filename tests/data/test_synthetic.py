@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from streamnmt.data import grammar as G
+from streamnmt.data import lexicon as L
 from streamnmt.data import synthetic as S
-from streamnmt.data.synthetic import PAST_VERBS, PEOPLE, THINGS
+from streamnmt.data import templates as T
+from streamnmt.data.lexicon import PAST_VERBS, PEOPLE, THINGS
 
-# Expected strings written by hand from the conventions in the module docstring.
+# Expected strings written by hand from the conventions in the docstring of streamnmt.data.grammar.
 NUMBERS = [
     (0, "zero", "零"),
     (7, "seven", "七"),
@@ -46,22 +49,22 @@ NUMBERS = [
 
 @pytest.mark.parametrize("n,en,zh", NUMBERS)
 def test_numbers_in_both_languages(n: int, en: str, zh: str) -> None:
-    assert S.en_number(n) == en
-    assert S.zh_number(n) == zh
+    assert L.en_number(n) == en
+    assert L.zh_number(n) == zh
 
 
 def test_two_is_liang_only_when_counting() -> None:
-    assert S.zh_count(2) == "两"
-    assert S.zh_count(22) == "二十二"
-    assert S.zh_count(200) == "二百"
-    assert S.zh_number(2) == "二"
+    assert L.zh_count(2) == "两"
+    assert L.zh_count(22) == "二十二"
+    assert L.zh_count(200) == "二百"
+    assert L.zh_number(2) == "二"
 
 
 def test_numbers_out_of_range_raise() -> None:
     with pytest.raises(ValueError):
-        S.en_number(1_000_000)
+        L.en_number(1_000_000)
     with pytest.raises(ValueError):
-        S.zh_number(-1)
+        L.zh_number(-1)
 
 
 @pytest.mark.parametrize("n,expected", [(1, "first"), (2, "second"), (3, "third"), (5, "fifth"),
@@ -69,7 +72,7 @@ def test_numbers_out_of_range_raise() -> None:
                                         (20, "twentieth"), (21, "twenty-first"), (42, "forty-second"),
                                         (100, "one hundredth"), (103, "one hundred third")])
 def test_ordinals(n: int, expected: str) -> None:
-    assert S.en_ordinal(n) == expected
+    assert L.en_ordinal(n) == expected
 
 
 @pytest.mark.parametrize("hour,minute,period,en,zh", [
@@ -89,7 +92,7 @@ def test_ordinals(n: int, expected: str) -> None:
     (3, 20, "afternoon", "twenty past three in the afternoon", "下午三点二十分"),
 ])
 def test_clock_times(hour: int, minute: int, period: str | None, en: str, zh: str) -> None:
-    assert S.render_clock(hour, minute, period) == (en, zh)
+    assert G.render_clock(hour, minute, period) == (en, zh)
 
 
 @pytest.mark.parametrize("major,minor,currency,en,zh", [
@@ -100,85 +103,85 @@ def test_clock_times(hour: int, minute: int, period: str | None, en: str, zh: st
     (105, 0, "yuan", "one hundred five yuan", "一百零五元"),
 ])
 def test_money(major: int, minor: int, currency: str, en: str, zh: str) -> None:
-    assert S.render_money(major, minor, currency) == (en, zh)
+    assert G.render_money(major, minor, currency) == (en, zh)
 
 
 def test_example_sentence() -> None:
-    pair = S.render_purchase_on_date(PEOPLE["I"], PAST_VERBS["bought"], 25, THINGS["apple"], 2021, 3, 3)
+    pair = G.render_purchase_on_date(PEOPLE["I"], PAST_VERBS["bought"], 25, THINGS["apple"], 2021, 3, 3)
     assert pair == ("I bought twenty-five apples on March 3, 2021.", "我在2021年3月3日买了二十五个苹果。")
 
 
 @pytest.mark.parametrize("pair,expected", [
-    (lambda: S.render_purchase_on_date(PEOPLE["my brother"], PAST_VERBS["bought"], 1, THINGS["book"],
+    (lambda: G.render_purchase_on_date(PEOPLE["my brother"], PAST_VERBS["bought"], 1, THINGS["book"],
                                        1999, 12, 31),
      ("My brother bought one book on December 31, 1999.", "我哥哥在1999年12月31日买了一本书。")),
-    (lambda: S.render_purchase_on_weekday(PEOPLE["Tom"], PAST_VERBS["bought"], 2, THINGS["car"], 0,
+    (lambda: G.render_purchase_on_weekday(PEOPLE["Tom"], PAST_VERBS["bought"], 2, THINGS["car"], 0,
                                           ("at the market", "在市场")),
      ("Tom bought two cars at the market on Monday.", "汤姆星期一在市场买了两辆车。")),
-    (lambda: S.render_price(THINGS["book"], S.render_money(32, 50)),
+    (lambda: G.render_price(THINGS["book"], G.render_money(32, 50)),
      ("The book costs thirty-two dollars and fifty cents.", "这本书售价三十二美元五十美分。")),
-    (lambda: S.render_paid(PEOPLE["she"], S.render_money(2, 0, "yuan"), 3, THINGS["cup of tea"]),
+    (lambda: G.render_paid(PEOPLE["she"], G.render_money(2, 0, "yuan"), 3, THINGS["cup of tea"]),
      ("She paid two yuan for three cups of tea.", "她花两元买了三杯茶。")),
-    (lambda: S.render_compare_have(PEOPLE["Tom"], PEOPLE["Mary"], 3, THINGS["cat"]),
+    (lambda: G.render_compare_have(PEOPLE["Tom"], PEOPLE["Mary"], 3, THINGS["cat"]),
      ("Tom has three more cats than Mary.", "汤姆比玛丽多三只猫。")),
-    (lambda: S.render_compare_have(PEOPLE["I"], PEOPLE["he"], 1, THINGS["book"], more=False),
+    (lambda: G.render_compare_have(PEOPLE["I"], PEOPLE["he"], 1, THINGS["book"], more=False),
      ("I have one fewer book than him.", "我比他少一本书。")),
-    (lambda: S.render_compare_measure(PEOPLE["we"], PEOPLE["they"], 2, ["older", "大", "age"]),
+    (lambda: G.render_compare_measure(PEOPLE["we"], PEOPLE["they"], 2, ["older", "大", "age"]),
      ("We are two years older than them.", "我们比他们大两岁。")),
-    (lambda: S.render_there_are(1, THINGS["apple"], ("on the table", "桌子上")),
+    (lambda: G.render_there_are(1, THINGS["apple"], ("on the table", "桌子上")),
      ("There is one apple on the table.", "桌子上有一个苹果。")),
-    (lambda: S.render_there_are(12, THINGS["sheep"], ("on the farm", "农场里")),
+    (lambda: G.render_there_are(12, THINGS["sheep"], ("on the farm", "农场里")),
      ("There are twelve sheep on the farm.", "农场里有十二只羊。")),
-    (lambda: S.render_event_at(S.render_clock(7, 30), ["the train left", "火车开了"]),
+    (lambda: G.render_event_at(G.render_clock(7, 30), ["the train left", "火车开了"]),
      ("At half past seven, the train left.", "七点半，火车开了。")),
-    (lambda: S.render_routine(PEOPLE["Tom"], ["get up", "gets up", "起床"], S.render_clock(6, 45), 4),
+    (lambda: G.render_routine(PEOPLE["Tom"], ["get up", "gets up", "起床"], G.render_clock(6, 45), 4),
      ("Tom gets up at a quarter to seven every Friday.", "汤姆每个星期五差一刻七点起床。")),
-    (lambda: S.render_routine(PEOPLE["I"], ["get up", "gets up", "起床"], S.render_clock(6, 0)),
+    (lambda: G.render_routine(PEOPLE["I"], ["get up", "gets up", "起床"], G.render_clock(6, 0)),
      ("I get up at six o'clock.", "我六点起床。")),
-    (lambda: S.render_age(PEOPLE["I"], 1),
+    (lambda: G.render_age(PEOPLE["I"], 1),
      ("I am one year old.", "我一岁。")),
-    (lambda: S.render_age(PEOPLE["Tom"], 85, ("grandmother", "奶奶")),
+    (lambda: G.render_age(PEOPLE["Tom"], 85, ("grandmother", "奶奶")),
      ("Tom's grandmother is eighty-five years old.", "汤姆的奶奶八十五岁。")),
-    (lambda: S.render_city_distance(("Beijing", "北京"), ("Shanghai", "上海"), 1213),
+    (lambda: G.render_city_distance(("Beijing", "北京"), ("Shanghai", "上海"), 1213),
      ("It is one thousand two hundred thirteen kilometers from Beijing to Shanghai.",
       "从北京到上海有一千二百一十三公里。")),
-    (lambda: S.render_travel(PEOPLE["Tom"], "walked", "走了", S._U["km"].render(5), ("yesterday", "昨天")),
+    (lambda: G.render_travel(PEOPLE["Tom"], "walked", "走了", L._U["km"].render(5), ("yesterday", "昨天")),
      ("Tom walked five kilometers yesterday.", "汤姆昨天走了五公里。")),
-    (lambda: S.render_weight("elephant", "大象", "头", S._U["t"].render(2)),
+    (lambda: G.render_weight("elephant", "大象", "头", L._U["t"].render(2)),
      ("The elephant weighs two tons.", "这头大象重两吨。")),
-    (lambda: S.render_speed(("train", "火车"), 120),
+    (lambda: G.render_speed(("train", "火车"), 120),
      ("The train travels at one hundred twenty kilometers per hour.", "火车的速度是每小时一百二十公里。")),
-    (lambda: S.render_phone(PEOPLE["my mother"], "13800138000"),
+    (lambda: G.render_phone(PEOPLE["my mother"], "13800138000"),
      ("My mother's phone number is one three eight zero zero one three eight zero zero zero.",
       "我妈妈的电话号码是一三八零零一三八零零零。")),
-    (lambda: S.render_bus(PEOPLE["he"], 105, ("school", "学校")),
+    (lambda: G.render_bus(PEOPLE["he"], 105, ("school", "学校")),
      ("He takes the number one hundred five bus to school.", "他坐一百零五路公交车去学校。")),
-    (lambda: S.render_born(PEOPLE["they"], S.render_date(1995)),
+    (lambda: G.render_born(PEOPLE["they"], G.render_date(1995)),
      ("They were born in 1995.", "他们出生于1995年。")),
-    (lambda: S.render_birthday(PEOPLE["you"], 2, 29),
+    (lambda: G.render_birthday(PEOPLE["you"], 2, 29),
      ("Your birthday is on February 29.", "你的生日是2月29日。")),
-    (lambda: S.render_date_event(PEOPLE["Mary"], ("moved to Beijing", "搬到了北京"), S.render_date(2021, 3)),
+    (lambda: G.render_date_event(PEOPLE["Mary"], ("moved to Beijing", "搬到了北京"), G.render_date(2021, 3)),
      ("Mary moved to Beijing in March 2021.", "玛丽在2021年3月搬到了北京。")),
-    (lambda: S.render_arithmetic(25, "plus", 17),
+    (lambda: G.render_arithmetic(25, "plus", 17),
      ("Twenty-five plus seventeen equals forty-two.", "二十五加十七等于四十二。")),
-    (lambda: S.render_arithmetic(84, "divided by", 2),
+    (lambda: G.render_arithmetic(84, "divided by", 2),
      ("Eighty-four divided by two equals forty-two.", "八十四除以二等于四十二。")),
-    (lambda: S.render_duration(PEOPLE["Tom"], ("studied English", "学了"), "英语", S._U["year"].render(3)),
+    (lambda: G.render_duration(PEOPLE["Tom"], ("studied English", "学了"), "英语", L._U["year"].render(3)),
      ("Tom studied English for three years.", "汤姆学了三年英语。")),
-    (lambda: S.render_duration(PEOPLE["I"], ("waited", "等了"), "", S._U["h"].render(2)),
+    (lambda: G.render_duration(PEOPLE["I"], ("waited", "等了"), "", L._U["h"].render(2)),
      ("I waited for two hours.", "我等了两个小时。")),
-    (lambda: S.render_percent(2, ("students", "学生"), ("passed the exam", "通过了考试")),
+    (lambda: G.render_percent(2, ("students", "学生"), ("passed the exam", "通过了考试")),
      ("Two percent of the students passed the exam.", "百分之二的学生通过了考试。")),
-    (lambda: S.render_owner_has("the city", "这座城市", 345600,
-                                S.Thing("person", "people", "人", "", frozenset())),
+    (lambda: G.render_owner_has("the city", "这座城市", 345600,
+                                L.Thing("person", "people", "人", "", frozenset())),
      ("The city has three hundred forty-five thousand six hundred people.", "这座城市有三十四万五千六百人。")),
-    (lambda: S.render_temperature(-5, "yesterday", ("Harbin", "哈尔滨")),
+    (lambda: G.render_temperature(-5, "yesterday", ("Harbin", "哈尔滨")),
      ("It was minus five degrees in Harbin yesterday.", "昨天哈尔滨零下五度。")),
-    (lambda: S.render_temperature(1, "tomorrow"),
+    (lambda: G.render_temperature(1, "tomorrow"),
      ("It will be one degree tomorrow.", "明天一度。")),
-    (lambda: S.render_rank(PEOPLE["Li Lei"], 2),
+    (lambda: G.render_rank(PEOPLE["Li Lei"], 2),
      ("Li Lei finished second in the race.", "李雷在比赛中获得了第二名。")),
-    (lambda: S.render_floor(PEOPLE["she"], 21),
+    (lambda: G.render_floor(PEOPLE["she"], 21),
      ("She lives on the twenty-first floor.", "她住在二十一楼。")),
 ])
 def test_template_renderings(pair, expected: tuple[str, str]) -> None:
@@ -186,17 +189,17 @@ def test_template_renderings(pair, expected: tuple[str, str]) -> None:
 
 
 def test_enough_templates() -> None:
-    assert len(S.TEMPLATES) >= 15
+    assert len(T.TEMPLATES) >= 15
 
 
 _ASCII_LETTER = re.compile(r"[A-Za-z]")
 
 
-@pytest.mark.parametrize("name", sorted(S.TEMPLATES))
+@pytest.mark.parametrize("name", sorted(T.TEMPLATES))
 def test_every_template_is_well_formed(name: str) -> None:
     rng = random.Random(name)
     for _ in range(300):
-        en, zh = S.TEMPLATES[name](rng)
+        en, zh = T.TEMPLATES[name](rng)
         assert en and zh
         assert en[0].isupper() and en.endswith(".") and not en.endswith("..")
         assert "  " not in en and en == en.strip()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from streamnmt.config import PRESETS, RunConfig
+from streamnmt.config import PRESETS, RunConfig, preset_dropout
 from streamnmt.configbase import check, check_choice, opt
 from streamnmt.engine import STRATEGY_NAMES
 from streamnmt.engine.config import DIST_BACKENDS, PIPELINE_STREAMS
@@ -51,7 +51,8 @@ class BenchConfig:
                                   "get random token ids over this many pieces, as a real corpus's output layer "
                                   "costs; 0 = the corpus's own tokenizers; default 32000 on CUDA, 0 on CPU")
     label_smoothing: float = opt(0.1, "label smoothing of the loss (the training default)")
-    dropout: float = opt(0.1, "dropout of the residual connections and embeddings (the training default)")
+    dropout: float | None = opt(None, "dropout of the residual connections and embeddings (default: the "
+                                      "training default of the preset, 0.3 for big, else 0.1)")
     attention_dropout: float = opt(0.0, "dropout of the attention weights (the training default)")
     activation_dropout: float = opt(0.0, "dropout of the feed-forward's hidden activations (the training default)")
     pad_multiple: int = opt(8, "batch lengths are padded to a multiple of this; set it to --max-len for fixed "
@@ -95,7 +96,7 @@ class BenchConfig:
         check(0.0 <= self.label_smoothing < 1.0, "label_smoothing", f"must be in [0, 1); got {self.label_smoothing}")
         for key in ("dropout", "attention_dropout", "activation_dropout"):
             v = getattr(self, key)
-            check(0.0 <= v < 1.0, key, f"must be in [0, 1); got {v}")
+            check((v is None and key == "dropout") or 0.0 <= v < 1.0, key, f"must be in [0, 1); got {v}")
         check(self.pad_multiple >= 1, "pad_multiple", f"must be a positive integer; got {self.pad_multiple}")
         check_choice(self.model, "model", ("auto", *PRESETS))
         check_choice(self.amp, "amp", ("auto", "bf16", "fp16", "off"))
@@ -177,7 +178,11 @@ class BenchConfig:
             amp = "bf16" if cuda and torch.cuda.is_bf16_supported() else "off"
         workers = self.workers if self.workers is not None else min(4, _cpus())
         vocab = self.vocab if self.vocab is not None else (32000 if cuda else 0)
-        return dataclasses.replace(self, device=str(device), model=model, amp=amp, workers=workers, vocab=vocab)
+        # the preset's training dropout (its rate does not change a step's kernels, but the row should
+        # measure, and bench.json record, the model as it trains)
+        dropout = self.dropout if self.dropout is not None else preset_dropout(model)
+        return dataclasses.replace(self, device=str(device), model=model, amp=amp, workers=workers, vocab=vocab,
+                                   dropout=dropout)
 
 
 def _cpus() -> int:

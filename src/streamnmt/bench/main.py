@@ -46,8 +46,7 @@ from streamnmt.fsutil import atomic_write
 from streamnmt.models.transformer import ModelShape
 from streamnmt.training.plots import plot_bench, plot_timeline
 from streamnmt.training.runs import increment_path, write_json
-from streamnmt.devices import resolve_device
-from streamnmt.training.trainer import seed_everything
+from streamnmt.devices import resolve_device, seed_everything
 
 Log = Callable[[str], None]
 

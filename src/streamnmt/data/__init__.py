@@ -14,7 +14,9 @@ from streamnmt.data.batch import Batch, HostBatch, collate, collate_host
 from streamnmt.data.config import DataConfig
 from streamnmt.data.corpus import TokenizedCorpus
 from streamnmt.data.loader import BatchLoader, make_loader
-from streamnmt.data.packing import PackSampler, collate_packed, pack_shape
+from streamnmt.data.packbatch import collate_packed
+from streamnmt.data.packing import PackSampler
+from streamnmt.data.packshape import pack_shape
 from streamnmt.data.plan import batch_plan
 from streamnmt.data.prepare import DataBundle, builtin_dir, prepare_data, read_pairs, resolve_data_dir
 from streamnmt.data.sampler import BucketSampler, bucket_batch_size, bucket_lengths

@@ -16,7 +16,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -48,7 +48,11 @@ class TokenizedCorpus:
         src_lengths, tgt_lengths: int64 arrays of token counts (bos/eos not included).
         index: int64 array, position of each pair among the split's usable pairs (as returned by
             :func:`streamnmt.data.read_pairs`); with ``overlong=drop`` some positions are missing.
+        hold: the cache entry's lock file, kept open (its shared lock held) while the corpus lives,
+            so that no other job evicts the arrays it maps (see ``streamnmt.data.cache``).
     """
+
+    hold: IO[bytes] | None = None  # not pickled: a worker process reads while its parent holds
 
     def __init__(self, arrays: dict[str, np.ndarray], name: str = "", directory: Path | None = None) -> None:
         self.name = name

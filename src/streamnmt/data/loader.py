@@ -30,7 +30,9 @@ from torch.utils.data import DataLoader, Dataset
 from streamnmt.data.batch import Batch, HostBatch, collate_host
 from streamnmt.data.config import DataConfig
 from streamnmt.data.corpus import TokenizedCorpus
-from streamnmt.data.packing import PackedHostBatch, PackedPlan, PackSampler, collate_packed, pack_shape
+from streamnmt.data.packbatch import PackedHostBatch, collate_packed
+from streamnmt.data.packing import PackedPlan, PackSampler
+from streamnmt.data.packshape import pack_shape
 from streamnmt.data.sampler import BucketSampler, PlannedBatch, bucket_lengths
 from streamnmt.data.workers import detach
 

@@ -204,7 +204,7 @@ def _tokenized(cfg: DataConfig, cache_dir: Path, source: SplitSource, src_tok: T
     built.read, built.empty_skipped = read.read, read.empty_skipped
     stats = built.as_dict()
     try:
-        corpus = save_entry(cache_dir, key, arrays, stats)
+        corpus = save_entry(cache_dir, key, arrays, stats, log)
         where = f"cached in {entry_dir(cache_dir, key)}"
     except OSError as e:
         corpus = TokenizedCorpus(arrays, split)

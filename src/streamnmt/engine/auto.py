@@ -15,6 +15,11 @@ of the base model, scaled by the model's matrix sizes; at least ``GRAPH_MS_PER_S
 launch-bound floor of small batches), and at most ``--time-limit``. With the packed batches of
 the GPU defaults (one shape) that compiles any run of more than about six minutes. Only graph mode
 is considered: compiled eager steps are still bound by kernel launches.
+
+The compile time is the caller's argument (``compile_s``): a cold compile costs
+``COMPILE_S_PER_SHAPE``; where the persistent compile cache already holds the artefacts of the same
+model, batch shapes and environment (``streamnmt.training.compile_cache``), a warm one costs
+``COMPILE_S_PER_SHAPE_WARM``, and much shorter runs win it back.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ import torch
 # Earlier: 34.41 and 30.42 ms, 11.6 %, at 75211d7; at 32 x 32 on the H100, section 4: 42-52 s of
 # compiling, a 24 % saving. The packed figures rule: they are the shape the defaults train.
 COMPILE_S_PER_SHAPE = 34.0
+# A compile whose artefacts the persistent cache holds (Dynamo still traces; AOTAutograd, Inductor and
+# Triton load their results). A conservative guess, TO BE MEASURED on the GPU with
+# scripts/bench_compile_cache.py; docs/PERFORMANCE.md will hold the figure.
+COMPILE_S_PER_SHAPE_WARM = 8.0
 COMPILE_SAVING = 0.194
 GRAPH_MS_PER_STEP = 6.0  # the launch-bound floor of small batches (H100, 32 x 32: 6.23 ms)
 GRAPH_MS_PER_KTOKEN = 1.96
@@ -59,15 +68,17 @@ def choose_strategy(requested: str, device: torch.device) -> Choice:
 
 
 def choose_compile(requested: str, device: torch.device, strategy: str, planned_steps: int,
-                   n_shapes: int, step_s: float = GRAPH_MS_PER_STEP / 1e3, time_limit_s: float = 0.0) -> Choice:
+                   n_shapes: int, step_s: float = GRAPH_MS_PER_STEP / 1e3, time_limit_s: float = 0.0,
+                   compile_s: float = COMPILE_S_PER_SHAPE) -> Choice:
     """Whether to torch.compile the model (``on``/``off`` kept; ``auto`` by the rule above).
     ``step_s``: graph mode's estimated step time (:func:`graph_step_s`); ``time_limit_s``: the
-    run's ``--time-limit`` (0: none)."""
+    run's ``--time-limit`` (0: none); ``compile_s``: seconds of compiling one batch shape
+    (``COMPILE_S_PER_SHAPE`` cold, ``COMPILE_S_PER_SHAPE_WARM`` from a warm compile cache)."""
     if requested in ("on", "off"):
         return Choice(requested == "on", "as requested")
     if device.type != "cuda" or strategy != "graph":
         return Choice(False, "auto: compiling pays only inside graph mode on CUDA")
-    cost = COMPILE_S_PER_SHAPE * max(n_shapes, 1)
+    cost = compile_s * max(n_shapes, 1)
     planned = planned_steps * step_s
     if time_limit_s:
         planned = min(planned, time_limit_s)

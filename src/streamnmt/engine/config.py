@@ -28,9 +28,11 @@ class EngineConfig:
                               "the target tokens of all of them, on all ranks)")
     dist_backend: str = opt("auto", "several processes (torchrun): torch.distributed backend; auto = nccl on "
                                     "CUDA, gloo on CPU", choices=DIST_BACKENDS)
+    # 600 s is PyTorch's own timeout for NCCL (its gloo one is 30 minutes), used here for every
+    # backend; the help states the number, as every other flag's does.
     dist_timeout: int = opt(600, "several processes: seconds a collective (or a wait on a replayed one) may "
                                  "wait for another rank before the run stops with an error (a dead or hung "
-                                 "rank); PyTorch's default")
+                                 "rank)")
 
     def __post_init__(self) -> None:
         check_choice(self.sync_strategy, "sync_strategy", ("auto", *STRATEGY_NAMES))

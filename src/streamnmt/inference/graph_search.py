@@ -43,9 +43,10 @@ from torch.nn import functional as F
 from torch.nn.attention import sdpa_kernel
 
 from streamnmt.models import masks
-from streamnmt.inference.search import (DECODE_ATTENTION, SPAN, SearchOptions, StaticCache, StaticSearch, check_search,
-                              output_limits, search_scored, sync_interval)
+from streamnmt.inference.decoding import SearchOptions, sync_interval
+from streamnmt.inference.search import DECODE_ATTENTION, SPAN, StaticSearch, check_search, output_limits, search_scored
 from streamnmt.inference.search import translate_ids as translate_ids_eager
+from streamnmt.inference.staticcache import StaticCache
 from streamnmt.engine.syncstats import host_sync
 from streamnmt.models.transformer import Transformer
 

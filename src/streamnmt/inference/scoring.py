@@ -26,7 +26,7 @@ from streamnmt.models import masks
 
 from streamnmt.inference import scoreworker
 from streamnmt.data import Tokenizer
-from streamnmt.inference.search import SearchOptions
+from streamnmt.inference.decoding import SearchOptions
 from streamnmt.inference.graph_search import translate_ids
 from streamnmt.models.transformer import Transformer
 

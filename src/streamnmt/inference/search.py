@@ -3,33 +3,34 @@
 Translation, evaluation and the trainer's per-epoch BLEU all turn token ids into output ids here.
 The search runs a whole batch of sentences (times the beam) in lock step on the device and keeps
 its bookkeeping there too: scores, histories and finished hypotheses are tensors, and the host
-waits for the device only to retire finished sentences every few steps (see :func:`sync_interval`)
-and to fetch the results; both go through the counted ``host_sync`` (sites ``decode.*``).
+waits for the device only to retire finished sentences every few steps (see
+:func:`~streamnmt.inference.decoding.sync_interval`) and to fetch the results; both go through the
+counted ``host_sync`` (sites ``decode.*``).
 
 There is one search, :class:`StaticSearch`: its state (tokens, scores, histories, finished
 pools, the step counter) is a set of fixed-shape tensors, the decoder's keys/values live in a
-preallocated :class:`StaticCache`, and one step has no host sync, so it can be captured in a CUDA
-graph. :func:`greedy_search` and :func:`beam_search_scored` run it eagerly (what the CPU and
-``--no-graph`` use), shrinking the batch as sentences finish; :mod:`streamnmt.inference.graph_search` runs
-the same step replayed from CUDA graphs. ``SearchOptions.cached=False`` computes each step's
+preallocated :class:`~streamnmt.inference.staticcache.StaticCache`, and one step has no host sync,
+so it can be captured in a CUDA graph. :func:`greedy_search` and :func:`beam_search_scored` run it
+eagerly (what the CPU and ``--no-graph`` use), shrinking the batch as sentences finish;
+:mod:`streamnmt.inference.graph_search` runs the same step replayed from CUDA graphs.
+``SearchOptions.cached=False`` (:mod:`streamnmt.inference.decoding`) computes each step's
 log-probabilities by re-running the decoder over the whole prefix instead (the slow reference that
 the tests and ``scripts/bench_decode.py`` compare with).
 """
 
 from __future__ import annotations
 
-import copy as copy_module
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from streamnmt.models import masks
-from streamnmt.configbase import check, check_choice
 from streamnmt.engine.syncstats import host_sync
+from streamnmt.inference.decoding import SearchOptions, sync_interval
+from streamnmt.inference.staticcache import StaticCache
+from streamnmt.models import masks
 from streamnmt.models.transformer import Transformer
 
 NEG_INF = float("-inf")
@@ -52,161 +53,7 @@ DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, 
 STEP_ATTENTION: dict[torch.dtype, list[SDPBackend]] = {torch.float32: [SDPBackend.MATH]}
 
 
-@dataclass(frozen=True, kw_only=True)
-class SearchOptions:
-    """How to search; the user-facing configs (translate.py) validate these and build one."""
-
-    beam_size: int = 3  # 1 = greedy
-    len_penalty: float = 0.6  # GNMT alpha: score / ((5 + len) / 6) ** alpha; 0 = raw log-prob
-    max_len_a: float = 1.5  # output limit = max_len_a * source tokens + max_len_b ...
-    max_len_b: int = 10  # ... capped by the model's max_positions - 1
-    cached: bool = True  # False = re-run the decoder over the whole prefix each step (the reference)
-    sync_every: int = 0  # check for finished sentences every N steps; 0 = auto (sync_interval)
-    graph: bool = False  # on CUDA, decode through CUDA graphs (decode_graph.translate_ids); CPU: ignored
-
-
-DTYPES = ("auto", "bf16", "fp16", "fp32")  # --dtype of translate and eval, --eval-dtype of train
-_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Whether ``device`` is a GPU with bf16 arithmetic in hardware (not emulated)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    try:
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    except TypeError:  # torch without the including_emulation argument
-        return torch.cuda.get_device_capability(device)[0] >= 8
-
-
-def decode_dtype(name: str, device: torch.device, key: str = "dtype") -> torch.dtype:
-    """The weights' dtype for decoding: ``auto`` is bf16 on a GPU that has it natively, else fp32.
-    ``key`` names the setting in errors (``dtype`` for translate/eval, ``eval_dtype`` for train)."""
-    check_choice(name, key, DTYPES)
-    if name == "auto":
-        return torch.bfloat16 if native_bf16(device) else torch.float32
-    check(name != "fp16" or device.type == "cuda", key, "fp16 decoding needs a CUDA device; use bf16 or fp32 on the CPU")
-    return _DTYPE[name]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in _DTYPE.items()}.get(dtype, str(dtype))
-
-
-def decoding_copy(model: Transformer, dtype: torch.dtype, copy: Transformer | None = None) -> Transformer:
-    """``model`` itself for its own dtype, else ``copy`` (a cast copy made on the first call) with
-    ``model``'s current weights copied in: the trainer decodes its BLEU pass in bf16 while it trains
-    in fp32, and the copy's weights stay at the same addresses, so captured decoding graphs stay valid."""
-    if next(model.parameters()).dtype == dtype:
-        return model
-    if copy is None:
-        copy = copy_module.deepcopy(model).to(dtype)
-    with torch.no_grad():
-        for dst, src in zip(copy.parameters(), model.parameters()):
-            dst.copy_(src)
-    return copy.train(model.training)
-
-
-def sync_interval(device: torch.device) -> int:
-    """Steps between checks for finished sentences when SearchOptions.sync_every is 0.
-
-    Each check is a host-device sync, and it retires finished sentences from the batch. On the CPU
-    a "sync" costs nothing and smaller batches do less work, so we check every step. On a GPU,
-    decoding steps are small and launch-bound: a row of a finished sentence left in the batch for
-    a few more steps costs almost nothing, while each sync makes the host wait for the GPU before
-    it queues the next step. So we check every 4th step, which wastes at most 3 steps per sentence.
-    Measured (scripts/bench_decode.py, H100, base model, beam 3, batch 64 and 256, 2026-11-22):
-    intervals 1, 2, 4, 8 and 16 gave the same sentences/s within the run-to-run spread, so the
-    choice rests on the argument above, not on a measured gain.
-    """
-    return 1 if device.type == "cpu" else 4
-
-
 # -- the static-cache search: state of fixed shapes, one step at a time ----------------------
-
-
-class StaticCache:
-    """Decoder cache of ``n`` rows in preallocated buffers; the methods of DecoderCache.
-
-    Self-attention keys/values live in buffers ``width`` slots long, laid out (W, N, h, dk) so
-    that the first ``span`` slots are one contiguous block; a step writes slot ``pos`` (a device
-    value: ``index_copy_``, no ``cat``) and reads the first ``span`` slots (a host value, fixed per
-    captured graph) through the mask ``slot <= pos``; the eager search reads exactly pos + 1 slots
-    (``exact``) and needs no mask. Beam reordering gathers the used slots into a second set of
-    buffers and swaps the two (one read and one write of the cache, not two of each). The
-    cross-attention keys/values of the encoder output are projected once per batch.
-    """
-
-    def __init__(self, model: Transformer, n: int, src_width: int, width: int, dtype: torch.dtype,
-                 device: torch.device, exact: bool = False, reorders: bool = True):
-        s = model.shape
-        heads, dk = s.n_heads, s.d_model // s.n_heads
-        kw = dict(dtype=dtype, device=device)
-        layers = range(len(model.decoder))
-        self.k = [torch.zeros(width, n, heads, dk, **kw) for _ in layers]  # (W, N, h, dk) per layer
-        self.v = [torch.zeros(width, n, heads, dk, **kw) for _ in layers]
-        # Reorder targets, kept for captured steps (fixed addresses); an eager step allocates its own.
-        spares = 2 * len(layers) if reorders and not exact else 0
-        self.spare = [torch.zeros(width, n, heads, dk, **kw) for _ in range(spares)]
-        self.mk = [torch.zeros(n, heads, src_width, dk, **kw) for _ in layers]  # (N, h, S, dk)
-        self.mv = [torch.zeros(n, heads, src_width, dk, **kw) for _ in layers]
-        self.src_mask = torch.zeros(n, 1, 1, src_width, dtype=torch.bool, device=device)  # (N, 1, 1, S)
-        self.pos = torch.zeros((), dtype=torch.long, device=device)  # positions decoded so far
-        self.keys = torch.arange(width, device=device)  # (W,) position of each key slot
-        self.span = width  # key slots the next step reads (must exceed pos)
-        self.exact = exact  # span is exactly pos + 1 (eager decoding): every slot read is visible
-
-    def load(self, model: Transformer, mem: Tensor, src_mask: Tensor, index: Tensor) -> None:
-        """Cross-attention K/V of ``mem`` (B, S, D) for rows ``index`` (n,): row r is sentence
-        index[r]; rows past n attend to one zero key. Clears the self-attention K/V."""
-        n, s = index.numel(), mem.size(1)
-        for i, layer in enumerate(model.decoder):
-            mk, mv = layer.cross_attn.project_kv(mem)  # 2 x (B, h, S, dk)
-            for dst, src in ((self.mk[i], mk), (self.mv[i], mv)):
-                dst.zero_()
-                dst[:n, :, :s] = src.index_select(0, index)
-        for buf in (*self.k, *self.v, *self.spare):
-            buf.zero_()  # masked slots are multiplied by 0: they must hold no NaN
-        self.src_mask.zero_()
-        self.src_mask[:n, :, :, :s] = src_mask.index_select(0, index)
-        self.src_mask[n:, :, :, 0] = True  # padding rows: one visible key (see masks.py)
-        self.pos.zero_()
-
-    # -- DecoderCache's interface ------------------------------------------------------------
-    def append(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        ks, vs = self.k[i][:self.span], self.v[i][:self.span]  # (span, N, h, dk), contiguous
-        ks.index_copy_(0, self.pos.view(1), k.permute(2, 0, 1, 3))  # (1, N, h, dk) into slot pos
-        vs.index_copy_(0, self.pos.view(1), v.permute(2, 0, 1, 3))
-        mask = None if self.exact else (self.keys[:self.span] <= self.pos)[None, None, None]  # (1, 1, 1, span)
-        return ks.permute(1, 2, 0, 3), vs.permute(1, 2, 0, 3), mask  # (N, h, span, dk) views
-
-    def memory(self, i: int) -> tuple[Tensor, Tensor]:
-        return self.mk[i], self.mv[i]
-
-    def advance(self) -> None:
-        self.pos.add_(1)
-
-    def reorder(self, index: Tensor) -> None:
-        """Beam reordering of the self-attention K/V (the cross-attention K/V are the same for
-        every hypothesis of a sentence, and hypotheses never move to another sentence): gathered
-        into the spare buffers, which then become the cache (eagerly: into new buffers, whose
-        slots past the span are never read before they are written)."""
-        bufs = [*self.k, *self.v]
-        spare = self.spare or [torch.empty_like(b) for b in bufs]
-        for buf, dst in zip(bufs, spare):
-            torch.index_select(buf[:self.span], 1, index, out=dst[:self.span])
-        n = len(self.k)
-        self.k, self.v = spare[:n], spare[n:]
-        self.spare = bufs if self.spare else []
-
-    def select(self, index: Tensor) -> None:
-        """Keep rows ``index`` only (the eager search retiring finished sentences)."""
-        self.k = [b.index_select(1, index) for b in self.k]
-        self.v = [b.index_select(1, index) for b in self.v]
-        self.spare = [b.index_select(1, index) for b in self.spare]
-        self.mk = [b.index_select(0, index) for b in self.mk]
-        self.mv = [b.index_select(0, index) for b in self.mv]
-        self.src_mask = self.src_mask.index_select(0, index)
 
 
 class StaticSearch:

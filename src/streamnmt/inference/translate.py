@@ -25,7 +25,7 @@ from streamnmt.checkpoint import embedded_tokenizer, load_checkpoint, load_model
 from streamnmt.config import RunConfig
 from streamnmt.configbase import check, check_choice, from_dict, opt, pick
 from streamnmt.data import DataConfig, Tokenizer, read_pairs
-from streamnmt.inference.search import DTYPES, SearchOptions, decode_dtype, dtype_name
+from streamnmt.inference.decoding import DTYPES, SearchOptions, decode_dtype, dtype_name
 from streamnmt.errors import ConfigError, InputError
 from streamnmt.fsutil import atomic_write
 from streamnmt.models.transformer import ModelShape, Transformer

@@ -1,24 +1,38 @@
 """Recipe: the job's 'auto' settings resolved once, before anything is built.
 
 The model preset, the token budget sized for the device, the warm-up that follows the tokens per
-update, mixed precision, the engine strategy and ``--compile auto``: each is decided here from the
-device and the data, said in one start line, and recorded in config.yaml as the value it took.
+update, mixed precision, the attention, the BLEU decoding's dtype, the engine strategy and
+``--compile auto``: each is decided here from the device and the data, said in one start line, and
+recorded in config.yaml as the value it took.
+
+Under torchrun rank 0 alone decides (:func:`resolve_job_for_ranks`, :func:`resolve_compile_for_ranks`)
+and the other ranks take its job: ranks that each sized the batch for their own GPU would pack
+batches of other sizes, and their collectives fall out of step or their schedules differ. Each rank
+then checks that its own device can run that job (:func:`device_error`); if one cannot, every rank
+stops with the same line naming it and the setting.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from streamnmt.config import (TOKENS_PER_GIB, WARMUP_TOKENS, ModelConfig, OptimConfig, TrainJob, recipe_max_tokens,
-                              recipe_warmup)
+from streamnmt.config import (TOKENS_PER_GIB, WARMUP_TOKENS, ModelConfig, OptimConfig, TrainJob, job_from_dict,
+                              recipe_max_tokens, recipe_warmup)
 from streamnmt.data import TokenizedCorpus, batch_plan
 from streamnmt.data.config import DataConfig
+from streamnmt.dist import Dist
 from streamnmt.engine.auto import choose_compile, choose_strategy, graph_step_s
+from streamnmt.errors import ConfigError, InputError
+from streamnmt.inference.decoding import decode_dtype, dtype_name
+from streamnmt.models.attention import flex_available, resolve_attention
 from streamnmt.training.step import noam_lr
 from streamnmt.training.stopping import parse_duration
+
+GPU_PRESETS = ("base", "big")  # the presets sized for a GPU: the 40k-pair corpus, 4000 warm-up steps
 
 
 def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[str], None]) -> TrainJob:
@@ -33,14 +47,17 @@ def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[
             log(f"no GPU: using the 'small' model preset{corpus} so a CPU run finishes in minutes "
                      "(--model base for the original size)")
     model = job.model.resolve(preset)
+    model = dataclasses.replace(model, attention=resolve_attention(model.attention, device, log))
     optim, run, data = job.optim, job.run, job.data
     data, optim = resolve_recipe(data, optim, model, job.engine.accum_steps, device, world, log)
     if optim.amp == "auto":  # bf16 where the GPU has it natively, else fp16 with the grad scaler
-        optim = dataclasses.replace(optim, amp=("bf16" if native_bf16() else "fp16") if cuda else "off")
+        optim = dataclasses.replace(optim, amp=("bf16" if device_bf16(device) else "fp16") if cuda else "off")
     if run.epochs is None:
         run = dataclasses.replace(run, epochs=10 if cuda else 2)
+    if run.eval_dtype == "auto":  # the dtype rank 0 decodes BLEU in (bf16 where native, else fp32)
+        run = dataclasses.replace(run, eval_dtype=dtype_name(decode_dtype(run.eval_dtype, device, "eval_dtype")))
     if data.builtin_size is None:
-        data = dataclasses.replace(data, builtin_size=40000 if preset == "base" else 16000)
+        data = dataclasses.replace(data, builtin_size=40000 if preset in GPU_PRESETS else 16000)
     run = dataclasses.replace(run, device=str(device))
     strategy = choose_strategy(job.engine.sync_strategy, device)
     if job.engine.sync_strategy == "auto":
@@ -54,8 +71,8 @@ def resolve_recipe(data: DataConfig, optim: OptimConfig, model: ModelConfig, acc
     (rules and reference in streamnmt.config); one start line says what was chosen and why."""
     notes, d_model = [], model.d_model
     if data.max_tokens is None:
-        if device.type == "cuda":
-            gib = torch.cuda.get_device_properties(device).total_memory / 2 ** 30
+        gib = device_memory_gib(device)
+        if gib is not None:
             tokens = max(recipe_max_tokens(gib, d_model), data.max_len)
             notes.append(f"--max-tokens {tokens} (auto: {TOKENS_PER_GIB} per GiB of the GPU's {gib:.0f} GiB at "
                          f"d_model 512, x 512/{d_model}, a power of two)")
@@ -69,7 +86,7 @@ def resolve_recipe(data: DataConfig, optim: OptimConfig, model: ModelConfig, acc
             notes.append(f"--warmup {warmup} (auto: {WARMUP_TOKENS / 1e6:.1f}M tokens over {per_update} "
                          f"per update; peak lr {noam_lr(warmup, d_model, warmup, optim.lr):.2e})")
         else:
-            warmup = 4000 if model.model == "base" else 400  # sentence batches: per preset
+            warmup = 4000 if model.model in GPU_PRESETS else 400  # sentence batches: per preset (paper: 4000)
         optim = dataclasses.replace(optim, warmup=warmup)
     if notes:
         log("recipe: " + "; ".join(notes))
@@ -77,19 +94,150 @@ def resolve_recipe(data: DataConfig, optim: OptimConfig, model: ModelConfig, acc
 
 def resolve_compile(job: TrainJob, train: TokenizedCorpus, device: torch.device, world: int,
                     log: Callable[[str], None]) -> TrainJob:
-    """``--compile auto``: decided from the run's planned steps and batch shapes (see engine.auto)."""
+    """``--compile auto``: decided from the run's planned steps and batch shapes (see engine.auto), at
+    the warm compile cost where the persistent compile cache holds this step's artefacts; a run that
+    compiles has that cache staged for make_step (streamnmt.training.compile_cache)."""
+    from streamnmt.engine.auto import COMPILE_S_PER_SHAPE, COMPILE_S_PER_SHAPE_WARM
+    from streamnmt.training import compile_cache
+    from streamnmt.training.step import inductor_options
+
     per_epoch, shapes = batch_plan(train, job.data)
     steps = per_epoch * job.run.epochs // world  # micro-batches each process runs
     if job.run.max_steps:
         steps = min(steps, job.run.max_steps * job.engine.accum_steps)
     tokens = max((b * t for b, _, t in shapes), default=0)  # target positions of the largest step
     m = job.model  # sizes resolved from the preset by now
+    rule = job.engine.compile == "auto" and device.type == "cuda" and job.engine.sync_strategy == "graph"
+    cache = None  # keyed only where it is used: the key reads the tokenizers and the GPU's name
+    if rule or job.engine.compile == "on":
+        cache = compile_cache.CompileCache(compile_cache.job_key(job, shapes, device, world, inductor_options()))
+    warm = cache is not None and cache.warm
     choice = choose_compile(job.engine.compile, device, job.engine.sync_strategy, steps, len(shapes),
                             graph_step_s(tokens, m.n_layers, m.d_model, m.d_ff),
-                            parse_duration(job.run.time_limit) or 0.0)
+                            parse_duration(job.run.time_limit) or 0.0,
+                            compile_s=COMPILE_S_PER_SHAPE_WARM if warm else COMPILE_S_PER_SHAPE)
     if job.engine.compile == "auto":
-        log(f"engine: compile {'on' if choice.value else 'off'} ({choice.why})")
+        note = f"; compile cache {'warm' if warm else 'cold'}" if rule else ""
+        log(f"engine: compile {'on' if choice.value else 'off'} ({choice.why}{note})")
+    compile_cache.stage(cache if choice.value else None, log)  # directories and mega-cache, before make_step
     return dataclasses.replace(job, engine=dataclasses.replace(job.engine, compile="on" if choice.value else "off"))
+
+
+# -- one job for all ranks ------------------------------------------------------------------------
+
+def resolve_job_for_ranks(job: TrainJob, device: torch.device, d: Dist, log: Callable[[str], None],
+                          resumed: bool = False) -> TrainJob:
+    """The job every rank runs: rank 0 resolves the 'auto' settings (:func:`resolve_job`; a resumed
+    run keeps its checkpoint's job as it is) and broadcasts it with what its device can do; the
+    other ranks take it, keeping their own ``--device`` (cuda:LOCAL_RANK); then each rank checks
+    that its device can run the job, and if one cannot, every rank raises the same ConfigError
+    naming that rank and the setting. One process: :func:`resolve_job` alone."""
+    if not d.active:
+        return job if resumed else resolve_job(job, device, d.world, log)
+    if d.main:
+        try:
+            if not resumed:
+                job = resolve_job(job, device, d.world, log)
+            shared = {"job": job.to_dict(), "device": rank_device(device, job)}
+        except (ConfigError, InputError) as e:  # the others would wait for a job that never comes
+            d.broadcast({"error": e}, "dist.recipe")
+            raise
+        d.broadcast(shared, "dist.recipe")
+    else:
+        shared = d.broadcast(None, "dist.recipe")
+        if "error" in shared:
+            raise shared["error"]
+        if not resumed:  # a resumed run's job is the checkpoint's on every rank already
+            job = job_from_dict(shared["job"])
+            job = dataclasses.replace(job, run=dataclasses.replace(job.run, device=str(device)))
+    mine = shared["device"] if d.main else rank_device(device, job)
+    errors = d.gather(device_error(job, mine, shared["device"], d.rank, d.world), "dist.recipe")
+    failed = [e for e in errors if e is not None]
+    if failed:  # the lowest failing rank's line, the same on every rank
+        raise ConfigError(failed[0])
+    return job
+
+
+def resolve_compile_for_ranks(job: TrainJob, train: TokenizedCorpus, device: torch.device, d: Dist,
+                              log: Callable[[str], None]) -> TrainJob:
+    """``--compile auto`` (:func:`resolve_compile`) decided by rank 0 for every rank: a compiled rank
+    beside an eager one would run other kernels and another step time, and ranks whose compile
+    caches differ (warm on one, cold on another) would estimate other costs. The other ranks then
+    run :func:`resolve_compile` with rank 0's choice as their request, so that what it prepares for
+    the step (the compile cache) follows the choice they run."""
+    if not d.active:
+        return resolve_compile(job, train, device, d.world, log)
+    if d.main:
+        try:
+            job = resolve_compile(job, train, device, d.world, log)
+        except (ConfigError, InputError) as e:  # the others would wait for a choice that never comes
+            d.broadcast({"error": e}, "dist.recipe")
+            raise
+        d.broadcast({"compile": job.engine.compile}, "dist.recipe")
+        return job
+    shared = d.broadcast(None, "dist.recipe")
+    if "error" in shared:
+        raise shared["error"]
+    job = dataclasses.replace(job, engine=dataclasses.replace(job.engine, compile=shared["compile"]))
+    return resolve_compile(job, train, device, d.world, log)
+
+
+@dataclass(frozen=True)
+class RankDevice:
+    """What one rank's device offers that the resolved job depends on."""
+
+    name: str  # e.g. "cuda:1, NVIDIA H100 80GB HBM3", for the error line
+    gib: float | None  # memory (None on the CPU: no token budget is sized from it)
+    bf16: bool  # native bf16
+    flex: str | None  # why FlexAttention cannot train here (None: it can, or --attention is not flex)
+
+
+def rank_device(device: torch.device, job: TrainJob) -> RankDevice:
+    name = f"{device}, {torch.cuda.get_device_name(device)}" if device.type == "cuda" else str(device)
+    flex = flex_available(device) if job.model.attention == "flex" else None
+    return RankDevice(name, device_memory_gib(device), device_bf16(device), flex)
+
+
+def device_error(job: TrainJob, mine: RankDevice, first: RankDevice, rank: int, world: int) -> str | None:
+    """Why this rank's device cannot run ``job``, which rank 0 (device ``first``) resolved; None if
+    it can. A rank fails a check only where it falls short of rank 0: what rank 0 runs is the
+    recipe's or the user's choice, as on one process, and a rank at least as capable runs it too."""
+    who = f"rank {rank} of {world} ({mine.name})"
+    tokens, d_model = job.data.max_tokens, job.model.d_model
+    if tokens and d_model and mine.gib is not None and first.gib is not None:
+        own, first_own = recipe_max_tokens(mine.gib, d_model), recipe_max_tokens(first.gib, d_model)
+        # The rule's 64 tokens per GiB leaves about 4x headroom (the base model trained 32768-token
+        # batches on one H200, where it picks 8192: docs/PERFORMANCE.md), so a rank safely runs up to
+        # twice its own rule's budget (a GPU of half rank 0's memory runs rank 0's auto budget).
+        # Beyond that, on a smaller GPU than rank 0's (a smaller power of two by the rule, so that
+        # GPUs of one kind never fail, whatever --max-tokens the user chose), it would run out of
+        # memory where rank 0 does not.
+        if own < first_own and tokens > 2 * own:
+            return (f"--max-tokens (config key 'max_tokens'): {tokens} tokens per batch, sized for rank 0's "
+                    f"{first.gib:.0f} GiB, but {who} has {mine.gib:.0f} GiB, for which the recipe sizes {own} at "
+                    f"d_model {d_model}; more than twice that would run out of memory there: set --max-tokens "
+                    f"{2 * own} or less, or use GPUs of one size")
+    if job.optim.amp == "bf16" and first.bf16 and not mine.bf16:
+        # Emulated bf16 runs at a fraction of the speed, and DDP runs every rank at the slowest's.
+        return (f"--amp (config key 'amp'): bf16, native on rank 0, but {who} has no native bf16: set --amp fp16 "
+                f"(or off) for every rank, or use GPUs of one kind")
+    if job.model.attention == "flex" and first.flex is None and mine.flex is not None:
+        return (f"--attention (config key 'attention'): flex, which rank 0 runs, but {who} cannot ({mine.flex}): "
+                f"set --attention sdpa")
+    # eval_dtype needs no check: rank 0 alone decodes BLEU, on the device that chose it.
+    return None
+
+
+def device_memory_gib(device: torch.device) -> float | None:
+    """GiB of memory of ``device``; None on the CPU (the recipe sizes no token budget there)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory / 2 ** 30
+
+
+def device_bf16(device: torch.device) -> bool:
+    """``device`` is a GPU that computes bf16 natively (the current device: the trainer sets it)."""
+    return device.type == "cuda" and native_bf16()
 
 
 def native_bf16() -> bool:

@@ -10,6 +10,7 @@ is refused up front when it is missing (see :func:`streamnmt.training.stopping.c
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +49,40 @@ def merge_sync_stats(entries: list[dict[str, dict[str, float]]]) -> dict[str, di
             m["max_ms"] = max(m["max_ms"], s["max_ms"])
             m["mean_ms"] = round(m["total_ms"] / m["count"], 4) if m["count"] else 0.0
     return dict(sorted(out.items()))
+
+
+def running(strategy) -> str:
+    """The strategy that actually runs: graph mode's fallback names itself."""
+    fallback = getattr(strategy, "fallback", None)
+    return f"{fallback.name} (in place of graph)" if fallback is not None else strategy.name
+
+
+def overlong_note(stats: dict[str, int], data) -> str:
+    """What --overlong did to the training pairs over --max-len, for the data start line."""
+    if data.overlong == "drop":
+        return f"{stats.get('dropped', 0)} training pairs over --max-len {data.max_len} dropped (--overlong drop)"
+    return f"{stats.get('truncated', 0)} training pairs over --max-len {data.max_len} truncated (--overlong truncate)"
+
+
+def progress(total: int, desc: str, quiet: bool = False):
+    """The epoch's progress bar on stderr (off on ranks other than 0)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, mininterval=0.5, dynamic_ncols=True,
+                disable=True if quiet else None)
+
+
+def epoch_line(row: dict[str, Any], epochs: int) -> str:
+    """The console line of an epoch (its columns under the header the loop prints first); an
+    epoch that was not evaluated shows '-' for its validation loss and BLEU."""
+    val = f"{row['val_loss']:>10.4f}" if row["val_loss"] != "" else f"{'-':>10}"
+    return (f"{row['epoch']:>3}/{epochs:<3}{row['gpu_mem_gb']:>8.2f}G{row['steps']:>9}"
+            f"{row['tokens_per_s']:>10.0f}{row['train_loss']:>12.4f}{row['train_nll']:>11.4f}"
+            f"{row['train_ppl']:>9.2f}{val}{row['bleu'] if row['bleu'] != '' else '-':>7}{row['epoch_s']:>7.1f}s")
+
+
+def time_line(times: dict[str, float], wall_s: float) -> str:
+    """Where the run's wall clock went, e.g. ``wall 121 s: training 88 % (106 s), evaluation 6 %
+    (7 s), ...``; ``times`` holds the measured seconds of each part."""
+    parts = ", ".join(f"{name} {100 * s / max(wall_s, 1e-9):.0f} % ({s:.0f} s)" for name, s in times.items())
+    return f"wall {wall_s:.0f} s: {parts}"

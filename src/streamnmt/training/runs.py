@@ -38,6 +38,8 @@ class CsvLog:
         exists = path.exists() and path.stat().st_size > 0
         if exists and truncate_after is not None:
             self._truncate(truncate_after)
+        if exists:
+            self._match_header()
         self.f = open(path, "a", newline="", encoding="utf-8")
         self.w = csv.writer(self.f)
         if not exists:
@@ -51,6 +53,16 @@ class CsvLog:
             rows = list(csv.reader(f))
         keep = rows[:1] + [r for r in rows[1:] if r and int(r[0]) <= last_key]
         atomic_write(self.path, "".join(",".join(r) + "\r\n" for r in keep))
+
+    def _match_header(self) -> None:
+        """A file of an earlier version (other columns) is rewritten under today's header, its
+        values kept by column name, so that appended rows line up with the header."""
+        with open(self.path, newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+        if rows and rows[0] != self.columns:
+            old = [dict(zip(rows[0], r)) for r in rows[1:] if r]
+            atomic_write(self.path, "".join(",".join(r) + "\r\n" for r in
+                                            [self.columns, *([d.get(c, "") for c in self.columns] for d in old)]))
 
     def write(self, row: dict[str, Any]) -> None:
         self.w.writerow([_fmt(row.get(c, "")) for c in self.columns])

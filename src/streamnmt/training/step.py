@@ -34,6 +34,7 @@ from torch import nn
 
 from streamnmt.models import masks
 from streamnmt.data import Batch
+from streamnmt.training import compile_cache
 from streamnmt.training.ema import EMA
 from streamnmt.models.transformer import ModelShape
 from streamnmt.models.xent import linear_cross_entropy
@@ -135,6 +136,9 @@ class NMTStep:
         # Named device scalars the engine pushes beside each loss (``StepFunction.values``): the
         # plain NLL share of the last forward, beside its smoothed loss.
         self.values = {"nll": torch.zeros((), dtype=torch.float32, device=self.params[0].device)}
+        # Set by make_step(compile=True): where the compiled artefacts persist (saved by compile_ready).
+        self.compile_cache: compile_cache.CompileCache | None = None
+        self._save_after_step: Callable[[str], None] | None = None  # eager strategies: the log to save with
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor a step mutates (graph mode saves and restores them around its warm-up)."""
@@ -221,6 +225,29 @@ class NMTStep:
             self.ema.update()  # device kernels after the update, so graph mode captures them too
         self.loss_ok.fill_(True)
         self.optimizer.zero_grad(set_to_none=self.grads_to_none)
+        if self._save_after_step is not None and not _capturing():  # host work only: never inside a capture
+            log, self._save_after_step = self._save_after_step, None
+            self.compile_cache.save(log)  # the first eager step compiled its shape (forward and backward)
+
+    def compile_ready(self, log: Callable[[str], None]) -> None:
+        """Called once the engine is prepared: with ``compile``, save the compiled artefacts (once per
+        run) and say how long the start took and whether the compile cache was warm. Graph mode's
+        warm-up has run the compiled step of every training shape by now; an eager strategy compiles
+        at its first steps, so the save waits for the end of its first optimizer step."""
+        cache = self.compile_cache
+        if cache is None:
+            return
+        cache.say_pending(log)  # a warning from make_step, which has no log
+        if self.calls:
+            cache.save(log)
+        else:
+            self._save_after_step = log
+        log(cache.ready_line(compiled=self.calls > 0))
+
+
+def _capturing() -> bool:
+    """A CUDA graph capture is under way on the current stream (a host-side query, no sync)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class _InfGrad(torch.autograd.Function):
@@ -243,7 +270,9 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
     """The optimizer, schedule, grad scaler and step function for ``model`` (trainer and bench).
 
     With ``compile``, the model is compiled for each of its ``shapes`` batch shapes (static shapes:
-    what CUDA graph capture needs); the compile cache is made large enough to hold all of them.
+    what CUDA graph capture needs); the compile cache is made large enough to hold all of them, and
+    the compiled artefacts persist under ``$STREAMNMT_HOME/compile`` (:mod:`.compile_cache`; the key
+    that ``recipe.resolve_compile`` staged, else the directories alone).
     ``ddp``: wrap the model in DistributedDataParallel (the process group is initialised), at the
     step's first forward or :meth:`NMTStep.parallel` (compiled after wrapping). ``loss_model``: the
     module that computes the loss sums (default :class:`LossModel` of ``model``; the bench's stock
@@ -257,8 +286,10 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
                                  fused=True, capturable=device.type == "cuda")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
+    cache = None
     if compile:
         fit_compile_cache(shapes)
+        cache = compile_cache.for_step(model)  # before torch.compile first runs: it reads the directories
 
     def compiled(m: torch.nn.Module) -> torch.nn.Module:
         return torch.compile(m, dynamic=False, options=inductor_options() or None)
@@ -273,6 +304,7 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
                    label_smoothing=label_smoothing, parallelize=parallelize if ddp else None)
     if ema > 0:
         step.ema = EMA(step.params, ema, schedule.step_t)
+    step.compile_cache = cache
     return step
 
 
@@ -310,7 +342,7 @@ def example_batch(shape: tuple[int, int, int], model: ModelShape, seed: int, pac
     carries a loss normaliser as the loader's batches do (graph mode keys graphs on every tensor);
     ``packed``: and the segment tensors of a packed batch."""
     if packed:
-        from streamnmt.data.packing import example_packed
+        from streamnmt.data.packbatch import example_packed
 
         return example_packed(shape, model.src_vocab, model.tgt_vocab, seed)
     b, s, t = shape

@@ -11,12 +11,18 @@ Both keep their state in the checkpoint, so a resumed run stops where the uninte
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
+import os
 import re
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import psutil
 
 from streamnmt.configbase import check, check_choice
 from streamnmt.errors import ConfigError
@@ -51,7 +57,10 @@ def best_metric(run: Any) -> str:
 
 def check_recipe(run: Any) -> None:
     """Validate the RunConfig fields of the training recipe (called from its ``__post_init__``)."""
-    check(run.eval_every >= 0, "eval_every", f"must be 0 (epoch ends only) or positive; got {run.eval_every}")
+    every = str(run.eval_every).strip().lower()
+    check(every == "auto" or (every.isdigit() and int(every) >= 0), "eval_every",
+          f"must be auto, 0 (epoch ends only) or a positive number of steps; got {run.eval_every!r}")
+    run.eval_every = "auto" if every == "auto" else str(int(every))
     check_choice(run.best_metric, "best_metric", ("auto", "bleu", "val_loss"))
     check(run.best_metric != "bleu" or run.bleu_samples > 0, "best_metric",
           "bleu needs BLEU to be computed: set --bleu-samples above 0 or use --best-metric val_loss")
@@ -109,26 +118,62 @@ class EarlyStopping:
             self.best, self.best_step, self.bad = state["best"], state["best_step"], state["bad"]
 
 
-class TimeBudget:
-    """``--time-limit``: wall-clock seconds of this process's training, from :meth:`start`.
+def command_start() -> float:
+    """``time.monotonic()`` at the command's start: the launcher's (``STREAMNMT_COMMAND_START``, a
+    Unix time set by ``streamnmt train --nproc`` for its ranks), else this process's creation as the
+    OS recorded it, so that interpreter start-up and imports count too."""
+    now_wall, now = time.time(), time.monotonic()
+    started = os.environ.get("STREAMNMT_COMMAND_START")
+    try:
+        wall = float(started) if started else psutil.Process().create_time()
+    except (ValueError, psutil.Error):
+        return now
+    return now - min(max(now_wall - wall, 0.0), 86400.0)
 
-    A resumed run gets the budget afresh (the usual use is one time slot per job). ``clock`` is
-    injectable so that tests stop at a chosen step without sleeping.
+
+class TimeBudget:
+    """``--time-limit``: the run's wall-clock seconds, counted from ``t0`` (the command's start).
+
+    A resumed run gets the budget afresh (one time slot per job). The loop asks :meth:`expired`
+    with a reserve (what the last evaluation and checkpoint write will cost), so that the run
+    ends, evaluated and saved, within the limit. ``clock`` is injectable (tests stop at a chosen
+    step without sleeping; they set ``t0`` in the clock's units).
     """
 
-    def __init__(self, limit_s: float | None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, limit_s: float | None, clock: Callable[[], float] = time.monotonic,
+                 t0: float | None = None):
         self.limit_s, self.clock = limit_s, clock
-        self.t0: float | None = None
+        self.t0 = clock() if t0 is None else t0
 
-    def start(self) -> None:
-        self.t0 = self.clock()
+    def elapsed(self) -> float:
+        return self.clock() - self.t0
 
-    def expired(self) -> bool:
-        if self.limit_s is None:
-            return False
-        if self.t0 is None:
-            self.start()
-        return self.clock() - self.t0 >= self.limit_s  # type: ignore[operator]
+    def expired(self, reserve_s: float = 0.0) -> bool:
+        return self.limit_s is not None and self.elapsed() + reserve_s >= self.limit_s
 
     def reason(self, step: int) -> str:
         return f"time limit ({self.limit_s:g} s) reached after step {step}"
+
+
+@contextlib.contextmanager
+def stop_signals(trainer: Any) -> Iterator[None]:
+    """SIGTERM and a first SIGINT ask the loop to stop after the current step (a host-side flag,
+    checked once per step; no device work); a second SIGINT aborts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def request_stop(signum, frame):
+        if trainer.signalled and signum == signal.SIGINT and not trainer.dist.active:
+            raise KeyboardInterrupt  # (several ranks: Ctrl-C reaches a rank from the terminal and from torchrun)
+        trainer.signalled = True
+        trainer.stop_requested, trainer.stop_reason = True, ""
+        trainer.log(f"\n{signal.Signals(signum).name}: finishing the current step, then saving "
+                    "(Ctrl-C again to abort)")
+
+    old = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,177 @@
+"""Checkpoint writes that keep the training loop training: a copy to pinned memory, then a writer.
+
+A base-model ``last.pt`` (weights, Adam's two moments, EMA) is most of a gigabyte; serialising
+it, fsyncing it and renaming it takes seconds, which a synchronous save spends with the GPU idle.
+Here the loop waits only for a copy of the state's device tensors into pinned host buffers,
+issued on a side stream and waited on through one event; a writer thread then serialises the copy
+(``torch.save``), fsyncs it and renames it over the target (:func:`streamnmt.checkpoint.save_checkpoint`),
+so a kill at any moment leaves the previous file whole. At most one write is in flight: a save
+that finds the writer busy waits for it first, and so do the end of the run, a stop (SIGTERM,
+``--time-limit``, ``--patience``) and :meth:`Checkpointer.close`.
+
+Why a thread of our own and not ``torch.distributed.checkpoint.async_save`` (torchtitan's
+choice): DCP writes a directory of shards with its own metadata, made for sharded models that
+are loaded back by DCP on any number of ranks. A streamnmt checkpoint is one ``.pt`` file that
+``torch.load(weights_only=True)`` reads anywhere, embeds its tokenizers, and is read by
+translate, eval, export, average and ``--weights``; rank 0 holds the whole (replicated) state.
+The staging half of DCP's design (pinned buffers reused between saves, one copy on a side
+stream) is what saves the time, and it is kept here.
+
+The pinned buffers are allocated on the first save of each kind and reused (pinning a gigabyte
+costs more than copying it); they are rewritten only once the writer has finished with them.
+``background=False`` (``--no-async-save``) writes on the calling thread, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamnmt.checkpoint import keep_step_copy, save_checkpoint, save_safetensors
+from streamnmt.engine.syncstats import host_sync
+
+# What best.pt and ema.pt keep: enough to translate, evaluate, export, average and start a run
+# from (--weights); an exact resume needs last.pt alone, so best.pt skips the optimizer's moments.
+WEIGHTS_KEYS = ("model", "model_shape", "tokenizers", "config", "step")
+
+
+class Checkpointer:
+    """Writes checkpoints of one run; rank 0 alone holds one (the other ranks write nothing)."""
+
+    def __init__(self, device: torch.device, background: bool = True):
+        self.device, self.background = device, background
+        self.cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if self.cuda and background else None  # made once
+        self._pinned: dict[tuple, torch.Tensor] = {}  # staging buffers, by (kind, path in the state)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_write_s = 0.0  # how long the last write took on the writer (serialise, fsync, rename)
+        self.writes = 0
+
+    # -- the loop's side ------------------------------------------------------------------------
+    def save(self, path: Path, state: dict[str, Any], *, kind: str = "last", keep: int = 0, step: int = 0,
+             then: Callable[[dict[str, Any]], None] | None = None) -> float:
+        """Write ``state`` to ``path``; returns the seconds the caller waited.
+
+        ``keep``: also keep the file as ``step_NNNNNN.pt`` with the ``keep`` newest such copies
+        (``--keep-last``); ``then``: run on the writer with the written (host) state after the file is
+        in place.
+        """
+        t0 = time.perf_counter()
+        self.wait()  # at most one write in flight: the staging buffers are free again after this
+        if not self.background:
+            # Needed: torch.save copies every device tensor to the host (callers drained the
+            # streams first, so this waits for nothing queued, but it is a host-device sync).
+            host_sync("checkpoint.save", lambda: self._write(path, state, keep, step, then))
+            return time.perf_counter() - t0
+        staged = self._stage(kind, state)
+        self._thread = threading.Thread(target=self._run, args=(path, staged, keep, step, then),
+                                        name="streamnmt-checkpoint-writer", daemon=True)
+        self._thread.start()
+        return time.perf_counter() - t0
+
+    def wait(self) -> float:
+        """Wait for the write in flight (if any); re-raise its error here. Returns the seconds waited."""
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return time.perf_counter() - t0
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def close(self) -> float:
+        """The end of the run: every write finished (or its error raised)."""
+        return self.wait()
+
+    # -- staging ------------------------------------------------------------------------------
+    def _stage(self, kind: str, state: dict[str, Any]) -> dict[str, Any]:
+        """A host copy of ``state`` that training can no longer change: device tensors into pinned
+        buffers on the side stream, host tensors cloned, containers rebuilt; shared tensors stay
+        shared (a tied embedding is written once)."""
+        seen: dict[tuple, torch.Tensor] = {}
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the state is final there
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            staged = self._copy(state, (kind,), seen)
+        if self._stream is not None:
+            done = torch.cuda.Event()
+            done.record(self._stream)
+            # Needed: the training's next step rewrites the weights and moments in place; their
+            # copies must have landed in the pinned buffers first (one event, the copies only).
+            host_sync("checkpoint.stage", done)
+        return staged
+
+    def _copy(self, obj: Any, where: tuple, seen: dict[tuple, torch.Tensor]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            ident = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+            if ident in seen and t.numel():
+                return seen[ident]
+            if t.device.type == "cuda":
+                buf = self._pinned.get(where)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    buf = self._pinned[where] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                out = buf
+            else:
+                out = t.clone()
+            seen[ident] = out
+            return out
+        if isinstance(obj, dict):
+            return {k: self._copy(v, (*where, k), seen) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            items = [self._copy(v, (*where, i), seen) for i, v in enumerate(obj)]
+            return items if isinstance(obj, list) else tuple(items)
+        return obj  # numbers, strings, bytes, None: immutable
+
+    # -- the writer's side --------------------------------------------------------------------
+    def _run(self, path: Path, state: dict[str, Any], keep: int, step: int,
+             then: Callable[[dict[str, Any]], None] | None) -> None:
+        try:
+            self._write(path, state, keep, step, then)
+        except BaseException as e:  # raised on the loop's thread at its next save or wait
+            self._error = e
+
+    def _write(self, path: Path, state: dict[str, Any], keep: int, step: int,
+               then: Callable[[dict[str, Any]], None] | None) -> None:
+        t0 = time.perf_counter()
+        save_checkpoint(path, state)
+        if keep:
+            keep_step_copy(path, step, keep)
+        if then is not None:
+            then(state)
+        self.last_write_s = time.perf_counter() - t0
+        self.writes += 1
+
+
+def weights_only(state: dict[str, Any]) -> dict[str, Any]:
+    """The part of a training state that best.pt and ema.pt keep (see :data:`WEIGHTS_KEYS`)."""
+    return {k: state[k] for k in WEIGHTS_KEYS if k in state}
+
+
+def remove_stale_temporaries(weights_dir: Path) -> None:
+    """Temporary files of writes that a kill interrupted (the targets themselves are whole)."""
+    for tmp in weights_dir.glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
+def safetensors_beside(path: Path) -> Callable[[dict[str, Any]], None]:
+    """A writer's follow-up: the weights of a checkpoint just written to ``path`` also as
+    ``path.safetensors`` (for tools that read safetensors; the .pt file stays the reference)."""
+    def write(state: dict[str, Any]) -> None:
+        save_safetensors(path.with_suffix(".safetensors"), state["model"],
+                         {"model_shape": json.dumps(state["model_shape"])})
+    return write

@@ -1,0 +1,227 @@
+"""Evaluation in a training run: validation loss, dev BLEU, best weights, patience, and when.
+
+On a small corpus an epoch takes about a second and a dev BLEU pass a few: evaluating at every
+epoch end spends most of a run's wall clock outside training (docs/PERFORMANCE.md, "Evaluation
+and checkpoints in a run"). Three things keep evaluation a bounded share of the run:
+
+* :class:`Cadence` (``--eval-every auto``, the default): evaluate once the training time since
+  the last evaluation is at least :data:`COST_RATIO` times what that evaluation cost, so that
+  evaluation stays under ~10 % of the wall clock; the first evaluation comes at the first epoch end
+  or after :data:`FIRST_EVAL_S` of training. ``--eval-every N`` evaluates every N steps and at
+  epoch ends, ``0`` at epoch ends only, as before. The end of the run always evaluates.
+* The validation loss runs from CUDA graphs (:class:`CapturedLoss`): one graph per dev batch
+  shape, captured at the first evaluation and replayed after; the sums stay on the device.
+* Dev BLEU decodes through the graph decoder (:mod:`streamnmt.inference.graph_search`) on a
+  decoding copy of the model in ``--eval-dtype`` (bf16 where the GPU has it) whose weights stay at
+  fixed addresses, so its buckets are captured once per run and replayed at every evaluation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from streamnmt.data import read_pairs
+from streamnmt.engine.base import tensors
+from streamnmt.engine.syncstats import host_sync
+from streamnmt.inference.scoring import bleu_on_pairs
+from streamnmt.inference.decoding import SearchOptions, decoding_copy
+from streamnmt.training.stopping import EarlyStopping, best_metric, parse_duration
+
+COST_RATIO = 9.0  # training seconds per second of evaluation: evaluation <= 1 / (1 + 9) = 10 % of the run
+FIRST_EVAL_S = 60.0  # the first evaluation, when no epoch has ended sooner (its cost is not known yet)
+MIN_INTERVAL_S = 10.0  # mid-epoch: never closer than this (a near-free evaluation would run every step)
+EVAL_BATCH = 64  # dev sentences per decoding batch
+
+
+class Cadence:
+    """When the next evaluation is due. ``every``: None = the time rule (``auto``), 0 = epoch
+    ends only, N = every N optimizer steps and at epoch ends. Training time is added by the loop
+    (:meth:`trained`); :meth:`done` records what an evaluation cost."""
+
+    def __init__(self, every: int | None, ratio: float = COST_RATIO, first_after_s: float = FIRST_EVAL_S,
+                 min_interval_s: float = MIN_INTERVAL_S):
+        self.every, self.ratio = every, ratio
+        self.first_after_s, self.min_interval_s = first_after_s, min_interval_s
+        self.since_s = 0.0  # training seconds since the last evaluation
+        self.cost_s: float | None = None  # what the last evaluation cost
+
+    def trained(self, seconds: float) -> None:
+        self.since_s += seconds
+
+    def due(self, step: int, epoch_end: bool) -> bool:
+        if self.every is not None:
+            return epoch_end or (self.every > 0 and step % self.every == 0)
+        if self.cost_s is None:
+            return epoch_end or self.since_s >= self.first_after_s
+        wait = self.ratio * self.cost_s
+        return self.since_s >= (wait if epoch_end else max(wait, self.min_interval_s))
+
+    def done(self, cost_s: float) -> None:
+        self.since_s, self.cost_s = 0.0, cost_s
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"since_s": self.since_s, "cost_s": self.cost_s}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state:
+            self.since_s, self.cost_s = state["since_s"], state["cost_s"]
+
+
+@dataclass
+class Evaluation:
+    val_loss: float
+    bleu: float | None
+    bleu_s: float
+    better: bool
+
+
+class CapturedLoss:
+    """``fn(batch) -> (nll_sum, tokens)`` replayed from one CUDA graph per batch shape (forward
+    only, no host sync). A shape whose capture fails is said in one line and runs eagerly after."""
+
+    def __init__(self, fn: Callable[[Any], tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+                 log: Callable[[str], None]):
+        self.fn, self.device, self.log = fn, device, log
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Any, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.failed: str | None = None
+
+    def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.failed is not None:
+            return self.fn(batch)
+        key = tuple((tuple(t.shape), t.dtype) for t in tensors(batch))
+        entry = self.graphs.get(key)
+        if entry is None:
+            try:
+                entry = self.graphs[key] = self._capture(batch)
+            except RuntimeError as e:
+                self.failed = str(e).splitlines()[0][:200]
+                self.log(f"eval: validation runs eagerly (CUDA graph capture failed: {self.failed})")
+                return self.fn(batch)
+        graph, static, out = entry
+        for dst, src in zip(tensors(static), tensors(batch)):
+            dst.copy_(src, non_blocking=True)
+        graph.replay()
+        return out
+
+    def _capture(self, batch: Any):
+        static = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).clone()
+                                               for f in dataclasses.fields(batch)
+                                               if isinstance(getattr(batch, f.name), torch.Tensor)})
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.fn(static)  # warm-up: lazy initialisations (cuBLAS handles, Triton kernels) outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.fn(static)
+        return graph, static, out
+
+
+class Evaluator:
+    """Validation loss and dev BLEU of the model; best.pt and --patience through ``stopper``.
+    Rank 0 evaluates, every rank learns its results (so that they decide alike)."""
+
+    def __init__(self, *, model: torch.nn.Module, loss_sum: Callable[[Any], Any], dev_loader: Iterable,
+                 data: Any, job: Any, device: torch.device, dist: Any, bleu_dtype: torch.dtype,
+                 log: Callable[[str], None]):
+        self.model, self.loss_sum, self.dev_loader = model, loss_sum, dev_loader
+        self.data, self.job, self.device, self.dist, self.log = data, job, device, dist, log
+        run = job.run
+        self.stopper = EarlyStopping(best_metric(run), run.patience)
+        # With --time-limit the first evaluation comes early enough that the end of the run can keep
+        # time for the last one (its cost is then known).
+        limit = parse_duration(run.time_limit)
+        self.cadence = Cadence(run.eval_steps(), first_after_s=min(FIRST_EVAL_S, 0.1 * limit) if limit else FIRST_EVAL_S)
+        self.best_val = math.inf
+        self.bleu_dtype = bleu_dtype
+        self.bleu_model: torch.nn.Module | None = None
+        self.options = SearchOptions(beam_size=run.beam_size, graph=device.type == "cuda")
+        self._pairs: list[tuple[str, str]] | None = None
+        self._captured = CapturedLoss(self._nll, device, log) if device.type == "cuda" else None
+
+    # -- what the loop calls ------------------------------------------------------------------
+    def evaluate(self, step: int, ema: Any = None, on_better: Callable[[], None] | None = None) -> Evaluation:
+        """Validate and score (with the EMA weights when ``ema`` is given); ``on_better`` runs with
+        those weights in the model when --best-metric improved (it writes best.pt)."""
+        with ema.swapped() if ema is not None else contextlib.nullcontext():
+            if self.dist.main:
+                val_loss = self.validate()
+                bleu, bleu_s = self.bleu()
+            else:
+                val_loss, bleu, bleu_s = math.nan, None, 0.0
+            # every rank learns rank 0's results (best.pt and --patience decide alike everywhere)
+            val_loss, bleu, bleu_s = self.dist.broadcast((val_loss, bleu, bleu_s), "dist.evaluate")
+            self.best_val = min(self.best_val, val_loss)
+            better = self.stopper.update(bleu if self.stopper.metric == "bleu" else val_loss, step)
+            if better and on_better is not None:
+                on_better()
+        return Evaluation(val_loss, bleu, bleu_s, better)
+
+    def start_line(self) -> str:
+        """What evaluation runs on, and the decoding copy's memory (made now, kept for the run)."""
+        run = self.job.run
+        if run.bleu_samples and self.device.type == "cuda":
+            self.bleu_model = decoding_copy(self.model, self.bleu_dtype, self.bleu_model)
+        copy_mb = 0.0
+        if self.bleu_model is not None and self.bleu_model is not self.model:
+            copy_mb = sum(p.numel() * p.element_size() for p in self.bleu_model.parameters()) / 2 ** 20
+        every = self.job.run.eval_every
+        when = ("auto: when the training since the last evaluation reaches "
+                f"{COST_RATIO:g}x its cost, and at the end" if every == "auto" else
+                f"every {every} steps and at epoch ends" if self.cadence.every else "at epoch ends")
+        bleu = ("no BLEU" if not run.bleu_samples else
+                f"BLEU of {run.bleu_samples} dev sentences, beam {run.beam_size}, "
+                f"{str(self.bleu_dtype).removeprefix('torch.')} "
+                + (f"CUDA graphs (decoding copy {copy_mb:.0f} MiB)" if self.options.graph else "eager"))
+        return f"eval: {when}; validation {'CUDA graphs' if self._captured else 'eager'}; {bleu}"
+
+    # -- the parts ----------------------------------------------------------------------------
+    def _nll(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        _, nll, n = self.loss_sum(batch)
+        return nll.float(), n
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Token-level validation loss (plain NLL, no label smoothing); sums stay on the device, one
+        counted sync at the end."""
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        ntok = torch.zeros((), dtype=torch.int64, device=self.device)
+        run = self._captured or self._nll
+        for batch in self.dev_loader:
+            nll, n = run(batch.to(self.device, non_blocking=True))
+            total += nll.double()
+            ntok += n
+        self.model.train()
+        # Needed: the validation loss is reported and compared for best.pt.
+        return float(host_sync("eval.val_loss", lambda: (total / ntok.clamp(min=1)).item()))
+
+    def bleu(self) -> tuple[float | None, float]:
+        n = self.job.run.bleu_samples
+        if n == 0:
+            return None, 0.0
+        if self._pairs is None:
+            self._pairs = read_pairs(self.job.data, "dev")[:n]
+        t0 = time.perf_counter()
+        self.bleu_model = model = decoding_copy(self.model, self.bleu_dtype, self.bleu_model)
+        res = bleu_on_pairs(model, self.data.src_tok, self.data.tgt_tok, self._pairs, device=self.device,
+                            beam_size=self.job.run.beam_size, batch_size=EVAL_BATCH,
+                            tgt_lang=self.job.data.tgt_lang, options=self.options)
+        return res["bleu"], time.perf_counter() - t0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.stopper.state_dict(), "cadence": self.cadence.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        self.stopper.load_state_dict(state)
+        self.cadence.load_state_dict((state or {}).get("cadence"))

@@ -1,0 +1,95 @@
+"""When a run evaluates (--eval-every auto's rule, on a fake clock) and where its wall clock went."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from streamnmt.cli import build_parser
+from streamnmt.config import build_job
+from streamnmt.training.evaluator import COST_RATIO, Cadence, Evaluator
+from streamnmt.training.runs import read_csv
+from streamnmt.training.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = ["--device", "cpu", "--model", "tiny", "--builtin-size", "200", "--bleu-samples", "0", "--batch-size", "16",
+        "--max-len", "32", "--dropout", "0", "--sync-strategy", "event", "--loss-interval", "1"]
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path_factory, monkeypatch):
+    home = tmp_path_factory.getbasetemp() / "home"
+    monkeypatch.setenv("STREAMNMT_HOME", str(home))
+    return home
+
+
+def make_trainer(tmp_path: Path, *flags: str, lines: list[str] | None = None) -> Trainer:
+    args = vars(build_parser().parse_args(["train", *TINY, "--project", str(tmp_path), *flags]))
+    for key in ("_run", "command"):
+        args.pop(key, None)
+    return Trainer(build_job(args), log=(lines if lines is not None else []).append)
+
+
+def test_the_auto_rule_waits_nine_times_the_last_cost():
+    c = Cadence(None, first_after_s=60.0, min_interval_s=10.0)
+    assert not c.due(1, epoch_end=False)
+    c.trained(59.0)
+    assert not c.due(2, epoch_end=False) and c.due(2, epoch_end=True)  # no cost known: the first epoch end
+    c.trained(1.0)
+    assert c.due(3, epoch_end=False)  # ... or a minute of training, whichever comes first
+    c.done(2.0)
+    c.trained(2.0 * COST_RATIO - 0.5)
+    assert not c.due(4, epoch_end=True) and not c.due(4, epoch_end=False)
+    c.trained(0.5)
+    assert c.due(5, epoch_end=True) and c.due(5, epoch_end=False)
+    c.done(0.01)  # a near-free evaluation: mid-epoch no closer than min_interval_s, epoch ends by the rule
+    c.trained(1.0)
+    assert c.due(6, epoch_end=True) and not c.due(6, epoch_end=False)
+
+
+def test_fixed_cadences_keep_their_meaning():
+    every = Cadence(5)
+    assert every.due(10, epoch_end=False) and not every.due(11, epoch_end=False) and every.due(11, epoch_end=True)
+    ends = Cadence(0)
+    assert not ends.due(10, epoch_end=False) and ends.due(10, epoch_end=True)
+
+
+def test_a_run_evaluates_when_the_rule_says_on_a_fake_clock(tmp_path, monkeypatch):
+    """One second of training per step, five seconds per evaluation: after the first epoch end
+    (no cost known yet) the next evaluation waits for 9 x 5 = 45 s of training, then the end."""
+    t = make_trainer(tmp_path, "--name", "a", "--epochs", "50", "--max-steps", "100", "--best-metric", "val_loss")
+    n = len(t.train_loader)
+    assert 5 < n < 45
+    extra = [0.0]
+    t.clock = lambda: float(t.global_step) + extra[0]
+    real_validate = Evaluator.validate
+
+    def costly_validate(self):
+        extra[0] += 5.0
+        return real_validate(self)
+
+    monkeypatch.setattr(Evaluator, "validate", costly_validate)
+    t.train()
+    steps = [int(r["step"]) for r in read_csv(tmp_path / "a" / "evals.csv")]
+    first = n
+    second = next(s for s in range(first + 45, 101) if s % n == 0 or s - first >= 45)
+    assert steps == ([first, second, 100] if second < 100 else [first, 100])
+    assert [float(r["eval_s"]) for r in read_csv(tmp_path / "a" / "evals.csv")] == [5.0] * len(steps)
+    rows = read_csv(tmp_path / "a" / "results.csv")
+    assert {"eval_s", "save_s"} <= set(rows[0]) and float(rows[0]["eval_s"]) == 5.0
+    # an epoch row shows its end's evaluation (mid-epoch ones are in evals.csv); the others leave it blank
+    assert sum(r["val_loss"] != "" for r in rows) == len([s for s in steps if s % n == 0 or s == 100])
+
+
+def test_the_end_line_adds_up_to_the_wall_clock(tmp_path):
+    lines: list[str] = []
+    t = make_trainer(tmp_path, "--name", "w", "--epochs", "2", lines=lines)
+    result = t.train()
+    times, wall = result["times"], result["wall_s"]
+    assert set(times) == {"training", "evaluation", "checkpoints", "set-up", "other"}
+    assert all(v >= 0 for v in times.values()) and times["training"] > 0 and times["evaluation"] > 0
+    assert abs(sum(times.values()) - wall) <= 0.01 * wall, (times, wall)
+    end = [line for line in lines if line.startswith("wall ")]
+    assert len(end) == 1 and end[0].startswith(f"wall {wall:.0f} s: training ")

@@ -258,15 +258,19 @@ case "$1" in
         --data /tmp/lt40 --time-limit ${BASE_T:-360s} --project /tmp/runs --name base_lt > "$OUT/wall_base_lt.log" 2>&1)
       grep -E "^ +[0-9]+/|time limit|recipe|engine:" "$OUT/wall_base_lt.log" | tail -6
     fi
-    /usr/bin/time -f "%e s wall (outside)" timeout 200 python3 -m streamnmt train --data /tmp/lt40new --time-limit 120s \
-      --project /tmp/runs --name new_lt > "$OUT/wall_new_lt.log" 2>&1
-    grep -E "^ +[0-9]+/|^wall|time limit|outside|recipe|engine:|eval:" "$OUT/wall_new_lt.log"
+    t0=$(date +%s%N); timeout 200 python3 -m streamnmt train --data /tmp/lt40new --time-limit 120s \
+      --project /tmp/runs --name new_lt 2>&1 | python3 -u scripts/stamp.py > "$OUT/wall_new_lt.log"
+    echo "$(( ($(date +%s%N) - t0) / 1000000 )) ms wall (outside)" >> "$OUT/wall_new_lt.log"
+    grep -E "wall|time limit|recipe|eval:|engine:|data: ready|run dir|outside" "$OUT/wall_new_lt.log"
+    grep -E "^ *[0-9.]+ +[0-9]+ +[0-9.]+G" "$OUT/wall_new_lt.log" | (head -2; tail -2)
     for r in /tmp/runs/*_lt; do n=$(basename $r); cp $r/evals.csv "$OUT/${n}_evals.csv"; cp $r/results.csv "$OUT/${n}_results.csv"; done
     timeout 60 python3 scripts/bench_train_eval.py /tmp/runs/new_lt --out "$OUT/train_eval_lt.json" ;;
   wall2)  # the same 120-s run on the built-in corpus; checkpoint stalls (async against sync), base, vocab 32k
-    /usr/bin/time -f "%e s wall (outside)" timeout 200 python3 -m streamnmt train --time-limit 120s \
-      --project /tmp/runs --name new_builtin > "$OUT/wall_new_builtin.log" 2>&1
-    grep -E "^ +[0-9]+/|^wall|time limit|outside|recipe|eval:" "$OUT/wall_new_builtin.log"
+    t0=$(date +%s%N); timeout 200 python3 -m streamnmt train --time-limit 120s \
+      --project /tmp/runs --name new_builtin 2>&1 | python3 -u scripts/stamp.py > "$OUT/wall_new_builtin.log"
+    echo "$(( ($(date +%s%N) - t0) / 1000000 )) ms wall (outside)" >> "$OUT/wall_new_builtin.log"
+    grep -E "wall|time limit|recipe|eval:|engine:|data: ready|run dir|outside" "$OUT/wall_new_builtin.log"
+    grep -E "^ *[0-9.]+ +[0-9]+ +[0-9.]+G" "$OUT/wall_new_builtin.log" | (head -2; tail -2)
     cp /tmp/runs/new_builtin/evals.csv "$OUT/new_builtin_evals.csv"
     cp /tmp/runs/new_builtin/results.csv "$OUT/new_builtin_results.csv"
     timeout 60 python3 scripts/bench_train_eval.py /tmp/runs/new_builtin --out "$OUT/train_eval_builtin.json"

@@ -245,6 +245,36 @@ def test_scorer_scores_in_process_what_a_dead_worker_left():
         assert got["chrf"] == pytest.approx(want["chrf"], abs=1e-9)
 
 
+def test_a_score_pool_serves_many_passes_with_the_same_numbers():
+    """A training run's evaluations share one pool of workers: each pass scores as one corpus_score
+    call would, the workers stay up between passes, and a dead worker's batches are scored here."""
+    from streamnmt.inference.scoring import ScorePool, Scorer
+
+    refs, hyps, batches = _scorer_case()
+    want = score(hyps, refs, "ch")
+    pool = ScorePool("ch", workers=2)
+    try:
+        procs = [w.proc for w in pool.workers]
+        for k in range(3):
+            if k == 2:
+                pool.workers[0].proc.kill()
+                pool.workers[0].proc.wait()
+            scorer = Scorer(refs, "ch", pool=pool)
+            for idx in batches:
+                scorer.add(idx, [hyps[i] for i in idx])
+            got = scorer.result()
+            assert got["bleu"] == pytest.approx(want["bleu"], abs=1e-9)
+            assert got["chrf"] == pytest.approx(want["chrf"], abs=1e-9) and got["signature"] == want["signature"]
+            if k < 2:
+                assert len(scorer._stats) == len(batches)  # every batch scored by the pool's workers
+                assert all(p.poll() is None for p in procs)  # and they are still up for the next pass
+        assert 0 < len(scorer._stats) < len(batches)  # the dead worker's share was scored in-process
+        assert not pool.results  # nothing left behind for a later pass
+    finally:
+        pool.close()
+    assert all(p.poll() is not None for p in procs)
+
+
 # -- bad input -------------------------------------------------------------------------------
 
 def test_weights_missing(tmp_path):

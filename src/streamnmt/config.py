@@ -145,9 +145,13 @@ def recipe_warmup(tokens_per_update: int) -> int:
     return int(min(max(round(WARMUP_TOKENS / tokens_per_update), lo), hi))
 
 
+EPOCHS_UNLIMITED = 1_000_000  # --epochs when a --time-limit ends the run
+
+
 @dataclass(kw_only=True)
 class RunConfig:
-    epochs: int | None = opt(None, "training epochs (default: 10 on a GPU, preset-dependent on CPU)")
+    epochs: int | None = opt(None, "training epochs (default: until --time-limit ends the run where one is given, "
+                                   "else 10 on a GPU and 2 on a CPU)")
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = no limit)")
     device: str | None = opt(None, "cpu, cuda or cuda:N (default: cuda if present)")
     seed: int = opt(0, "random seed (initialisation, dropout, batch order)")

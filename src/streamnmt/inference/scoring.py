@@ -119,6 +119,46 @@ class _Worker:
             self.proc.stdout.close()
 
 
+class ScorePool:
+    """Scoring workers kept for many :class:`Scorer` passes (a training run's evaluations), so that
+    an evaluation does not wait for worker processes to start (an interpreter and sacrebleu each):
+    on a short dev pass that start-up is a good part of the pass (docs/PERFORMANCE.md, "Evaluation
+    and checkpoints in a run"). Started once, closed by its owner."""
+
+    def __init__(self, tgt_lang: str, workers: int | None = None):
+        self.tgt_lang = tgt_lang
+        self.results: dict[int, Any] = {}  # pool tag -> (bleu stats, chrf stats), filled by the readers
+        self.workers: list[_Worker] = []
+        for _ in range(score_workers() if workers is None else workers):
+            try:
+                self.workers.append(_Worker(tgt_lang, self.results))
+            except OSError:
+                break
+        self._next = 0
+
+    def send(self, hyps: list[str], refs: list[str]) -> int | None:
+        """Queue one batch; its tag, or None where no worker took it (it is scored by the caller)."""
+        if not self.workers:
+            return None
+        tag, self._next = self._next, self._next + 1
+        return tag if self.workers[tag % len(self.workers)].send((tag, hyps, refs)) else None
+
+    def collect(self, tags: list[int | None], timeout: float = WORKER_TIMEOUT_S) -> dict[int, Any]:
+        """The statistics of ``tags`` (waiting for live workers up to ``timeout``); a tag whose
+        worker died or did not answer in time is left out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(
+                t is not None and t not in self.results and self.workers[t % len(self.workers)].proc.poll() is None
+                for t in tags):
+            time.sleep(0.0005)  # the reader threads fill results; the lock is released while asleep
+        return {t: self.results.pop(t) for t in tags if t is not None and t in self.results}
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close(WORKER_TIMEOUT_S)
+        self.workers = []
+
+
 class Scorer:
     """:func:`score`, computed batch by batch in worker processes while the device decodes.
 
@@ -131,8 +171,9 @@ class Scorer:
     segment statistics; tested). A batch whose worker could not be started or died is scored here
     at the end, as is everything where sacrebleu lacks the segment-statistics methods."""
 
-    def __init__(self, refs: list[str], tgt_lang: str, workers: int | None = None):
-        self.refs, self.tgt_lang = refs, tgt_lang
+    def __init__(self, refs: list[str], tgt_lang: str, workers: int | None = None, pool: ScorePool | None = None):
+        self.refs, self.tgt_lang, self.pool = refs, tgt_lang, pool
+        self._pool_tags: list[int | None] = []  # with a pool: its tag of each batch
         self.bleu, self.chrf = scoreworker.metrics(tgt_lang)
         self.incremental = all(hasattr(m, a) for m in (self.bleu, self.chrf)
                                for a in ("_extract_corpus_statistics", "_aggregate_and_compute"))
@@ -163,6 +204,9 @@ class Scorer:
             return
         tag, refs = len(self._batches), [self.refs[i] for i in indices]
         self._batches.append((list(hyps), refs))
+        if self.pool is not None and self.incremental:
+            self._pool_tags.append(self.pool.send(list(hyps), refs))
+            return
         worker = self._worker(tag)
         if worker is not None:
             worker.send((tag, list(hyps), refs))
@@ -176,6 +220,9 @@ class Scorer:
             if not self.incremental or not self.refs:
                 return score(self.hyps, self.refs, self.tgt_lang)  # type: ignore[arg-type]
             self.close()  # the workers finish their batches and exit
+            if self.pool is not None:
+                got = self.pool.collect(self._pool_tags)
+                self._stats = {i: got[tag] for i, tag in enumerate(self._pool_tags) if tag in got}
             bleu_stats, chrf_stats = [], []
             for tag, (hyps, refs) in enumerate(self._batches):
                 b, c = self._stats.get(tag) or (self.bleu._extract_corpus_statistics(hyps, [refs]),
@@ -201,17 +248,19 @@ class Scorer:
 
 def bleu_on_pairs(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, pairs: list[tuple[str, str]], *,
                   device: torch.device | str, beam_size: int = 3, batch_size: int = 64, tgt_lang: str = "ch",
-                  limit: int | None = None, options: SearchOptions | None = None) -> dict[str, Any]:
+                  limit: int | None = None, options: SearchOptions | None = None,
+                  pool: ScorePool | None = None) -> dict[str, Any]:
     """Translate the sources of the first ``limit`` (None = all) ``pairs`` and score them.
 
-    ``options`` gives the search settings other than ``beam_size`` (default: SearchOptions()).
+    ``options`` gives the search settings other than ``beam_size`` (default: SearchOptions()); ``pool``:
+    scoring workers kept between calls (else each call starts its own).
     Returns ``bleu``, ``chrf``, ``n`` (sentences), ``seconds`` (wall time of the whole call) and the
     sacrebleu ``signature``. The model is put in eval mode and back in train mode if it was. Each
     decoded batch is detokenized and scored (:class:`Scorer`) while the next one decodes.
     """
     t0 = time.perf_counter()
     pairs = pairs[:limit] if limit else pairs
-    scorer = Scorer([t for _, t in pairs], tgt_lang)
+    scorer = Scorer([t for _, t in pairs], tgt_lang, pool=pool)
 
     def on_batch(indices: list[int], outputs: list[list[int]]) -> None:
         scorer.add(indices, detokenize(tgt_tok, outputs))

@@ -185,7 +185,7 @@ class CompileCache:
     def __init__(self, facts: dict[str, Any] | None, root: Path | None = None, t0: float | None = None,
                  since: str = "the data"):
         self.facts = facts
-        self.root = root if root is not None else streamnmt_home() / "compile"
+        self.root = Path(os.path.abspath(root if root is not None else streamnmt_home() / "compile"))
         # resolve_compile makes it once the data is loaded: the ready line counts from here
         self.t0, self.since = (time.perf_counter() if t0 is None else t0), since
         self.digest = key_digest(facts) if facts is not None else None

@@ -31,8 +31,10 @@ import torch
 from streamnmt.data import read_pairs
 from streamnmt.engine.base import tensors
 from streamnmt.engine.syncstats import host_sync
-from streamnmt.inference.scoring import bleu_on_pairs
+from streamnmt.inference.scoring import ScorePool, bleu_on_pairs
+from streamnmt.models import masks
 from streamnmt.inference.decoding import SearchOptions, decoding_copy
+from streamnmt.training.step import LossModel
 from streamnmt.training.stopping import EarlyStopping, best_metric, parse_duration
 
 COST_RATIO = 9.0  # training seconds per second of evaluation: evaluation <= 1 / (1 + 9) = 10 % of the run
@@ -131,10 +133,13 @@ class Evaluator:
     """Validation loss and dev BLEU of the model; best.pt and --patience through ``stopper``.
     Rank 0 evaluates, every rank learns its results (so that they decide alike)."""
 
-    def __init__(self, *, model: torch.nn.Module, loss_sum: Callable[[Any], Any], dev_loader: Iterable,
+    def __init__(self, *, model: torch.nn.Module, amp_dtype: torch.dtype | None, dev_loader: Iterable,
                  data: Any, job: Any, device: torch.device, dist: Any, bleu_dtype: torch.dtype,
                  log: Callable[[str], None]):
-        self.model, self.loss_sum, self.dev_loader = model, loss_sum, dev_loader
+        # Validation runs the model itself, not the training step's module: that one may be compiled
+        # (a compile per dev batch shape) or wrapped by DDP (whose forward expects every rank).
+        self.model, self.loss_model, self.amp_dtype = model, LossModel(model, 0.0), amp_dtype
+        self.dev_loader = dev_loader
         self.data, self.job, self.device, self.dist, self.log = data, job, device, dist, log
         run = job.run
         self.stopper = EarlyStopping(best_metric(run), run.patience)
@@ -147,6 +152,8 @@ class Evaluator:
         self.bleu_model: torch.nn.Module | None = None
         self.options = SearchOptions(beam_size=run.beam_size, graph=device.type == "cuda")
         self._pairs: list[tuple[str, str]] | None = None
+        # scoring workers for the run's BLEU passes, started now (they start while the run sets up)
+        self.pool = ScorePool(job.data.tgt_lang) if run.bleu_samples and dist.main else None
         self._captured = CapturedLoss(self._nll, device, log) if device.type == "cuda" else None
 
     # -- what the loop calls ------------------------------------------------------------------
@@ -187,8 +194,9 @@ class Evaluator:
 
     # -- the parts ----------------------------------------------------------------------------
     def _nll(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        _, nll, n = self.loss_sum(batch)
-        return nll.float(), n
+        with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
+            _, nll = self.loss_model(batch.src, batch.tgt_in, batch.tgt_out, segments=batch.segments())
+        return nll.float(), (batch.tgt_out != masks.PAD).sum()
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -216,8 +224,14 @@ class Evaluator:
         self.bleu_model = model = decoding_copy(self.model, self.bleu_dtype, self.bleu_model)
         res = bleu_on_pairs(model, self.data.src_tok, self.data.tgt_tok, self._pairs, device=self.device,
                             beam_size=self.job.run.beam_size, batch_size=EVAL_BATCH,
-                            tgt_lang=self.job.data.tgt_lang, options=self.options)
+                            tgt_lang=self.job.data.tgt_lang, options=self.options, pool=self.pool)
         return res["bleu"], time.perf_counter() - t0
+
+    def close(self) -> None:
+        """The end of the run: the scoring workers exit."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.stopper.state_dict(), "cadence": self.cadence.state_dict()}

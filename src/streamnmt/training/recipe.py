@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from streamnmt.config import (TOKENS_PER_GIB, WARMUP_TOKENS, ModelConfig, OptimConfig, TrainJob, job_from_dict,
-                              recipe_max_tokens, recipe_warmup)
+from streamnmt.config import (EPOCHS_UNLIMITED, TOKENS_PER_GIB, WARMUP_TOKENS, ModelConfig, OptimConfig, TrainJob,
+                              job_from_dict, recipe_max_tokens, recipe_warmup)
 from streamnmt.data import TokenizedCorpus, batch_plan
 from streamnmt.data.config import DataConfig
 from streamnmt.dist import Dist
@@ -52,8 +52,8 @@ def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[
     data, optim = resolve_recipe(data, optim, model, job.engine.accum_steps, device, world, log)
     if optim.amp == "auto":  # bf16 where the GPU has it natively, else fp16 with the grad scaler
         optim = dataclasses.replace(optim, amp=("bf16" if device_bf16(device) else "fp16") if cuda else "off")
-    if run.epochs is None:
-        run = dataclasses.replace(run, epochs=10 if cuda else 2)
+    if run.epochs is None:  # a time slot (--time-limit) is trained to its end, as fairseq's and Marian's defaults do
+        run = dataclasses.replace(run, epochs=EPOCHS_UNLIMITED if run.time_limit else 10 if cuda else 2)
     if run.eval_dtype == "auto":  # the dtype rank 0 decodes BLEU in (bf16 where native, else fp32)
         run = dataclasses.replace(run, eval_dtype=dtype_name(decode_dtype(run.eval_dtype, device, "eval_dtype")))
     if data.builtin_size is None:

@@ -76,7 +76,8 @@ def epoch_line(row: dict[str, Any], epochs: int) -> str:
     """The console line of an epoch (its columns under the header the loop prints first); an
     epoch that was not evaluated shows '-' for its validation loss and BLEU."""
     val = f"{row['val_loss']:>10.4f}" if row["val_loss"] != "" else f"{'-':>10}"
-    return (f"{row['epoch']:>3}/{epochs:<3}{row['gpu_mem_gb']:>8.2f}G{row['steps']:>9}"
+    of = f"{row['epoch']:>3}/{epochs:<3}" if epochs < 1_000_000 else f"{row['epoch']:>7}"  # no total: --time-limit
+    return (f"{of}{row['gpu_mem_gb']:>8.2f}G{row['steps']:>9}"
             f"{row['tokens_per_s']:>10.0f}{row['train_loss']:>12.4f}{row['train_nll']:>11.4f}"
             f"{row['train_ppl']:>9.2f}{val}{row['bleu'] if row['bleu'] != '' else '-':>7}{row['epoch_s']:>7.1f}s")
 

@@ -153,7 +153,7 @@ class TrainerSetup:
         self.skipped_in_row = 0  # consecutive skipped updates (--max-skipped-steps)
         self.global_step, self.epoch, self.epoch_pos = 0, 0, 0
         # validation, BLEU, best.pt's choice, --patience and when to evaluate
-        self.evaluator = Evaluator(model=self.model, loss_sum=self.step_fn.loss_sum, dev_loader=self.dev_loader,
+        self.evaluator = Evaluator(model=self.model, amp_dtype=self.step_fn.amp_dtype, dev_loader=self.dev_loader,
                                    data=self.data, job=job, device=self.device, dist=d, bleu_dtype=self.bleu_dtype,
                                    log=self.log)
         self.checkpointer = Checkpointer(self.device, background=job.run.async_save)

@@ -119,7 +119,8 @@ class Trainer(TrainerSetup):
         if r.max_steps:
             n_batches = min(n_batches, (r.max_steps - self.global_step) * self.job.engine.accum_steps)
         end_pos = self.epoch_pos + n_batches  # where this epoch's part of the run ends (its own evaluation)
-        bar = progress(n_batches, f"epoch {epoch + 1}/{r.epochs}", quiet=not self.dist.main)
+        bar = progress(n_batches, f"epoch {epoch + 1}" + (f"/{r.epochs}" if r.epochs < 1_000_000 else ""),
+                       quiet=not self.dist.main)
         mark = self.clock()
         for info in self.strategy.run(itertools.islice(self.train_loader, n_batches), self.step_fn, self.losses,
                                       start_step=self.global_step):
@@ -279,6 +280,7 @@ class Trainer(TrainerSetup):
         te = self.clock()
         self.checkpointer.close()
         self.times["checkpoints"] += self.clock() - te
+        self.evaluator.close()
 
     def _save_last(self, wait: bool = False, keep: int = 0) -> None:
         ts = self.clock()

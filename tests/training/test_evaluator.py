@@ -93,3 +93,21 @@ def test_the_end_line_adds_up_to_the_wall_clock(tmp_path):
     assert abs(sum(times.values()) - wall) <= 0.01 * wall, (times, wall)
     end = [line for line in lines if line.startswith("wall ")]
     assert len(end) == 1 and end[0].startswith(f"wall {wall:.0f} s: training ")
+
+
+def test_packed_validation_equals_the_bucketed_loss(tmp_path):
+    """Where training packs, validation packs the dev set in the training's shape (one shape, one
+    graph on CUDA); the loss is the bucketed one's (pairs never attend across each other)."""
+    from streamnmt.data import make_loader
+    from streamnmt.data.packing import PackSampler
+
+    t = make_trainer(tmp_path, "--name", "p", "--max-tokens", "160", "--max-len", "32", "--epochs", "1",
+                     "--max-steps", "3")
+    t.train()
+    ev = t.evaluator
+    assert isinstance(ev.dev_loader.sampler, PackSampler)
+    assert ev.dev_loader.shapes() == t.train_loader.shapes() and len(ev.dev_loader) < len(t.data.dev)
+    packed = ev.validate()
+    ev.dev_loader = make_loader(t.data.dev, t.job.data, train=False, seed=0, pin_memory=False)
+    assert len(ev.dev_loader.shapes()) > 1  # length buckets
+    assert packed == pytest.approx(ev.validate(), rel=1e-5)

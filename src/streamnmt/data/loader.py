@@ -1,7 +1,7 @@
 """BatchLoader: a DataLoader over planned batches, with resumable order and pinned output.
 
 Training batches are packed (:mod:`streamnmt.data.packing`, ``--pack``) or bucketed by length
-(:mod:`streamnmt.data.sampler`); evaluation batches are always bucketed.
+(:mod:`streamnmt.data.sampler`); evaluation batches are packed in the training's shape where training packs, else bucketed.
 
 The GPU strategies need the host to have the next batch ready before the current step ends, so
 batches are built ahead in worker processes. Order must not depend on how many workers there are:
@@ -35,6 +35,7 @@ from streamnmt.data.packing import PackedPlan, PackSampler
 from streamnmt.data.packshape import pack_shape
 from streamnmt.data.sampler import BucketSampler, PlannedBatch, bucket_lengths
 from streamnmt.data.workers import detach
+from streamnmt.errors import InputError
 
 
 class _PlannedBatches(Dataset):
@@ -62,10 +63,12 @@ class BatchLoader:
     """Iterates :class:`Batch` objects of one corpus; see the module docstring."""
 
     def __init__(self, corpus: TokenizedCorpus, cfg: DataConfig, *, train: bool, seed: int,
-                 pin_memory: bool, accum: int = 1, world: int = 1, rank: int = 0) -> None:
+                 pin_memory: bool, accum: int = 1, world: int = 1, rank: int = 0,
+                 packed_shape: tuple[int, int, int] | None = None) -> None:
         self.corpus = corpus
         self.train = train
-        self.sampler = make_sampler(corpus, cfg, train=train, seed=seed, accum=accum, world=world, rank=rank)
+        self.sampler = make_sampler(corpus, cfg, train=train, seed=seed, accum=accum, world=world, rank=rank,
+                                    packed_shape=packed_shape)
         # Pinning needs a CUDA driver; on a machine without one it is not attempted.
         self.pin_memory = bool(pin_memory and torch.cuda.is_available())
         extra: dict[str, Any] = {}
@@ -143,8 +146,18 @@ class BatchLoader:
 
 
 def make_sampler(corpus: TokenizedCorpus, cfg: DataConfig, *, train: bool, seed: int, accum: int = 1,
-                 world: int = 1, rank: int = 0) -> BucketSampler | PackSampler:
-    """Packed rows for training with ``cfg.pack`` (:mod:`streamnmt.data.packing`), else length buckets."""
+                 world: int = 1, rank: int = 0,
+                 packed_shape: tuple[int, int, int] | None = None) -> BucketSampler | PackSampler:
+    """Packed rows for training with ``cfg.pack`` (:mod:`streamnmt.data.packing`), else length buckets.
+    ``packed_shape``: an evaluation loader packed in that shape (the training's: one shape, one
+    validation graph, and no batch shape the run has not already run), in a fixed order; where a
+    pair does not fit it, length buckets."""
+    if not train and packed_shape is not None:
+        try:
+            return PackSampler(corpus.src_lengths, corpus.tgt_lengths, packed_shape, shuffle=False, seed=seed,
+                               background=False)
+        except InputError:
+            pass  # a pair longer than the packed row: buckets hold every pair
     if train and cfg.packs:
         shape = pack_shape(corpus.src_lengths, corpus.tgt_lengths, max_len=cfg.max_len, max_tokens=cfg.max_tokens,
                            batch_size=cfg.batch_size, pad_multiple=cfg.pad_multiple)
@@ -156,11 +169,13 @@ def make_sampler(corpus: TokenizedCorpus, cfg: DataConfig, *, train: bool, seed:
 
 
 def make_loader(corpus: TokenizedCorpus, cfg: DataConfig, *, train: bool, seed: int,
-                pin_memory: bool, accum: int = 1, world: int = 1, rank: int = 0) -> BatchLoader:
-    """A shuffled, resumable loader (``train=True``) or a fixed-order evaluation loader.
+                pin_memory: bool, accum: int = 1, world: int = 1, rank: int = 0,
+                packed_shape: tuple[int, int, int] | None = None) -> BatchLoader:
+    """A shuffled, resumable loader (``train=True``) or a fixed-order evaluation loader (packed in
+    ``packed_shape`` where given, see :func:`make_sampler`).
 
     ``accum`` micro-batches per optimizer step on each of ``world`` ranks; this is rank ``rank``'s
     share (see :mod:`streamnmt.data.sampler`)."""
     return BatchLoader(corpus, cfg, train=train, seed=seed, pin_memory=pin_memory, accum=accum, world=world,
-                       rank=rank)
+                       rank=rank, packed_shape=packed_shape)
 

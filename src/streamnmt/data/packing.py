@@ -120,8 +120,9 @@ class PackSampler:
         if self.shuffle:
             self._plan_ahead(epoch + 1)  # ready when this epoch ends: no pause of the training loop
         r, k, g = self.shape[0], self.accum, self.accum * self.world
-        if len(rows) > r * g and len(rows) % (r * g):
-            rows = rows[:len(rows) - len(rows) % (r * g)]  # drop the partial last step (see module doc)
+        if self.shuffle and len(rows) > r * g and len(rows) % (r * g):
+            # training: drop the partial last step (see module doc); evaluation keeps every pair
+            rows = rows[:len(rows) - len(rows) % (r * g)]
         out: list[PackedPlan] = []
         empty = np.zeros(0, np.int64)
         for start in range(0, len(rows), r * g):

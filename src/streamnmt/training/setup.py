@@ -137,8 +137,11 @@ class TrainerSetup:
             raise ConfigError(f"--nproc: {d.world} processes leave rank {empty} without a single training pair "
                               f"({len(self.data.train)} pairs, batches of {job.data.batch_size} x --accum-steps {k}"
                               f" per rank); use fewer processes or a smaller --batch-size")
+        # Validation packed like training (where it packs): one batch shape, the training's, so the
+        # first evaluation meets no new matrix shapes and validation replays one graph.
+        packed = self.train_loader.shapes()[0] if job.data.packs else None
         self.dev_loader = make_loader(self.data.dev, dataclasses.replace(job.data, workers=0), train=False,
-                                      seed=job.run.seed, pin_memory=pin)
+                                      seed=job.run.seed, pin_memory=pin, packed_shape=packed)
 
     def _build_state(self, resume: dict[str, Any] | None) -> None:
         """Deferred losses, step counters, early stopping, the time budget; a checkpoint's state on resume."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -39,11 +39,21 @@ from streamnmt.training.ema import EMA
 from streamnmt.models.transformer import ModelShape
 from streamnmt.models.xent import linear_cross_entropy
 
-# The chunked loss runs outside torch.compile: compiled by inductor for CUDA (torch 2.11, bf16),
-# its gradients came out zero (grad_norm 0.0 on an H200 under `--compile on`, graph and full
-# strategies alike), while compiled on the CPU and eager everywhere they are right. The model body
-# is still compiled; the loss's kernels run eagerly (and inside graph mode's CUDA graph).
-_loss_eager = torch.compiler.disable(linear_cross_entropy)
+
+def _loss_eager() -> Callable[..., Any]:
+    """The chunked loss, kept outside torch.compile: compiled by inductor for CUDA (torch 2.11, bf16),
+    its gradients came out zero (grad_norm 0.0 on an H200 under `--compile on`, graph and full
+    strategies alike), while compiled on the CPU and eager everywhere they are right. The model body
+    is still compiled; the loss's kernels run eagerly (and inside graph mode's CUDA graph). Made on
+    first use of a compiled step: ``torch.compiler.disable`` imports TorchDynamo (about a second of
+    every run's start-up otherwise)."""
+    global _LOSS_EAGER
+    if _LOSS_EAGER is None:
+        _LOSS_EAGER = torch.compiler.disable(linear_cross_entropy)
+    return _LOSS_EAGER
+
+
+_LOSS_EAGER: Callable[..., Any] | None = None
 
 
 def noam_lr(step: int, d_model: int, warmup: int, factor: float) -> float:
@@ -86,9 +96,10 @@ class LossModel(nn.Module):
     generator runs inside the chunked loss (:func:`streamnmt.models.xent.linear_cross_entropy`), so the
     logits of a whole batch never exist."""
 
-    def __init__(self, model: nn.Module, label_smoothing: float):
+    def __init__(self, model: nn.Module, label_smoothing: float, compiled: bool = False):
         super().__init__()
         self.model, self.label_smoothing = model, label_smoothing
+        self.loss_fn = _loss_eager() if compiled else linear_cross_entropy  # see _loss_eager
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor,
                 segments: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +107,7 @@ class LossModel(nn.Module):
         m = self.model
         h = m.features(src, tgt_in, masks.src_mask(src), None, segments)  # (B, T, D)
         gen = m.generator
-        return _loss_eager(h.flatten(0, 1), gen.weight, gen.bias, tgt_out.flatten(),
+        return self.loss_fn(h.flatten(0, 1), gen.weight, gen.bias, tgt_out.flatten(),
                            label_smoothing=self.label_smoothing, ignore_index=masks.PAD)
 
 
@@ -281,7 +292,7 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
     schedule = NoamSchedule(d_model, warmup, lr, device)
     # Fused Adam reading the learning rate from a device tensor; capturable so that graph mode
     # can put the step inside a CUDA graph (used by every strategy, so all compute the same).
-    loss_model = LossModel(model, label_smoothing) if loss_model is None else loss_model
+    loss_model = LossModel(model, label_smoothing, compiled=compile) if loss_model is None else loss_model
     optimizer = torch.optim.Adam(loss_model.parameters(), lr=schedule.lr_t, betas=(0.9, 0.98), eps=1e-9,
                                  fused=True, capturable=device.type == "cuda")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)

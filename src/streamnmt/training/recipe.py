@@ -108,16 +108,22 @@ def resolve_compile(job: TrainJob, train: TokenizedCorpus, device: torch.device,
     tokens = max((b * t for b, _, t in shapes), default=0)  # target positions of the largest step
     m = job.model  # sizes resolved from the preset by now
     rule = job.engine.compile == "auto" and device.type == "cuda" and job.engine.sync_strategy == "graph"
-    cache = None  # keyed only where it is used: the key reads the tokenizers and the GPU's name
-    if rule or job.engine.compile == "on":
+
+    def decide(compile_s: float):
+        return choose_compile(job.engine.compile, device, job.engine.sync_strategy, steps, len(shapes),
+                              graph_step_s(tokens, m.n_layers, m.d_model, m.d_ff),
+                              parse_duration(job.run.time_limit) or 0.0, compile_s=compile_s)
+
+    # The cache is keyed only where the answer matters: the key reads the tokenizers, the GPU's name
+    # and Inductor's options, and importing Inductor costs seconds of every run's start-up.
+    cache = None
+    if job.engine.compile == "on" or (rule and decide(COMPILE_S_PER_SHAPE_WARM).value):
         cache = compile_cache.CompileCache(compile_cache.job_key(job, shapes, device, world, inductor_options()))
     warm = cache is not None and cache.warm
-    choice = choose_compile(job.engine.compile, device, job.engine.sync_strategy, steps, len(shapes),
-                            graph_step_s(tokens, m.n_layers, m.d_model, m.d_ff),
-                            parse_duration(job.run.time_limit) or 0.0,
-                            compile_s=COMPILE_S_PER_SHAPE_WARM if warm else COMPILE_S_PER_SHAPE)
+    choice = decide(COMPILE_S_PER_SHAPE_WARM if warm else COMPILE_S_PER_SHAPE)
     if job.engine.compile == "auto":
-        note = f"; compile cache {'warm' if warm else 'cold'}" if rule else ""
+        note = (f"; compile cache {'warm' if warm else 'cold'}" if cache is not None else
+                "; off even with a warm compile cache" if rule else "")
         log(f"engine: compile {'on' if choice.value else 'off'} ({choice.why}{note})")
     compile_cache.stage(cache if choice.value else None, log)  # directories and mega-cache, before make_step
     return dataclasses.replace(job, engine=dataclasses.replace(job.engine, compile="on" if choice.value else "off"))

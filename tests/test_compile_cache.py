@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from streamnmt.engine.auto import COMPILE_S_PER_SHAPE_WARM
 from streamnmt.models.transformer import make_model
 from streamnmt.training import compile_cache as cc
 from streamnmt.training.recipe import resolve_compile, resolve_job
-from streamnmt.training.step import inductor_options, make_step
+from streamnmt.training.step import inductor_key, make_step
 from tests.conftest import single_thread
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
@@ -133,9 +135,9 @@ def test_warm_cache_compiles_a_two_minute_run_and_a_cold_one_does_not(tmp_path, 
     lines: list[str] = []
     cold = resolve_compile(job, bundle.train, CUDA, 1, lines.append)
     assert cold.engine.compile == "off" and "compile cache cold" in lines[-1] and "engine: compile off" in lines[-1]
-    facts = cc.job_key(job, shapes, CUDA, 1, inductor_options())
+    facts = cc.job_key(job, shapes, CUDA, 1, inductor_key())
     assert facts is not None and facts["model"]["src_vocab"] == bundle.src_tok.vocab_size
-    assert cc.job_key(job, shapes, CUDA, 1, inductor_options()) == facts  # the same run, the same key
+    assert cc.job_key(job, shapes, CUDA, 1, inductor_key()) == facts  # the same run, the same key
     cc.CompileCache(facts).stage(None).save(None)  # as a first compiled run leaves it
     warm = resolve_compile(job, bundle.train, CUDA, 1, lines.append)
     assert warm.engine.compile == "on" and "compile cache warm" in lines[-1] and "engine: compile on" in lines[-1]
@@ -201,3 +203,31 @@ def test_unwritable_home_warns_once_and_the_run_goes_on(tmp_path, capsys, monkey
     assert "the run goes on without it" in warnings[0] and "engine: compile cache off (not writable)" in out
     assert (tmp_path / "run" / "steps.csv").read_text().count("\n") == 3  # header and two steps
     assert os.environ.get(cc.INDUCTOR_ENV, "").find(str(blocker)) < 0  # not pointed into the unwritable home
+
+
+def test_deciding_compile_auto_does_not_import_inductor(tmp_path):
+    """Keying the cache reads what Inductor's options depend on, not Inductor (seconds of start-up
+    on a GPU machine); a run that stays eager never imports TorchDynamo or Inductor."""
+    code = """
+import sys, dataclasses, torch
+from streamnmt.config import build_job
+from streamnmt.data import batch_plan, prepare_data
+from streamnmt.training import compile_cache as cc
+from streamnmt.training.recipe import resolve_compile, resolve_job
+cc.environment = lambda device: {"torch": "2.11", "gpu": "H200", "device": "cuda"}
+job = resolve_job(build_job({"device": "cpu", "model": "tiny", "builtin_size": 300, "max_len": 16, "max_tokens": 256,
+                             "pack": True, "epochs": 10000, "bleu_samples": 0}), torch.device("cpu"), 1, print)
+bundle = prepare_data(job.data, log=lambda s: None)
+for minutes in (1, 2, 60):  # off even warm; off cold (keyed); on cold (keyed, inductor imported only to compile)
+    j = dataclasses.replace(job, engine=dataclasses.replace(job.engine, sync_strategy="graph", compile="auto"),
+                            run=dataclasses.replace(job.run, max_steps=int(minutes * 60 / 0.006)))
+    resolve_compile(j, bundle.train, torch.device("cuda"), 1, print)
+    cc.stage(None, None)
+print("IMPORTED", sorted(m for m in ("torch._inductor", "torch._dynamo") if m in sys.modules))
+"""
+    env = dict(os.environ, STREAMNMT_HOME=str(tmp_path / "home"), PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [line for line in res.stdout.splitlines() if line.startswith("engine: compile")]
+    assert len(lines) == 3 and "off even with a warm compile cache" in lines[0] and "cache cold" in lines[1]
+    assert "IMPORTED []" in res.stdout

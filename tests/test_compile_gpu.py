@@ -50,13 +50,13 @@ from torch._dynamo.utils import counters
 from streamnmt.engine import EngineConfig, make_strategy
 from streamnmt.models.transformer import make_model
 from streamnmt.training import compile_cache as cc
-from streamnmt.training.step import example_batch, inductor_options, make_step
+from streamnmt.training.step import example_batch, inductor_key, make_step
 
 dev, shapes = torch.device("cuda"), [(16, 16, 16), (16, 24, 24)]
 torch.manual_seed(0)
 model = make_model(200, 220, d_model=64, n_layers=2, n_heads=4, d_ff=128, dropout=0.1).to(dev)
 facts = cc.compile_key(model=cc.model_facts(model.shape, 32), batch_shapes=shapes, packed=False, amp="bf16",
-                       attention="sdpa", world=1, deterministic=False, inductor=inductor_options(),
+                       attention="sdpa", world=1, deterministic=False, inductor=inductor_key(),
                        env=cc.environment(dev))
 cache = cc.CompileCache(facts)
 cc.stage(cache, print)

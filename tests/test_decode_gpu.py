@@ -177,7 +177,8 @@ def test_trainer_bleu_pass_decodes_a_bf16_copy(tmp_path):
     t = Trainer(build_job(args), log=lambda _: None)
     assert t.bleu_dtype == torch.bfloat16  # --eval-dtype auto on a GPU with bf16
     t.train()
-    assert t.bleu_model is not None and next(t.bleu_model.parameters()).dtype == torch.bfloat16
+    copy = t.evaluator.bleu_model  # the evaluator's decoding copy
+    assert copy is not None and next(copy.parameters()).dtype == torch.bfloat16
     assert next(t.model.parameters()).dtype == torch.float32  # training stays in fp32
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 # Measured on the H200, base model, bf16, vocabulary 32k, packed batches of 16,384 target
-# positions on the built-in corpus (docs/PERFORMANCE.md, section 9, 2026-11-25, commit 66616d9, one
+# positions on the built-in corpus (docs/PERFORMANCE.md, "Compile and Inductor settings", 2026-11-25, 66616d9, one
 # lease): graph mode 32.07 ms/step, 1.96 ms per 1,000 positions; with --compile 25.86 ms, a 19.4 %
 # saving (Inductor's mix-order reduction off, as the step compiles); from start to ready 36.1, 37.7,
 # 32.2, 32.4, 31.7 and 33.3 s (two leases, two corpora, three budgets; 34 s their mean, rounded up).
@@ -37,9 +37,9 @@ import torch
 # compiling, a 24 % saving. The packed figures rule: they are the shape the defaults train.
 COMPILE_S_PER_SHAPE = 34.0
 # A compile whose artefacts the persistent cache holds (Dynamo still traces; AOTAutograd, Inductor and
-# Triton load their results). A conservative guess, TO BE MEASURED on the GPU with
-# scripts/bench_compile_cache.py; docs/PERFORMANCE.md will hold the figure.
-COMPILE_S_PER_SHAPE_WARM = 8.0
+# Triton load their results): ready 10.8 s after the data against 46.7 s cold, base model, one H100,
+# scripts/bench_compile_cache.py at 75c62ec (docs/PERFORMANCE.md, "The warm compile cache"), rounded up.
+COMPILE_S_PER_SHAPE_WARM = 11.0
 COMPILE_SAVING = 0.194
 GRAPH_MS_PER_STEP = 6.0  # the launch-bound floor of small batches (H100, 32 x 32: 6.23 ms)
 GRAPH_MS_PER_KTOKEN = 1.96

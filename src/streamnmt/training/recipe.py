@@ -99,7 +99,7 @@ def resolve_compile(job: TrainJob, train: TokenizedCorpus, device: torch.device,
     compiles has that cache staged for make_step (streamnmt.training.compile_cache)."""
     from streamnmt.engine.auto import COMPILE_S_PER_SHAPE, COMPILE_S_PER_SHAPE_WARM
     from streamnmt.training import compile_cache
-    from streamnmt.training.step import inductor_options
+    from streamnmt.training.step import inductor_key
 
     per_epoch, shapes = batch_plan(train, job.data)
     steps = per_epoch * job.run.epochs // world  # micro-batches each process runs
@@ -114,11 +114,12 @@ def resolve_compile(job: TrainJob, train: TokenizedCorpus, device: torch.device,
                               graph_step_s(tokens, m.n_layers, m.d_model, m.d_ff),
                               parse_duration(job.run.time_limit) or 0.0, compile_s=compile_s)
 
-    # The cache is keyed only where the answer matters: the key reads the tokenizers, the GPU's name
-    # and Inductor's options, and importing Inductor costs seconds of every run's start-up.
+    # The cache is keyed only where the answer matters (the key reads the tokenizers and the GPU's
+    # name), and from what Inductor's options depend on, not from Inductor itself (importing it
+    # costs seconds of a run's start-up; docs/PERFORMANCE.md, "Evaluation and checkpoints in a run").
     cache = None
     if job.engine.compile == "on" or (rule and decide(COMPILE_S_PER_SHAPE_WARM).value):
-        cache = compile_cache.CompileCache(compile_cache.job_key(job, shapes, device, world, inductor_options()))
+        cache = compile_cache.CompileCache(compile_cache.job_key(job, shapes, device, world, inductor_key()))
     warm = cache is not None and cache.warm
     choice = decide(COMPILE_S_PER_SHAPE_WARM if warm else COMPILE_S_PER_SHAPE)
     if job.engine.compile == "auto":

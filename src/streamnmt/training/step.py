@@ -338,6 +338,14 @@ def inductor_options() -> dict[str, bool]:
     return {"triton.mix_order_reduction": False}
 
 
+def inductor_key() -> dict[str, str]:
+    """What :func:`inductor_options` depends on, for the compile cache's key, without importing
+    Inductor (seconds of a run's start-up where the run may not compile at all): the user's
+    ``TORCHINDUCTOR_MIX_ORDER_REDUCTION``, and torch's version, which the key holds besides and which
+    decides whether the setting exists."""
+    return {"mix_order_reduction": os.environ.get("TORCHINDUCTOR_MIX_ORDER_REDUCTION", "off unless absent")}
+
+
 def fit_compile_cache(shapes: int) -> None:
     """Let torch.compile keep one compiled graph per batch shape (it stops compiling, and runs
     eagerly, after ``recompile_limit`` shapes: 8 by default, fewer than a real corpus has)."""

@@ -2,34 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from streamnmt.cli import build_parser
-from streamnmt.config import build_job
 from streamnmt.training.evaluator import COST_RATIO, Cadence, Evaluator
 from streamnmt.training.runs import read_csv
-from streamnmt.training.trainer import Trainer
+from tests.test_recipe import home, make_trainer  # noqa: F401  (home: each test's STREAMNMT_HOME)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-TINY = ["--device", "cpu", "--model", "tiny", "--builtin-size", "200", "--bleu-samples", "0", "--batch-size", "16",
-        "--max-len", "32", "--dropout", "0", "--sync-strategy", "event", "--loss-interval", "1"]
-
-
-@pytest.fixture(autouse=True)
-def home(tmp_path_factory, monkeypatch):
-    home = tmp_path_factory.getbasetemp() / "home"
-    monkeypatch.setenv("STREAMNMT_HOME", str(home))
-    return home
-
-
-def make_trainer(tmp_path: Path, *flags: str, lines: list[str] | None = None) -> Trainer:
-    args = vars(build_parser().parse_args(["train", *TINY, "--project", str(tmp_path), *flags]))
-    for key in ("_run", "command"):
-        args.pop(key, None)
-    return Trainer(build_job(args), log=(lines if lines is not None else []).append)
 
 
 def test_the_auto_rule_waits_nine_times_the_last_cost():

@@ -67,6 +67,7 @@ def _exec_torchrun(nproc: str, args: dict, config_file: str | None, parser: argp
     flags given, less --nproc (:func:`_flags_argv`). A stop by SIGTERM/SIGINT, which torchrun
     forwards to the ranks (they finish the step, rank 0 saves), exits 0; a failed rank exits
     non-zero with one line naming it."""
+    import psutil
     import torch
 
     from streamnmt import dist
@@ -91,6 +92,8 @@ def _exec_torchrun(nproc: str, args: dict, config_file: str | None, parser: argp
         check(n <= torch.cuda.device_count(), "nproc",
               f"{n} processes but only {torch.cuda.device_count()} CUDA device(s); one GPU per process")
     given = {**args, **({"config": config_file} if config_file is not None else {})}
+    # The ranks count --time-limit from this command's start, not from their own (see stopping.command_start).
+    os.environ.setdefault("STREAMNMT_COMMAND_START", str(psutil.Process().create_time()))
     return dist.run_torchrun(n, ["-m", "streamnmt", "train", *_flags_argv(parser, given)])
 
 

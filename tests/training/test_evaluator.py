@@ -90,3 +90,21 @@ def test_packed_validation_equals_the_bucketed_loss(tmp_path):
     ev.dev_loader = make_loader(t.data.dev, t.job.data, train=False, seed=0, pin_memory=False)
     assert len(ev.dev_loader.shapes()) > 1  # length buckets
     assert packed == pytest.approx(ev.validate(), rel=1e-5)
+
+
+def test_the_budget_counts_from_the_command_start(monkeypatch):
+    """A rank of `train --nproc` counts from its launcher's start (STREAMNMT_COMMAND_START); a plain
+    process from its own creation, so that the interpreter's start-up and the imports count too."""
+    import time
+
+    import psutil
+
+    from streamnmt.training.stopping import TimeBudget, command_start
+
+    monkeypatch.setenv("STREAMNMT_COMMAND_START", str(time.time() - 30.0))
+    assert time.monotonic() - command_start() == pytest.approx(30.0, abs=1.0)
+    monkeypatch.delenv("STREAMNMT_COMMAND_START")
+    age = time.time() - psutil.Process().create_time()
+    assert time.monotonic() - command_start() == pytest.approx(age, abs=1.0)
+    budget = TimeBudget(100.0, clock=lambda: 50.0, t0=0.0)
+    assert not budget.expired() and not budget.expired(reserve_s=49.0) and budget.expired(reserve_s=50.0)

@@ -248,7 +248,12 @@ class Trainer(TrainerSetup):
             best_save[0] = self.clock() - ts
 
         ema = self.step_fn.ema if self.job.run.eval_ema else None
+        first = self.last_eval is None and self.device.type == "cuda"
+        before = torch.cuda.memory_reserved(self.device) if first else 0  # host-side counters: no sync
         result = self.evaluator.evaluate(self.global_step, ema, on_better=write_best)
+        if first:  # what the evaluation's graphs (validation, decoding buckets) hold for the rest of the run
+            grown = (torch.cuda.memory_reserved(self.device) - before) / 2 ** 20
+            self.log(f"eval: the first evaluation's graphs and buffers reserved {grown:+.0f} MiB on the GPU")
         self.waits["stats"].append(STATS.reset())
         STATS.sites = held
         cost = self.clock() - te - best_save[0]

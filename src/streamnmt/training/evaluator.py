@@ -94,6 +94,7 @@ class CapturedLoss:
         self.fn, self.device, self.log = fn, device, log
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Any, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.side = torch.cuda.Stream(device)  # the warm-ups' stream, made once (streams partition the allocator)
         self.failed: str | None = None
 
     def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +119,7 @@ class CapturedLoss:
         static = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).clone()
                                                for f in dataclasses.fields(batch)
                                                if isinstance(getattr(batch, f.name), torch.Tensor)})
-        side = torch.cuda.Stream(self.device)
+        side = self.side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self.fn(static)  # warm-up: lazy initialisations (cuBLAS handles, Triton kernels) outside the capture

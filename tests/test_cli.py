@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -144,7 +145,10 @@ def test_nproc_children_get_every_flag_but_nproc(flags, tmp_path, monkeypatch, c
     cfg.write_text("optim:\n  lr: 0.001\n")
     flags = [str(cfg) if f == "CFG" else f for f in flags]
     children: list[list[str]] = []
-    monkeypatch.setattr(dist, "run_torchrun", lambda n, argv: children.append([str(n), *argv]) or 0)
+    started: list[str | None] = []
+    monkeypatch.delenv("STREAMNMT_COMMAND_START", raising=False)
+    monkeypatch.setattr(dist, "run_torchrun", lambda n, argv: children.append([str(n), *argv])
+                        or started.append(os.environ.get("STREAMNMT_COMMAND_START")) or 0)
     argv = ["train", "--device", "cpu", *flags]
     try:
         assert main(argv) == 0
@@ -154,6 +158,8 @@ def test_nproc_children_get_every_flag_but_nproc(flags, tmp_path, monkeypatch, c
         return
     (child,) = children
     assert child[:4] == ["2", "-m", "streamnmt", "train"]
+    # the ranks learn the command's start; this process's later commands do not inherit it
+    assert started[0] is not None and "STREAMNMT_COMMAND_START" not in os.environ
     parser = _train_parser()
     expected = vars(parser.parse_args(argv[1:]))
     del expected["nproc"]

@@ -92,9 +92,16 @@ def _exec_torchrun(nproc: str, args: dict, config_file: str | None, parser: argp
         check(n <= torch.cuda.device_count(), "nproc",
               f"{n} processes but only {torch.cuda.device_count()} CUDA device(s); one GPU per process")
     given = {**args, **({"config": config_file} if config_file is not None else {})}
-    # The ranks count --time-limit from this command's start, not from their own (see stopping.command_start).
-    os.environ.setdefault("STREAMNMT_COMMAND_START", str(psutil.Process().create_time()))
-    return dist.run_torchrun(n, ["-m", "streamnmt", "train", *_flags_argv(parser, given)])
+    # The ranks count --time-limit from this command's start, not from their own (see
+    # stopping.command_start); set for the ranks only, so that a later command of this process
+    # (main() called in-process) does not inherit it.
+    started = os.environ.get("STREAMNMT_COMMAND_START")
+    os.environ["STREAMNMT_COMMAND_START"] = started or str(psutil.Process().create_time())
+    try:
+        return dist.run_torchrun(n, ["-m", "streamnmt", "train", *_flags_argv(parser, given)])
+    finally:
+        if started is None:
+            del os.environ["STREAMNMT_COMMAND_START"]
 
 
 def _flags_argv(parser: argparse.ArgumentParser, given: dict[str, Any]) -> list[str]:

@@ -184,6 +184,24 @@ def test_bleu_on_pairs_scores_against_references_and_restores_mode(env):
     assert res["bleu"] < 100 and res["n"] == 4 and not model.training
 
 
+def test_a_stopped_bleu_pass_scores_the_batches_it_decoded(env):
+    """stop() is asked between batches: the first batch always decodes, the scores are those of the
+    sentences decoded (the longest first), and their count is returned."""
+    model, src_tok, tgt_tok, _ = load_for_inference(env["ckpt"], "cpu")
+    pairs = env["pairs"][:20]
+    asked: list[int] = []
+    res = bleu_on_pairs(model, src_tok, tgt_tok, pairs, device="cpu", beam_size=1, batch_size=8, tgt_lang="ch",
+                        stop=lambda: asked.append(1) or len(asked) >= 2)
+    assert res["n"] == 16 and len(asked) == 2
+    longest = sorted(range(len(pairs)), key=lambda i: -len(encode_sources(src_tok, [pairs[i][0]],
+                                                                           model.shape.max_positions)[0][0]))[:16]
+    alone = bleu_on_pairs(model, src_tok, tgt_tok, [pairs[i] for i in longest], device="cpu", beam_size=1,
+                          batch_size=8, tgt_lang="ch")
+    assert alone["n"] == 16 and res["bleu"] == pytest.approx(alone["bleu"])
+    assert bleu_on_pairs(model, src_tok, tgt_tok, pairs, device="cpu", beam_size=1, batch_size=8, tgt_lang="ch",
+                         stop=lambda: False)["n"] == 20
+
+
 def test_score_uses_zh_tokenizer_for_chinese():
     assert score(["我们是学生"], ["我们是学生们"], "ch")["bleu"] > 0
     assert score(["我们是学生"], ["我们是学生们"], "en")["bleu"] == 0

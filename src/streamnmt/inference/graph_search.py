@@ -281,12 +281,14 @@ def shared_decoder(model: Transformer, opts: SearchOptions, batch_size: int) -> 
 def translate_ids(model: Transformer, sources: list[list[int]], opts: SearchOptions = SearchOptions(), *,
                   batch_size: int = 64, device: torch.device | str = "cpu",
                   decoder: GraphDecoder | None = None,
-                  on_batch: Callable[[list[int], list[list[int]]], None] | None = None) -> list[list[int]]:
+                  on_batch: Callable[[list[int], list[list[int]]], None] | None = None,
+                  stop: Callable[[], bool] | None = None) -> list[list[int]]:
     """:func:`streamnmt.inference.search.translate_ids` through a :class:`GraphDecoder` when ``opts.graph``
     and ``device`` is CUDA (``decoder``, or this process's shared one for the model and settings);
-    otherwise the eager search. ``on_batch`` as there."""
+    otherwise the eager search. ``on_batch`` and ``stop`` as there."""
     if not opts.graph or torch.device(device).type != "cuda":
-        return translate_ids_eager(model, sources, opts, batch_size=batch_size, device=device, on_batch=on_batch)
+        return translate_ids_eager(model, sources, opts, batch_size=batch_size, device=device, on_batch=on_batch,
+                                   stop=stop)
     decoder = decoder or shared_decoder(model, opts, batch_size)
     return translate_ids_eager(model, sources, opts, batch_size=batch_size, device=device,
-                               search_fn=decoder.search, on_batch=on_batch)
+                               search_fn=decoder.search, on_batch=on_batch, stop=stop)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -211,14 +212,17 @@ class Scorer:
         if worker is not None:
             worker.send((tag, list(hyps), refs))
 
-    def result(self) -> dict[str, Any]:
-        """BLEU, chrF and the sacrebleu signature; every sentence must have been added."""
+    def result(self, added_only: bool = False) -> dict[str, Any]:
+        """BLEU, chrF and the sacrebleu signature; every sentence must have been added, or with
+        ``added_only`` the scores are those of the sentences added (a decoding cut short)."""
         try:
             missing = [i for i, h in enumerate(self.hyps) if h is None]
-            if missing:
+            if missing and not added_only:
                 raise ValueError(f"no translation added for sentence {missing[0]} (of {len(missing)} missing)")
             if not self.incremental or not self.refs:
-                return score(self.hyps, self.refs, self.tgt_lang)  # type: ignore[arg-type]
+                kept = [i for i, h in enumerate(self.hyps) if h is not None]
+                return score([self.hyps[i] for i in kept], [self.refs[i] for i in kept],  # type: ignore[misc]
+                             self.tgt_lang)
             self.close()  # the workers finish their batches and exit
             if self.pool is not None:
                 got = self.pool.collect(self._pool_tags)
@@ -249,13 +253,15 @@ class Scorer:
 def bleu_on_pairs(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, pairs: list[tuple[str, str]], *,
                   device: torch.device | str, beam_size: int = 3, batch_size: int = 64, tgt_lang: str = "ch",
                   limit: int | None = None, options: SearchOptions | None = None,
-                  pool: ScorePool | None = None) -> dict[str, Any]:
+                  pool: ScorePool | None = None, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Translate the sources of the first ``limit`` (None = all) ``pairs`` and score them.
 
     ``options`` gives the search settings other than ``beam_size`` (default: SearchOptions()); ``pool``:
-    scoring workers kept between calls (else each call starts its own).
-    Returns ``bleu``, ``chrf``, ``n`` (sentences), ``seconds`` (wall time of the whole call) and the
-    sacrebleu ``signature``. The model is put in eval mode and back in train mode if it was. Each
+    scoring workers kept between calls (else each call starts its own); ``stop()``, asked between
+    batches, ends the decoding early (a time limit): the scores are then those of the ``n``
+    sentences decoded, the longest first.
+    Returns ``bleu``, ``chrf``, ``n`` (sentences scored), ``seconds`` (wall time of the whole call) and
+    the sacrebleu ``signature``. The model is put in eval mode and back in train mode if it was. Each
     decoded batch is detokenized and scored (:class:`Scorer`) while the next one decodes.
     """
     t0 = time.perf_counter()
@@ -270,11 +276,12 @@ def bleu_on_pairs(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, pa
     try:
         sources, _ = encode_sources(src_tok, [s for s, _ in pairs], model.shape.max_positions)
         translate_ids(model, sources, dataclasses.replace(options or SearchOptions(), beam_size=beam_size),
-                      batch_size=batch_size, device=device, on_batch=on_batch)
+                      batch_size=batch_size, device=device, on_batch=on_batch, stop=stop)
     except BaseException:
         scorer.close()
         raise
     finally:
         model.train(was_training)
-    result = scorer.result()
-    return {**result, "n": len(pairs), "seconds": time.perf_counter() - t0}
+    n = sum(h is not None for h in scorer.hyps)
+    result = scorer.result(added_only=stop is not None)
+    return {**result, "n": n, "seconds": time.perf_counter() - t0}

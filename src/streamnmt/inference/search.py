@@ -350,7 +350,8 @@ def pad_batch(seqs: list[list[int]], device: torch.device | str) -> Tensor:
 def translate_ids(model: Transformer, sources: list[list[int]], opts: SearchOptions = SearchOptions(), *,
                   batch_size: int = 64, device: torch.device | str = "cpu",
                   search_fn: Callable[[Tensor], list[list[int]]] | None = None,
-                  on_batch: Callable[[list[int], list[list[int]]], None] | None = None) -> list[list[int]]:
+                  on_batch: Callable[[list[int], list[list[int]]], None] | None = None,
+                  stop: Callable[[], bool] | None = None) -> list[list[int]]:
     """Encoder-ready source id lists -> output id lists, in the order given.
 
     Sentences are sorted by length (longest first, so similar lengths share a batch's padding and
@@ -359,10 +360,14 @@ def translate_ids(model: Transformer, sources: list[list[int]], opts: SearchOpti
     decodes one padded batch (default: :func:`search` with ``opts``; graph decoding passes its own).
     ``on_batch(indices, outputs)`` is called with each decoded batch (indices into ``sources``), so
     that a caller can detokenize and score one batch while the device decodes the next.
+    ``stop()`` is asked before each batch but the first: True ends the decoding there (a time limit);
+    the sentences not decoded keep empty outputs, and ``on_batch`` has named those that were.
     """
     order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
     results: list[list[int]] = [[] for _ in sources]
     for start in range(0, len(order), batch_size):
+        if start and stop is not None and stop():
+            break
         idx = order[start:start + batch_size]
         src = pad_batch([sources[i] for i in idx], device)
         hyps = search_fn(src) if search_fn is not None else search(model, src, opts)

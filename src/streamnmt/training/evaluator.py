@@ -83,6 +83,7 @@ class Evaluation:
     bleu: float | None
     bleu_s: float
     better: bool
+    bleu_n: int = 0  # dev sentences scored: fewer than --bleu-samples when the time limit cut the pass
 
 
 class CapturedLoss:
@@ -158,22 +159,40 @@ class Evaluator:
         self._captured = CapturedLoss(self._nll, device, log) if device.type == "cuda" else None
 
     # -- what the loop calls ------------------------------------------------------------------
-    def evaluate(self, step: int, ema: Any = None, on_better: Callable[[], None] | None = None) -> Evaluation:
+    def evaluate(self, step: int, ema: Any = None, on_better: Callable[[], None] | None = None,
+                 stop: Callable[[], bool] | None = None) -> Evaluation:
         """Validate and score (with the EMA weights when ``ema`` is given); ``on_better`` runs with
-        those weights in the model when --best-metric improved (it writes best.pt)."""
+        those weights in the model when --best-metric improved (it writes best.pt). ``stop()``
+        (rank 0's, asked between decoding batches) cuts the BLEU pass short for a time limit: that
+        BLEU is reported with its sentence count, and not compared for best.pt or --patience (it
+        writes best.pt only where no full pass has set a best yet)."""
         with ema.swapped() if ema is not None else contextlib.nullcontext():
             if self.dist.main:
                 val_loss = self.validate()
-                bleu, bleu_s = self.bleu()
+                bleu, bleu_s, bleu_n = self.bleu(stop)
+                asked = len(self._pairs or ())
             else:
-                val_loss, bleu, bleu_s = math.nan, None, 0.0
+                val_loss, bleu, bleu_s, bleu_n, asked = math.nan, None, 0.0, 0, 0
             # every rank learns rank 0's results (best.pt and --patience decide alike everywhere)
-            val_loss, bleu, bleu_s = self.dist.broadcast((val_loss, bleu, bleu_s), "dist.evaluate")
+            val_loss, bleu, bleu_s, bleu_n, asked = self.dist.broadcast((val_loss, bleu, bleu_s, bleu_n, asked),
+                                                                        "dist.evaluate")
             self.best_val = min(self.best_val, val_loss)
-            better = self.stopper.update(bleu if self.stopper.metric == "bleu" else val_loss, step)
+            cut = bleu is not None and bleu_n < asked
+            if cut and self.stopper.metric == "bleu":
+                # Not comparable with a full pass's BLEU: best.pt takes these weights only while no
+                # full pass has set a best, and --patience does not count this evaluation.
+                better = self.stopper.best is None
+                self.log(f"eval: the time limit cut the BLEU pass at {bleu_n} of {asked} dev sentences (the "
+                         f"longest first): BLEU {bleu:.2f} on those, "
+                         + ("best.pt until a full pass sets a best" if better else "not compared for best.pt"))
+            else:
+                if cut:
+                    self.log(f"eval: the time limit cut the BLEU pass at {bleu_n} of {asked} dev sentences "
+                             f"(the longest first): BLEU {bleu:.2f} on those")
+                better = self.stopper.update(bleu if self.stopper.metric == "bleu" else val_loss, step)
             if better and on_better is not None:
                 on_better()
-        return Evaluation(val_loss, bleu, bleu_s, better)
+        return Evaluation(val_loss, bleu, bleu_s, better, bleu_n)
 
     def start_line(self) -> str:
         """What evaluation runs on, and the decoding copy's memory (made now, kept for the run)."""
@@ -215,18 +234,19 @@ class Evaluator:
         # Needed: the validation loss is reported and compared for best.pt.
         return float(host_sync("eval.val_loss", lambda: (total / ntok.clamp(min=1)).item()))
 
-    def bleu(self) -> tuple[float | None, float]:
+    def bleu(self, stop: Callable[[], bool] | None = None) -> tuple[float | None, float, int]:
+        """Dev BLEU, its seconds and the sentences it scored (fewer when ``stop()`` cut it)."""
         n = self.job.run.bleu_samples
         if n == 0:
-            return None, 0.0
+            return None, 0.0, 0
         if self._pairs is None:
             self._pairs = read_pairs(self.job.data, "dev")[:n]
         t0 = time.perf_counter()
         self.bleu_model = model = decoding_copy(self.model, self.bleu_dtype, self.bleu_model)
         res = bleu_on_pairs(model, self.data.src_tok, self.data.tgt_tok, self._pairs, device=self.device,
                             beam_size=self.job.run.beam_size, batch_size=EVAL_BATCH,
-                            tgt_lang=self.job.data.tgt_lang, options=self.options, pool=self.pool)
-        return res["bleu"], time.perf_counter() - t0
+                            tgt_lang=self.job.data.tgt_lang, options=self.options, pool=self.pool, stop=stop)
+        return res["bleu"], time.perf_counter() - t0, res["n"]
 
     def close(self) -> None:
         """The end of the run: the scoring workers exit."""

@@ -46,8 +46,9 @@ STEP_COLUMNS = ["step", "epoch", "loss", "nll", "lr", "tokens", "grad_norm", "sk
 RESULT_COLUMNS = ["epoch", "train_loss", "train_nll", "train_ppl", "val_loss", "bleu", "tokens_per_s",
                   "padded_tokens_per_s", "epoch_s", "bleu_s", "eval_s", "save_s",
                   "gpu_mem_gb", "gpu_busy", "sync_count", "sync_ms", "steps", "cpu_util"]
-# eval_s, save_s: the seconds the training loop waited for the evaluation and for its best.pt
-EVAL_COLUMNS = ["step", "epoch", "val_loss", "bleu", "bleu_s", "best", "eval_s", "save_s"]
+# eval_s, save_s: the seconds the training loop waited for the evaluation and for its best.pt;
+# bleu_n: the dev sentences BLEU scored (fewer than --bleu-samples where the time limit cut the pass)
+EVAL_COLUMNS = ["step", "epoch", "val_loss", "bleu", "bleu_n", "bleu_s", "best", "eval_s", "save_s"]
 
 
 class TrainerSetup:

@@ -89,10 +89,11 @@ class Trainer(TrainerSetup):
             self._request_stop(self.budget.reason(self.global_step))
         return self._stop_agreed() or bool(r.max_steps and self.global_step >= r.max_steps)
 
-    def _reserve(self) -> float:
-        """Seconds the end of the run will take after the last step: its evaluation, its last.pt
-        write (both as long as the last ones took) and the exports and plots (a small share)."""
-        ev = self.evaluator.cadence.cost_s or 0.0
+    def _reserve(self, evaluation: bool = True) -> float:
+        """Seconds the end of the run will take after the last step: its evaluation (unless not
+        ``evaluation``), its last.pt write (both as long as the last ones took) and the exports and
+        plots (a small share)."""
+        ev = (self.evaluator.cadence.cost_s or 0.0) if evaluation else 0.0
         return ev + self.checkpointer.last_write_s + min(END_SHARE * (self.budget.limit_s or 0.0), 5.0)
 
     def _stop_agreed(self, every: int = 1) -> bool:
@@ -250,7 +251,11 @@ class Trainer(TrainerSetup):
         ema = self.step_fn.ema if self.job.run.eval_ema else None
         first = self.last_eval is None and self.device.type == "cuda"
         before = torch.cuda.memory_reserved(self.device) if first else 0  # host-side counters: no sync
-        result = self.evaluator.evaluate(self.global_step, ema, on_better=write_best)
+        # Under --time-limit the BLEU pass stops decoding where the run's end (its last write and
+        # exports) would no longer fit: a half-trained model can decode several times longer than
+        # the last evaluation did, which the reserve had counted on.
+        stop = (lambda: self.budget.expired(self._reserve(evaluation=False))) if self.budget.limit_s else None
+        result = self.evaluator.evaluate(self.global_step, ema, on_better=write_best, stop=stop)
         if first:  # what the evaluation's graphs (validation, decoding buckets) hold for the rest of the run
             grown = (torch.cuda.memory_reserved(self.device) - before) / 2 ** 20
             self.log(f"eval: the first evaluation's graphs and buffers reserved {grown:+.0f} MiB on the GPU")
@@ -265,6 +270,7 @@ class Trainer(TrainerSetup):
         self.last_eval, self.last_eval_step = result, self.global_step
         self.evals_log.write({"step": self.global_step, "epoch": epoch + 1, "val_loss": result.val_loss,
                               "bleu": "" if result.bleu is None else round(result.bleu, 2),
+                              "bleu_n": "" if result.bleu is None else result.bleu_n,
                               "bleu_s": round(result.bleu_s, 3), "best": int(result.better),
                               "eval_s": round(cost, 3), "save_s": round(best_save[0], 3)})
         self.scalars.add(self.global_step, {"dev/val_loss": result.val_loss, "dev/bleu": result.bleu})

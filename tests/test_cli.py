@@ -98,11 +98,14 @@ def test_strategies_log_identical_losses_and_weights(tmp_path):
 
 
 def test_exist_ok_starts_fresh_logs(tmp_path):
-    assert train(tmp_path, "--max-steps", "5") == 0
+    assert train(tmp_path, "--max-steps", "5", "--ema", "0.9") == 0
+    weights = tmp_path / "runs" / "exp" / "weights"
+    assert (weights / "ema.pt").exists()
     assert train(tmp_path, "--max-steps", "3", "--exist-ok") == 0
     steps = read_csv(tmp_path / "runs" / "exp" / "steps.csv")
     assert [int(r["step"]) for r in steps] == [1, 2, 3]
     assert len(read_csv(tmp_path / "runs" / "exp" / "results.csv")) == 1
+    assert not (weights / "ema.pt").exists()  # the earlier run's averaged weights are not this run's
 
 
 def test_tokenizer_sample_is_validated(tmp_path, capsys):

@@ -39,7 +39,7 @@ from streamnmt.engine.syncstats import host_sync
 
 # What best.pt and ema.pt keep: enough to translate, evaluate, export, average and start a run
 # from (--weights); an exact resume needs last.pt alone, so best.pt skips the optimizer's moments.
-WEIGHTS_KEYS = ("model", "model_shape", "tokenizers", "config", "step")
+WEIGHTS_KEYS = ("model", "model_shape", "tokenizers", "config", "step", "best")
 
 
 class Checkpointer:
@@ -52,7 +52,9 @@ class Checkpointer:
         self._pinned: dict[tuple, torch.Tensor] = {}  # staging buffers, by (kind, path in the state)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.last_write_s = 0.0  # how long the last write took on the writer (serialise, fsync, rename)
+        # how long the last write of each kind (last, best, ema) took on the writer (serialise,
+        # fsync, rename): last.pt holds the optimizer's moments too, best.pt a third of that
+        self.write_s: dict[str, float] = {}
         self.writes = 0
 
     # -- the loop's side ------------------------------------------------------------------------
@@ -69,10 +71,10 @@ class Checkpointer:
         if not self.background:
             # Needed: torch.save copies every device tensor to the host (callers drained the
             # streams first, so this waits for nothing queued, but it is a host-device sync).
-            host_sync("checkpoint.save", lambda: self._write(path, state, keep, step, then))
+            host_sync("checkpoint.save", lambda: self._write(kind, path, state, keep, step, then))
             return time.perf_counter() - t0
         staged = self._stage(kind, state)
-        self._thread = threading.Thread(target=self._run, args=(path, staged, keep, step, then),
+        self._thread = threading.Thread(target=self._run, args=(kind, path, staged, keep, step, then),
                                         name="streamnmt-checkpoint-writer", daemon=True)
         self._thread.start()
         return time.perf_counter() - t0
@@ -138,14 +140,14 @@ class Checkpointer:
         return obj  # numbers, strings, bytes, None: immutable
 
     # -- the writer's side --------------------------------------------------------------------
-    def _run(self, path: Path, state: dict[str, Any], keep: int, step: int,
+    def _run(self, kind: str, path: Path, state: dict[str, Any], keep: int, step: int,
              then: Callable[[dict[str, Any]], None] | None) -> None:
         try:
-            self._write(path, state, keep, step, then)
+            self._write(kind, path, state, keep, step, then)
         except BaseException as e:  # raised on the loop's thread at its next save or wait
             self._error = e
 
-    def _write(self, path: Path, state: dict[str, Any], keep: int, step: int,
+    def _write(self, kind: str, path: Path, state: dict[str, Any], keep: int, step: int,
                then: Callable[[dict[str, Any]], None] | None) -> None:
         t0 = time.perf_counter()
         save_checkpoint(path, state)
@@ -153,7 +155,7 @@ class Checkpointer:
             keep_step_copy(path, step, keep)
         if then is not None:
             then(state)
-        self.last_write_s = time.perf_counter() - t0
+        self.write_s[kind] = time.perf_counter() - t0
         self.writes += 1
 
 

@@ -186,7 +186,7 @@ class TrainerSetup:
         """The run directory (only now that everything above is valid): rank 0 makes it, the others learn it."""
         r = self.job.run
         if resume is not None:
-            self.save_dir = Path(r.resume).resolve().parent.parent
+            self.save_dir = self.save_dir_of_resume()
             if self.dist.main:  # a write that a kill interrupted left its temporary file
                 remove_stale_temporaries(self.save_dir / "weights")
         elif not self.dist.main:
@@ -196,8 +196,9 @@ class TrainerSetup:
             (self.save_dir / "weights").mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(self.save_dir / "weights")
             atomic_write(self.save_dir / "config.yaml", self.job.to_yaml())
-            weights = self.save_dir / "weights"  # --exist-ok: an earlier run's best and step files are not ours
-            for stale in [weights / "best.pt", weights / "best.safetensors", *weights.glob("step_*.pt")]:
+            weights = self.save_dir / "weights"  # --exist-ok: an earlier run's best, EMA and step files are not ours
+            for stale in [weights / "best.pt", weights / "best.safetensors", weights / "ema.pt",
+                          *weights.glob("step_*.pt")]:
                 stale.unlink(missing_ok=True)
             self.dist.broadcast(str(self.save_dir), "dist.setup")
 
@@ -301,12 +302,15 @@ class TrainerSetup:
         if self.scaler is not None and ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
         self.global_step, self.evaluator.best_val = ckpt["step"], ckpt["best_val"]
-        self.last_eval_step = self.last_save_step = self.global_step  # the checkpoint was evaluated and saved
+        self.last_save_step = self.global_step
+        # a checkpoint of a step that was not evaluated (a signal, --save-every) gets its evaluation
+        self.last_eval_step = ckpt.get("last_eval_step", self.global_step)
         self.epoch, self.epoch_pos = ckpt["sampler"]["epoch"], ckpt["sampler"]["position"]
         self.train_loader.load_state_dict(ckpt["sampler"])
         # the loader converts a position saved at another world size; the trainer counts in its units
         self.epoch, self.epoch_pos = self.train_loader.epoch, self.train_loader.position
         self.evaluator.load_state_dict(ckpt.get("stopping"))
+        self._newer_best()
         if self.step_fn.ema is not None and ckpt.get("ema"):
             self.step_fn.ema.load_state_dict(ckpt["ema"])
         ranks = ckpt.get("rng_ranks") or [ckpt["rng"]]
@@ -320,6 +324,33 @@ class TrainerSetup:
             set_rng_state(ckpt["rng"])
             torch.manual_seed(self.job.run.seed + 1_000_003 * self.dist.rank)
 
+    def _newer_best(self) -> None:
+        """best.pt may be newer than last.pt (a kill after an evaluation that wrote it, before the
+        next last.pt): its recorded metric is then the best to beat, lest a worse model replace it."""
+        path = self.save_dir_of_resume() / "weights" / "best.pt"
+        stopper = self.evaluator.stopper
+        best = None
+        if self.dist.main and path.exists():  # rank 0's file decides for every rank (they must agree)
+            try:
+                best = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("best")
+            except Exception:  # an unreadable best.pt is not this resume's business (last.pt is whole)
+                best = None
+            if not best or best.get("metric") != stopper.metric or best.get("value") is None:
+                best = None
+        best = self.dist.broadcast(best, "dist.resume")
+        if best is None:
+            return
+        value, step = float(best["value"]), int(best["step"])
+        newer = stopper.best is None or (value > stopper.best if stopper.metric == "bleu" else value < stopper.best)
+        if newer:
+            self.log(f"resume: best.pt (step {step}) is newer than last.pt's record of the best; its "
+                     f"{stopper.metric} {value:.4f} is the best to beat")
+            stopper.best, stopper.best_step, stopper.bad = value, step, 0
+
+    def save_dir_of_resume(self) -> Path:
+        """The run directory of ``--resume`` (its weights/last.pt's grandparent)."""
+        return Path(self.job.run.resume).resolve().parent.parent
+
     def checkpoint_state(self) -> dict[str, Any]:
         return {
             "model": self.model.state_dict(),
@@ -329,7 +360,7 @@ class TrainerSetup:
             "tokenizers": {side: tokenizer_entry(tok) for side, tok in (("src", self.data.src_tok),
                                                                           ("tgt", self.data.tgt_tok))},
             "config": self.job.to_dict(),
-            "step": self.global_step, "best_val": self.best_val,
+            "step": self.global_step, "best_val": self.best_val, "last_eval_step": self.last_eval_step,
             "sampler": {**self.train_loader.state_dict(), "epoch": self.epoch, "position": self.epoch_pos},
             "rng": rng_state(),
             "stopping": self.evaluator.state_dict(),

@@ -91,10 +91,13 @@ class Trainer(TrainerSetup):
 
     def _reserve(self, evaluation: bool = True) -> float:
         """Seconds the end of the run will take after the last step: its evaluation (unless not
-        ``evaluation``), its last.pt write (both as long as the last ones took) and the exports and
-        plots (a small share)."""
-        ev = (self.evaluator.cadence.cost_s or 0.0) if evaluation else 0.0
-        return ev + self.checkpointer.last_write_s + min(END_SHARE * (self.budget.limit_s or 0.0), 5.0)
+        ``evaluation``) and the best.pt it may write, its last.pt write (each as long as the last
+        one of its kind took; a write still in flight counts once more) and the exports and plots
+        (a small share)."""
+        w = self.checkpointer.write_s
+        ev = (self.evaluator.cadence.cost_s or 0.0) + w.get("best", 0.0) if evaluation else 0.0
+        writes = w.get("last", 0.0) + (max(w.values(), default=0.0) if self.checkpointer.busy else 0.0)
+        return ev + writes + min(END_SHARE * (self.budget.limit_s or 0.0), 5.0)
 
     def _stop_agreed(self, every: int = 1) -> bool:
         """Stop after this step? One process: a signal, --time-limit or --patience asked for it.
@@ -108,6 +111,9 @@ class Trainer(TrainerSetup):
 
     def run_epoch(self, epoch: int) -> dict[str, Any]:
         r = self.job.run
+        if self.epoch_pos >= len(self.train_loader):  # resumed at the epoch's end (a checkpoint of
+            self.epoch, self.epoch_pos = epoch + 1, 0  # an earlier version): nothing left to train
+            return {}
         self.model.train()
         self.train_loader.set_epoch(epoch)  # keeps a resumed mid-epoch position
         STATS.reset()
@@ -180,7 +186,7 @@ class Trainer(TrainerSetup):
             self.epoch, self.epoch_pos = epoch + 1, 0
         ending = self.epoch >= r.epochs or bool(r.max_steps and self.global_step >= r.max_steps)
         result = None
-        if ending or self._eval_due(epoch_end=True):
+        if self.last_eval_step != self.global_step and (ending or self._eval_due(epoch_end=True)):
             self._evaluate(epoch)
             result = self.last_eval
         finite = [v for v in losses if math.isfinite(v[1])]  # a skipped step's loss is left out
@@ -283,9 +289,15 @@ class Trainer(TrainerSetup):
         a signal: the job is being stopped) and saved, and every write on disk."""
         losses = getattr(self, "pending_losses", [])
         signalled = self.dist.agree(self.signalled, "dist.stop") if self.dist.active else self.signalled  # one rank's
+        evaluated = False
         if self.global_step and self.last_eval_step != self.global_step and not signalled:
             losses += self._evaluate(self.epoch)
-        if self.last_save_step != self.global_step or not self.global_step:
+            evaluated = True
+        if self.epoch_pos >= len(self.train_loader):  # stopped at an epoch's last batch: a resume starts the next
+            self.epoch, self.epoch_pos = self.epoch + 1, 0
+        # last.pt again where this step was saved before its evaluation (--save-every, an epoch end's
+        # save): the checkpoint must hold the evaluation's best metric, cadence and patience
+        if self.last_save_step != self.global_step or not self.global_step or evaluated:
             losses += self._drain("stop")
             self._save_last(wait=True)
         te = self.clock()
@@ -301,7 +313,7 @@ class Trainer(TrainerSetup):
         waited = self.clock() - ts
         self.waits["save_s"] += waited
         self.times["checkpoints"] += waited
-        self.save_cadence.done(self.checkpointer.last_write_s)
+        self.save_cadence.done(self.checkpointer.write_s.get("last", 0.0))
         self.last_save_step = self.global_step
 
     def _request_stop(self, reason: str) -> None:
@@ -360,7 +372,9 @@ class Trainer(TrainerSetup):
         state = {**self.checkpoint_state(), "rng_ranks": rngs}
         then = None
         if kind == "best":
-            state = weights_only(state)
+            stopper = self.evaluator.stopper
+            state = {**weights_only(state), "best": {"metric": stopper.metric, "value": stopper.best,
+                                                     "step": stopper.best_step}}
             then = safetensors_beside(path)
         return self.checkpointer.save(path, state, kind=kind, keep=keep, step=self.global_step, then=then)
 

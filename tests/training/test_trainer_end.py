@@ -1,0 +1,84 @@
+"""The end of a run and its resume: what last.pt and best.pt hold when a run stops between its
+saves and evaluations, and what a resume makes of them (tiny model, CPU, fake clocks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamnmt.training.evaluator import Evaluator
+from streamnmt.training.runs import read_csv
+from streamnmt.training.trainer import Trainer
+from tests.test_recipe import home, make_trainer  # noqa: F401  (home: each test's STREAMNMT_HOME)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_a_step_saved_before_its_last_evaluation_is_saved_again(tmp_path, monkeypatch):
+    """--save-every 1 saves every step; the time limit then stops the run and the end evaluates
+    that step: last.pt must hold that evaluation's best metric and cadence, not the earlier ones."""
+    t = make_trainer(tmp_path, "--name", "a", "--time-limit", "40s", "--save-every", "1", "--best-metric",
+                     "val_loss", "--epochs", "50")
+    extra = [0.0]
+    t.clock = t.budget.clock = lambda: float(t.global_step) + extra[0]
+    t.budget.t0 = 0.0
+    real = Evaluator.validate
+
+    def costly(self):
+        extra[0] += 5.0
+        return real(self)
+
+    monkeypatch.setattr(Evaluator, "validate", costly)
+    result = t.train()
+    evals = read_csv(tmp_path / "a" / "evals.csv")
+    assert int(evals[-1]["step"]) == result["steps"] and len(evals) >= 2
+    ckpt = torch.load(tmp_path / "a" / "weights" / "last.pt", weights_only=True)
+    assert ckpt["step"] == result["steps"] and ckpt["last_eval_step"] == result["steps"]
+    assert ckpt["stopping"]["best"] == t.evaluator.stopper.best and ckpt["best_val"] == t.evaluator.best_val
+    assert ckpt["stopping"]["cadence"] == t.evaluator.cadence.state_dict()
+
+
+def test_a_stop_at_an_epochs_last_batch_resumes_at_the_next_epoch(tmp_path, monkeypatch):
+    """Stopped on the epoch's last batch: last.pt points at the next epoch's start, and the resumed
+    run evaluates no step twice and writes no empty epoch row."""
+    t = make_trainer(tmp_path, "--name", "b", "--epochs", "3", "--eval-every", "0", "--best-metric", "val_loss",
+                     "--patience", "5")
+    n = len(t.train_loader)
+    real = Trainer._trained
+
+    def trained(self, seconds):
+        real(self, seconds)
+        if self.global_step == n and not self.stop_requested:
+            self._request_stop("a stop at the last step of epoch 1")
+
+    monkeypatch.setattr(Trainer, "_trained", trained)
+    t.train()
+    monkeypatch.setattr(Trainer, "_trained", real)
+    ckpt = torch.load(tmp_path / "b" / "weights" / "last.pt", weights_only=True)
+    assert ckpt["step"] == n and (ckpt["sampler"]["epoch"], ckpt["sampler"]["position"]) == (1, 0)
+    resumed = Trainer.from_checkpoint(str(tmp_path / "b" / "weights" / "last.pt"), log=lambda _: None,
+                                      changes={"epochs": 2})
+    resumed.train()
+    evals = read_csv(tmp_path / "b" / "evals.csv")
+    assert [(int(r["step"]), int(r["epoch"])) for r in evals] == [(n, 1), (2 * n, 2)]
+    assert resumed.evaluator.stopper.bad == 0 or evals[-1]["best"] == "0"
+    rows = read_csv(tmp_path / "b" / "results.csv")
+    assert [int(r["epoch"]) for r in rows] == [2] and float(rows[0]["tokens_per_s"]) > 0
+
+
+def test_a_best_pt_newer_than_last_pt_is_the_best_to_beat(tmp_path):
+    """A kill after an evaluation that wrote best.pt but before the next last.pt: last.pt's record of
+    the best is older. The resume takes best.pt's recorded metric, so a worse model cannot replace it."""
+    t = make_trainer(tmp_path, "--name", "c", "--epochs", "2", "--eval-every", "0", "--best-metric", "val_loss")
+    t.train()
+    weights = tmp_path / "c" / "weights"
+    best = torch.load(weights / "best.pt", weights_only=True)["best"]
+    assert best["metric"] == "val_loss" and best["value"] == t.evaluator.stopper.best
+    ckpt = torch.load(weights / "last.pt", weights_only=True)
+    ckpt["stopping"].update(best=best["value"] + 1.0, best_step=1, bad=3)  # as an older last.pt had it
+    torch.save(ckpt, weights / "last.pt")
+    lines: list[str] = []
+    resumed = Trainer.from_checkpoint(str(weights / "last.pt"), log=lines.append, changes={"epochs": 3})
+    stopper = resumed.evaluator.stopper
+    assert (stopper.best, stopper.best_step, stopper.bad) == (best["value"], best["step"], 0)
+    assert any(line.startswith("resume: best.pt (step") for line in lines)

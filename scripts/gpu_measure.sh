@@ -275,4 +275,18 @@ case "$1" in
     cp /tmp/runs/new_builtin/results.csv "$OUT/new_builtin_results.csv"
     timeout 60 python3 scripts/bench_train_eval.py /tmp/runs/new_builtin --out "$OUT/train_eval_builtin.json"
     timeout 150 python3 scripts/bench_checkpoint.py --repeats 5 --out "$OUT/bench_checkpoint.json" ;;
+  wall3)  # `train --time-limit 120s` at the defaults: built-in corpus on a fresh machine (cold caches), the
+          # same command again (page cache, data, tokenizers and Triton kernels warm), then the long-tailed 40k
+    python3 scripts/make_longtail.py --out /tmp/lt40 --pairs 40000 > /dev/null
+    for run in builtin_cold builtin_warm lt40; do
+      data=""; [ "$run" = lt40 ] && data="--data /tmp/lt40"
+      t0=$(date +%s%N); timeout 200 python3 -m streamnmt train $data --time-limit 120s --project /tmp/runs \
+        --name $run 2>&1 | python3 -u scripts/stamp.py > "$OUT/wall_$run.log"
+      echo "$(( ($(date +%s%N) - t0) / 1000000 )) ms wall (outside)" >> "$OUT/wall_$run.log"
+      cp /tmp/runs/$run/evals.csv "$OUT/${run}_evals.csv"
+    done
+    for run in builtin_cold builtin_warm lt40; do  # the end line and the set-up's stamped milestones
+      echo "== $run"; grep -E "^ *[0-9.]+ .*(wall [0-9]+ s|data: ready|engine: compile|run dir|graph mode|first evaluation|outside)" \
+        "$OUT/wall_$run.log" | cut -c1-160
+    done ;;
 esac

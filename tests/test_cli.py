@@ -135,6 +135,23 @@ def test_abbreviated_flag_exits_2_naming_the_full_flag(argv, full, monkeypatch, 
     assert argv[1].split("=")[0] in err[0] and full in err[0]
 
 
+def test_nproc_resume_checks_the_checkpoints_device(tmp_path, monkeypatch):
+    """`train --nproc 2 --resume` of a CPU run on a host with one GPU: the ranks run on the
+    checkpoint's device (the CPU, gloo), so the one-GPU-per-process check does not apply."""
+    import torch
+
+    from streamnmt import dist
+
+    assert train(tmp_path, "--max-steps", "2", "--device", "cpu") == 0
+    children: list[list[str]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(dist, "run_torchrun", lambda n, argv: children.append(argv) or 0)
+    last = str(tmp_path / "runs" / "exp" / "weights" / "last.pt")
+    assert main(["train", "--resume", last, "--nproc", "2"]) == 0 and len(children) == 1
+    assert main(["train", "--resume", last, "--nproc", "2", "--device", "cuda"]) == 2  # 2 ranks, 1 GPU
+
+
 @pytest.mark.parametrize("flags", [["--nproc=2", "--epochs", "1"], ["--nproc", "2", "--epochs", "1"],
                                    ["--epochs", "1", "--nproc", "3", "--no-pack", "--compile", "--nproc", "2"],
                                    ["--config", "CFG", "--nproc", "2", "--project", "p", "--name=--nproc", "--seed=-3"],

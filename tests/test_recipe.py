@@ -21,7 +21,7 @@ from streamnmt.errors import ConfigError
 from streamnmt.models.transformer import make_model
 from streamnmt.training.runs import read_csv
 from streamnmt.training.step import example_batch, make_step
-from streamnmt.training.stopping import EarlyStopping, TimeBudget, parse_duration
+from streamnmt.training.stopping import EarlyStopping, parse_duration
 from streamnmt.training.evaluator import Evaluator
 from streamnmt.training.trainer import Trainer
 

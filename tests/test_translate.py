@@ -266,6 +266,8 @@ def test_scorer_scores_in_process_what_a_dead_worker_left():
 def test_a_score_pool_serves_many_passes_with_the_same_numbers():
     """A training run's evaluations share one pool of workers: each pass scores as one corpus_score
     call would, the workers stay up between passes, and a dead worker's batches are scored here."""
+    import signal
+
     from streamnmt.inference.scoring import ScorePool, Scorer
 
     refs, hyps, batches = _scorer_case()
@@ -274,11 +276,13 @@ def test_a_score_pool_serves_many_passes_with_the_same_numbers():
     try:
         procs = [w.proc for w in pool.workers]
         for k in range(3):
-            if k == 2:
-                pool.workers[0].proc.kill()
-                pool.workers[0].proc.wait()
             scorer = Scorer(refs, "ch", pool=pool)
-            for idx in batches:
+            for j, idx in enumerate(batches):
+                if k == 2 and j == 0:  # it takes batches but answers none ...
+                    os.kill(pool.workers[0].proc.pid, signal.SIGSTOP)
+                if k == 2 and j == 2:  # ... and dies mid-pass: the batches it was given are lost with it
+                    pool.workers[0].proc.kill()
+                    pool.workers[0].proc.wait()
                 scorer.add(idx, [hyps[i] for i in idx])
             got = scorer.result()
             assert got["bleu"] == pytest.approx(want["bleu"], abs=1e-9)
@@ -288,9 +292,43 @@ def test_a_score_pool_serves_many_passes_with_the_same_numbers():
                 assert all(p.poll() is None for p in procs)  # and they are still up for the next pass
         assert 0 < len(scorer._stats) < len(batches)  # the dead worker's share was scored in-process
         assert not pool.results  # nothing left behind for a later pass
+        assert len(pool.workers) == 1  # the dead one is dropped: later batches go to the live one
     finally:
         pool.close()
     assert all(p.poll() is not None for p in procs)
+
+
+def test_a_hung_score_worker_neither_blocks_decoding_nor_the_next_pass(monkeypatch):
+    """A worker that stops answering (SIGSTOP) with its pipe full: adding batches never blocks, the
+    pass waits for it WORKER_TIMEOUT_S at most, scores its batches in-process, and the worker is
+    killed and dropped, so that the next pass does not wait for it again."""
+    import signal
+    import time
+
+    from streamnmt.inference import scoring
+    from streamnmt.inference.scoring import ScorePool, Scorer
+
+    monkeypatch.setattr(scoring, "WORKER_TIMEOUT_S", 3.0)
+    refs = [f"句子 {i} " + "字" * 200 for i in range(512)]  # ~300 kB of text: more than a pipe holds
+    hyps = [r[:-3] for r in refs]
+    batches = [list(range(k, k + 64)) for k in range(0, len(refs), 64)]
+    want = score(hyps, refs, "ch")
+    pool = ScorePool("ch", workers=2)
+    try:
+        hung = pool.workers[0].proc
+        os.kill(hung.pid, signal.SIGSTOP)
+        for _ in range(2):
+            scorer = Scorer(refs, "ch", pool=pool)
+            began = time.monotonic()
+            for idx in batches:
+                scorer.add(idx, [hyps[i] for i in idx])
+            assert time.monotonic() - began < 5.0  # queued, never written on this thread
+            got = scorer.result()
+            assert got["bleu"] == pytest.approx(want["bleu"], abs=1e-9)
+            assert got["chrf"] == pytest.approx(want["chrf"], abs=1e-9)
+        assert hung.poll() is not None and len(pool.workers) == 1
+    finally:
+        pool.close()
 
 
 # -- bad input -------------------------------------------------------------------------------

@@ -182,7 +182,7 @@ def save_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadat
     blobs, offset = [], 0
     for name, t in tensors.items():
         t = t.detach().contiguous().cpu()
-        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""  # 0-dim too
         header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + len(data)]}
         blobs.append(data)
@@ -237,8 +237,8 @@ def embedded_tokenizers(ckpt: dict[str, Any], path: str, out: Path | None = None
         files[side] = out / (f"{tok.sha256[:16]}.model" if by_hash else f"{side}.model")
         if not files[side].is_file() or file_sha256(files[side]) != tok.sha256:
             atomic_write(files[side], tok.model_bytes())
-    return {"tokenizer_eng": str(files["src"])} if shared else \
-        {"tokenizer_eng": str(files["src"]), "tokenizer_chn": str(files["tgt"])}
+    # shared: the one model names both sides, replacing whatever file the run named for either
+    return {"tokenizer_eng": str(files["src"]), "tokenizer_chn": str(files["src" if shared else "tgt"])}
 
 
 def tokenizers_of_weights(job: Any, log: Callable[[str], None]) -> Any:

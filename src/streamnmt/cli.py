@@ -83,8 +83,10 @@ def _exec_torchrun(nproc: str, args: dict, config_file: str | None, parser: argp
     if args.get("resume") is None:
         job = build_job({k: v for k, v in args.items()}, config_file)  # bad flags: exit 2 before starting
         device, backend = job.run.device, job.engine.dist_backend
-    else:
-        device, backend = args.get("device"), args.get("dist_backend", "auto")
+    else:  # the ranks run on the checkpoint's device unless --device names another
+        saved = _saved_config(args["resume"])
+        device = args.get("device") or saved.get("run", {}).get("device")
+        backend = saved.get("engine", {}).get("dist_backend", "auto")
     cuda = device.startswith("cuda") if device else torch.cuda.is_available()
     check(backend != "nccl" or cuda, "dist_backend", "nccl needs CUDA devices but the run is on the CPU; "
                                                      "use --dist-backend gloo or auto")
@@ -102,6 +104,19 @@ def _exec_torchrun(nproc: str, args: dict, config_file: str | None, parser: argp
     finally:
         if started is None:
             del os.environ["STREAMNMT_COMMAND_START"]
+
+
+def _saved_config(path: str) -> dict[str, Any]:
+    """The job a checkpoint was trained with, read without loading its tensors (memory-mapped);
+    empty where it cannot be read (the ranks then say why, in one line)."""
+    import torch
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return {}
+    config = ckpt.get("config") if isinstance(ckpt, dict) else None
+    return config if isinstance(config, dict) else {}
 
 
 def _flags_argv(parser: argparse.ArgumentParser, given: dict[str, Any]) -> list[str]:

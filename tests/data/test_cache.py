@@ -131,3 +131,25 @@ def test_concurrent_jobs_with_different_max_len_keep_each_others_entries(corpus_
     monkeypatch.setattr(Tokenizer, "encode_batch", no_tokenizing)
     for max_len in (24, 32, 40):
         prepare_data(small_config(corpus_dir, max_len=max_len), log=_quiet)
+
+
+def test_a_slow_build_that_its_job_still_holds_is_not_taken_for_a_dead_one(tmp_path: Path) -> None:
+    """Leftover builds older than STALE_BUILD_S are removed unless their job still holds the lock."""
+    import fcntl
+    import time
+
+    from streamnmt.data import cache
+
+    held, dead = tmp_path / ".build-train-1-aaaa", tmp_path / ".build-train-2-bbbb"
+    for build in (held, dead):
+        build.mkdir()
+        (build / cache.LOCK).touch()
+        (build / "src_tokens.npy").write_bytes(b"half")
+        old = time.time() - cache.STALE_BUILD_S - 60
+        os.utime(build, (old, old))
+    with open(held / cache.LOCK, "rb") as f:
+        fcntl.flock(f, fcntl.LOCK_SH)  # as the writing job holds it
+        cache._remove_leftovers(tmp_path)
+        assert held.exists() and not dead.exists()
+    cache._remove_leftovers(tmp_path)
+    assert not held.exists()

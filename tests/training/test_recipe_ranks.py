@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from streamnmt.config import build_job, recipe_max_tokens
+from streamnmt.training import recipe
 from streamnmt.training.recipe import RankDevice, device_error, resolve_job
 from tests.test_dist import free_port
 
@@ -102,7 +103,7 @@ def test_a_rank_without_bf16_stops_every_rank_with_one_line(ranks):
     assert r0["error"] == r1["error"], (r0, r1)
     assert r0["error"].startswith("--amp (config key 'amp'): bf16, native on rank 0, but rank 1 of 2 (cpu) has no "
                                   "native bf16")
-    assert r0["resume_error"] == r1["resume_error"] == r0["error"]
+    assert r0["resume_error"] == r1["resume_error"] == r0["error"] + recipe.RESUME_HINT
     assert not (ranks["out"] / "bf16" / "runs").exists()
 
 
@@ -137,3 +138,32 @@ def test_bf16_and_flex_rules_fail_only_where_rank0_can():
     flex = dataclasses.replace(flex, model=dataclasses.replace(flex.model, attention="flex"))
     err = device_error(flex, _dev(80, flex="no FlexAttention in this torch"), _dev(80), 1, 2)
     assert err.startswith("--attention (config key 'attention'): flex, which rank 0 runs, but rank 1 of 2")
+
+
+def test_a_resume_is_checked_against_the_device_the_run_started_on(tmp_path, monkeypatch):
+    """One process resuming a checkpoint sized on a larger, bf16 GPU: its own device is checked
+    against that one (recipe_device, saved in every checkpoint), as every rank is on several."""
+    from streamnmt.dist import Dist
+    from streamnmt.errors import ConfigError
+    from streamnmt.training import recipe
+    from tests.test_recipe import make_trainer
+
+    t = make_trainer(tmp_path, "--name", "r", "--max-steps", "1")
+    t.train()
+    saved = torch.load(tmp_path / "r" / "weights" / "last.pt", weights_only=True)
+    assert RankDevice(**saved["recipe_device"]) == t.recipe_device  # the CPU it started on
+    one = Dist()  # one process, no process group
+    origin = dataclasses.asdict(_dev(139.8))
+    monkeypatch.setattr(recipe, "device_memory_gib", lambda device: 39.5)
+    monkeypatch.setattr(recipe, "device_bf16", lambda device: True)
+    job, first = recipe.resolve_job_for_ranks(_job(4096), torch.device("cpu"), one, lambda _: None, resumed=True,
+                                              origin=origin)
+    assert job.data.max_tokens == 4096 and first == _dev(139.8)  # within twice its own 2048
+    with pytest.raises(ConfigError, match=r"sized for the GPU this run started on \(140 GiB\), but rank 0 of 1"):
+        recipe.resolve_job_for_ranks(_job(8192), torch.device("cpu"), one, lambda _: None, resumed=True,
+                                     origin=origin)
+    monkeypatch.setattr(recipe, "device_bf16", lambda device: False)
+    with pytest.raises(ConfigError, match="--amp .*bf16, native on the GPU this run started on"):
+        recipe.resolve_job_for_ranks(_job(0), torch.device("cpu"), one, lambda _: None, resumed=True, origin=origin)
+    # a checkpoint of an earlier version (no recipe_device): nothing to check against
+    assert recipe.resolve_job_for_ranks(_job(16384), torch.device("cpu"), one, lambda _: None, resumed=True)[0]

@@ -82,3 +82,29 @@ def test_a_best_pt_newer_than_last_pt_is_the_best_to_beat(tmp_path):
     stopper = resumed.evaluator.stopper
     assert (stopper.best, stopper.best_step, stopper.bad) == (best["value"], best["step"], 0)
     assert any(line.startswith("resume: best.pt (step") for line in lines)
+
+
+def test_a_shared_vocabulary_run_resumes_whatever_files_it_named(tmp_path):
+    """--shared-vocab with the model named by --tokenizer-chn: the resume names the embedded shared
+    model for both sides (two different names would be refused)."""
+    first = make_trainer(tmp_path, "--name", "a", "--shared-vocab", "--max-steps", "2")
+    first.train()
+    shared = str(first.data.src_tok.path)
+    named = make_trainer(tmp_path, "--name", "b", "--shared-vocab", "--tokenizer-chn", shared, "--max-steps", "2")
+    named.train()
+    resumed = Trainer.from_checkpoint(str(tmp_path / "b" / "weights" / "last.pt"), log=lambda _: None,
+                                      changes={"max_steps": 3})
+    assert resumed.job.data.tokenizer_eng == resumed.job.data.tokenizer_chn
+    assert resumed.data.src_tok.sha256 == resumed.data.tgt_tok.sha256 == named.data.src_tok.sha256
+
+
+def test_safetensors_round_trip_scalars_and_empty_tensors(tmp_path):
+    from streamnmt.checkpoint import load_safetensors, save_safetensors
+
+    tensors = {"scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4), "m": torch.arange(6.0).view(2, 3),
+               "h": torch.ones(3, dtype=torch.bfloat16)}
+    save_safetensors(tmp_path / "x.safetensors", tensors)
+    back = load_safetensors(tmp_path / "x.safetensors")
+    assert set(back) == set(tensors)
+    assert all(back[k].dtype == v.dtype and back[k].shape == v.shape and torch.equal(back[k], v)
+               for k, v in tensors.items())

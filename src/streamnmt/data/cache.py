@@ -266,5 +266,19 @@ def _remove_leftovers(cache_dir: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     for path in cache_dir.glob(".build-*"):
         with contextlib.suppress(OSError):
-            if now - path.stat().st_mtime > STALE_BUILD_S:
+            if now - path.stat().st_mtime > STALE_BUILD_S and not _held(path / LOCK):
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _held(lock: Path) -> bool:
+    """A process holds ``lock`` (a build still being written, however long it takes)."""
+    try:
+        f = os.fdopen(os.open(lock, os.O_RDONLY), "rb")
+    except OSError:
+        return False  # no lock file: nobody can hold it
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False  # closing the file releases the lock just taken

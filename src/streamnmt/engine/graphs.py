@@ -257,7 +257,7 @@ class GraphStrategy(Strategy):
                 cap = self._graph_for(b, ends)
                 if cap is None:
                     self._warn_uncaptured(b)
-                    loss = self._compute(b, step, losses, gstep, ends)
+                    self._compute(b, step, losses, gstep, ends)  # records its own loss
                 else:
                     for dst, src in zip(tensors(cap.static_batch), tensors(b)):
                         dst.copy_(src)  # after the previous replay on this stream read them

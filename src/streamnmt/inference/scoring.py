@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -33,7 +34,9 @@ from streamnmt.models.transformer import Transformer
 
 CHINESE = scoreworker.CHINESE  # target languages scored with sacrebleu's "zh" tokenizer
 MAX_SCORE_WORKERS = 2  # scoring processes per Scorer (see score_workers)
-WORKER_TIMEOUT_S = 300.0  # a Scorer waits this long for its workers' last answers, then scores here
+# A Scorer waits this long for its workers' last answers, then scores here: scoring a batch takes
+# milliseconds, so a worker this late is hung (its batches are scored in-process, it is killed).
+WORKER_TIMEOUT_S = 30.0
 
 
 def encode_sources(tok: Tokenizer, texts: list[str], max_len: int) -> tuple[list[list[int]], list[int]]:
@@ -80,14 +83,35 @@ def score_workers() -> int:
 
 
 class _Worker:
-    """One :mod:`streamnmt.inference.scoreworker` process and the thread that reads its answers."""
+    """One :mod:`streamnmt.inference.scoreworker` process, the thread that writes it its batches and
+    the thread that reads its answers. :meth:`send` only queues: a worker that hangs with its pipe
+    full never blocks the caller (the decoding loop); its batches are scored by the caller instead."""
+
+    _STOP = object()
 
     def __init__(self, tgt_lang: str, results: dict[int, Any]):
         self.proc = subprocess.Popen([sys.executable, scoreworker.__file__, tgt_lang], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.broken = False  # a write failed: the worker died (its batches are scored by the caller)
+        self.writer = threading.Thread(target=self._write, daemon=True, name="streamnmt-score-writer")
         self.reader = threading.Thread(target=self._read, args=(results,), daemon=True,
                                        name="streamnmt-score-reader")
+        self.writer.start()
         self.reader.start()
+
+    def _write(self) -> None:
+        while True:  # blocked in get() or in a pipe write, the interpreter lock released
+            frame = self.outbox.get()
+            if frame is self._STOP:
+                break
+            try:
+                scoreworker.write_frame(self.proc.stdin, frame)
+            except (OSError, ValueError):
+                self.broken = True
+                break
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
 
     def _read(self, results: dict[int, Any]) -> None:
         while True:  # blocked in read() almost always, the interpreter lock released
@@ -97,34 +121,44 @@ class _Worker:
                 return
             results[tag] = (b, c)
 
+    @property
+    def alive(self) -> bool:
+        return not self.broken and self.proc.poll() is None
+
     def send(self, frame: Any) -> bool:
-        try:
-            scoreworker.write_frame(self.proc.stdin, frame)
-            return True
-        except (OSError, ValueError):  # the worker died: its batches are scored at the end
+        """Queue ``frame`` for the worker; False where it is known dead."""
+        if not self.alive:
             return False
+        self.outbox.put(frame)
+        return True
 
     def close(self, timeout: float) -> None:
+        """The worker finishes what it was sent and exits; after ``timeout`` it is killed."""
         self.send(None)
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
+        self.outbox.put(self._STOP)
         self.reader.join(timeout)
         if self.reader.is_alive() or self.proc.poll() is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(1.0)
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
+            self.kill()
         self.reader.join(1.0)
         with contextlib.suppress(OSError):
             self.proc.stdout.close()
+
+    def kill(self) -> None:
+        """End a hung worker now (its pipe closes, so the writer thread ends too)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.broken = True
 
 
 class ScorePool:
     """Scoring workers kept for many :class:`Scorer` passes (a training run's evaluations), so that
     an evaluation does not wait for worker processes to start (an interpreter and sacrebleu each):
     on a short dev pass that start-up is a good part of the pass (docs/PERFORMANCE.md, "Evaluation
-    and checkpoints in a run"). Started once, closed by its owner."""
+    and checkpoints in a run"). Started once, closed by its owner. A worker that dies or does not
+    answer in time is dropped; what it was given is scored by the caller."""
 
     def __init__(self, tgt_lang: str, workers: int | None = None):
         self.tgt_lang = tgt_lang
@@ -135,23 +169,38 @@ class ScorePool:
                 self.workers.append(_Worker(tgt_lang, self.results))
             except OSError:
                 break
+        self._owner: dict[int, _Worker] = {}  # tag -> the worker it was sent to, until collected
         self._next = 0
 
     def send(self, hyps: list[str], refs: list[str]) -> int | None:
         """Queue one batch; its tag, or None where no worker took it (it is scored by the caller)."""
+        self.workers = [w for w in self.workers if w.alive]
         if not self.workers:
             return None
         tag, self._next = self._next, self._next + 1
-        return tag if self.workers[tag % len(self.workers)].send((tag, hyps, refs)) else None
+        worker = self.workers[tag % len(self.workers)]
+        if not worker.send((tag, hyps, refs)):
+            return None
+        self._owner[tag] = worker
+        return tag
 
-    def collect(self, tags: list[int | None], timeout: float = WORKER_TIMEOUT_S) -> dict[int, Any]:
-        """The statistics of ``tags`` (waiting for live workers up to ``timeout``); a tag whose
-        worker died or did not answer in time is left out."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(
-                t is not None and t not in self.results and self.workers[t % len(self.workers)].proc.poll() is None
-                for t in tags):
+    def collect(self, tags: list[int | None], timeout: float | None = None) -> dict[int, Any]:
+        """The statistics of ``tags`` (waiting for live workers up to ``timeout``, default
+        :data:`WORKER_TIMEOUT_S`); a tag whose worker died or did not answer in time is left out, and
+        a worker that did not is killed and dropped (a later pass would wait for it again)."""
+        deadline = time.monotonic() + (WORKER_TIMEOUT_S if timeout is None else timeout)
+
+        def waiting() -> list[int]:
+            return [t for t in tags if t is not None and t not in self.results and t in self._owner
+                    and self._owner[t].alive]
+
+        while time.monotonic() < deadline and waiting():
             time.sleep(0.0005)  # the reader threads fill results; the lock is released while asleep
+        for t in waiting():  # hung: it will not answer this pass, nor reliably the next
+            self._owner[t].kill()
+        for t in tags:
+            self._owner.pop(t, None)  # type: ignore[arg-type]
+        self.workers = [w for w in self.workers if w.alive]
         return {t: self.results.pop(t) for t in tags if t is not None and t in self.results}
 
     def close(self) -> None:
@@ -241,13 +290,14 @@ class Scorer:
         finally:
             self.close()
 
-    def close(self, timeout: float = WORKER_TIMEOUT_S) -> None:
-        """Stop the workers after the batches they have been given (idempotent)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the workers after the batches they have been given, waiting up to ``timeout``
+        (default :data:`WORKER_TIMEOUT_S`) for their answers (idempotent)."""
         if self._closed:
             return
         self._closed = True
         for w in self._workers:
-            w.close(timeout)
+            w.close(WORKER_TIMEOUT_S if timeout is None else timeout)
 
 
 def bleu_on_pairs(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, pairs: list[tuple[str, str]], *,

@@ -109,6 +109,8 @@ class CapturedLoss:
             except RuntimeError as e:
                 self.failed = str(e).splitlines()[0][:200]
                 self.log(f"eval: validation runs eagerly (CUDA graph capture failed: {self.failed})")
+                # Needed: the failed capture's work must be finished before eager validation starts.
+                host_sync("eval.capture", lambda: torch.cuda.synchronize(self.device))
                 return self.fn(batch)
         graph, static, out = entry
         for dst, src in zip(tensors(static), tensors(batch)):
@@ -126,8 +128,12 @@ class CapturedLoss:
             self.fn(static)  # warm-up: lazy initialisations (cuBLAS handles, Triton kernels) outside the capture
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.fn(static)
+        current = torch.cuda.current_stream(self.device)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.fn(static)
+        finally:  # a capture that fails in capture_end leaves the capture stream current: not ours
+            torch.cuda.set_stream(current)
         return graph, static, out
 
 

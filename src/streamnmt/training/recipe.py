@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -132,15 +133,30 @@ def resolve_compile(job: TrainJob, train: TokenizedCorpus, device: torch.device,
 
 # -- one job for all ranks ------------------------------------------------------------------------
 
+RESUME_HINT = ("; a resumed run keeps its settings: resume on devices like the one it started on, or start "
+               "a new run from its weights (--weights .../last.pt) with the setting changed")
+
+
 def resolve_job_for_ranks(job: TrainJob, device: torch.device, d: Dist, log: Callable[[str], None],
-                          resumed: bool = False) -> TrainJob:
-    """The job every rank runs: rank 0 resolves the 'auto' settings (:func:`resolve_job`; a resumed
-    run keeps its checkpoint's job as it is) and broadcasts it with what its device can do; the
-    other ranks take it, keeping their own ``--device`` (cuda:LOCAL_RANK); then each rank checks
-    that its device can run the job, and if one cannot, every rank raises the same ConfigError
-    naming that rank and the setting. One process: :func:`resolve_job` alone."""
+                          resumed: bool = False, origin: dict[str, Any] | None = None
+                          ) -> tuple[TrainJob, RankDevice]:
+    """The job every rank runs and the device it was sized for: rank 0 resolves the 'auto'
+    settings (:func:`resolve_job`) and broadcasts them with what its device can do; the other ranks
+    take them, keeping their own ``--device`` (cuda:LOCAL_RANK); then each rank checks that its
+    device can run the job, and if one cannot, every rank raises the same ConfigError naming that
+    rank and the setting. A resumed run keeps its checkpoint's job, sized for ``origin`` (the
+    checkpoint's ``recipe_device``: rank 0's device when the run started), against which every rank
+    is checked, rank 0 and a single process included (older checkpoints: rank 0's device now)."""
+    first = RankDevice(**origin) if resumed and origin else None
+    label = "the GPU this run started on" if first is not None else "rank 0"
     if not d.active:
-        return job if resumed else resolve_job(job, device, d.world, log)
+        if not resumed:
+            job = resolve_job(job, device, d.world, log)
+        mine = rank_device(device, job)
+        error = device_error(job, mine, first, 0, 1, label) if first is not None else None
+        if error:
+            raise ConfigError(error + RESUME_HINT)
+        return job, first or mine
     if d.main:
         try:
             if not resumed:
@@ -158,11 +174,12 @@ def resolve_job_for_ranks(job: TrainJob, device: torch.device, d: Dist, log: Cal
             job = job_from_dict(shared["job"])
             job = dataclasses.replace(job, run=dataclasses.replace(job.run, device=str(device)))
     mine = shared["device"] if d.main else rank_device(device, job)
-    errors = d.gather(device_error(job, mine, shared["device"], d.rank, d.world), "dist.recipe")
+    first = first or shared["device"]
+    errors = d.gather(device_error(job, mine, first, d.rank, d.world, label), "dist.recipe")
     failed = [e for e in errors if e is not None]
     if failed:  # the lowest failing rank's line, the same on every rank
-        raise ConfigError(failed[0])
-    return job
+        raise ConfigError(failed[0] + (RESUME_HINT if resumed else ""))
+    return job, first
 
 
 def resolve_compile_for_ranks(job: TrainJob, train: TokenizedCorpus, device: torch.device, d: Dist,
@@ -205,10 +222,12 @@ def rank_device(device: torch.device, job: TrainJob) -> RankDevice:
     return RankDevice(name, device_memory_gib(device), device_bf16(device), flex)
 
 
-def device_error(job: TrainJob, mine: RankDevice, first: RankDevice, rank: int, world: int) -> str | None:
-    """Why this rank's device cannot run ``job``, which rank 0 (device ``first``) resolved; None if
-    it can. A rank fails a check only where it falls short of rank 0: what rank 0 runs is the
-    recipe's or the user's choice, as on one process, and a rank at least as capable runs it too."""
+def device_error(job: TrainJob, mine: RankDevice, first: RankDevice, rank: int, world: int,
+                 origin: str = "rank 0") -> str | None:
+    """Why this rank's device cannot run ``job``, which was resolved on device ``first`` (rank 0's,
+    or for a resume the one the run started on: ``origin`` names it); None if it can. A rank fails a
+    check only where it falls short of that device: what it runs is the recipe's or the user's
+    choice, as on one process, and a rank at least as capable runs it too."""
     who = f"rank {rank} of {world} ({mine.name})"
     tokens, d_model = job.data.max_tokens, job.model.d_model
     if tokens and d_model and mine.gib is not None and first.gib is not None:
@@ -220,16 +239,16 @@ def device_error(job: TrainJob, mine: RankDevice, first: RankDevice, rank: int, 
         # GPUs of one kind never fail, whatever --max-tokens the user chose), it would run out of
         # memory where rank 0 does not.
         if own < first_own and tokens > 2 * own:
-            return (f"--max-tokens (config key 'max_tokens'): {tokens} tokens per batch, sized for rank 0's "
-                    f"{first.gib:.0f} GiB, but {who} has {mine.gib:.0f} GiB, for which the recipe sizes {own} at "
+            return (f"--max-tokens (config key 'max_tokens'): {tokens} tokens per batch, sized for {origin} "
+                    f"({first.gib:.0f} GiB), but {who} has {mine.gib:.0f} GiB, for which the recipe sizes {own} at "
                     f"d_model {d_model}; more than twice that would run out of memory there: set --max-tokens "
                     f"{2 * own} or less, or use GPUs of one size")
     if job.optim.amp == "bf16" and first.bf16 and not mine.bf16:
         # Emulated bf16 runs at a fraction of the speed, and DDP runs every rank at the slowest's.
-        return (f"--amp (config key 'amp'): bf16, native on rank 0, but {who} has no native bf16: set --amp fp16 "
+        return (f"--amp (config key 'amp'): bf16, native on {origin}, but {who} has no native bf16: set --amp fp16 "
                 f"(or off) for every rank, or use GPUs of one kind")
     if job.model.attention == "flex" and first.flex is None and mine.flex is not None:
-        return (f"--attention (config key 'attention'): flex, which rank 0 runs, but {who} cannot ({mine.flex}): "
+        return (f"--attention (config key 'attention'): flex, which {origin} runs, but {who} cannot ({mine.flex}): "
                 f"set --attention sdpa")
     # eval_dtype needs no check: rank 0 alone decodes BLEU, on the device that chose it.
     return None

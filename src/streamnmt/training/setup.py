@@ -61,7 +61,10 @@ class TrainerSetup:
     def __init__(self, job: TrainJob, log: Callable[[str], None] = print, resume: dict[str, Any] | None = None):
         # Each build step validates what it makes; errors before _build_run_dir leave nothing behind.
         self._build_process(job, log)
-        self.job = resolve_job_for_ranks(job, self.device, self.dist, self.log, resumed=resume is not None)
+        # the device the job's auto settings were sized for (a resume: the one the run started on)
+        self.job, self.recipe_device = resolve_job_for_ranks(
+            job, self.device, self.dist, self.log, resumed=resume is not None,
+            origin=(resume or {}).get("recipe_device"))
         self._build_data(resume)
         self._build_model(resume)
         self._build_engine()
@@ -361,6 +364,7 @@ class TrainerSetup:
                                                                           ("tgt", self.data.tgt_tok))},
             "config": self.job.to_dict(),
             "step": self.global_step, "best_val": self.best_val, "last_eval_step": self.last_eval_step,
+            "recipe_device": dataclasses.asdict(self.recipe_device),
             "sampler": {**self.train_loader.state_dict(), "epoch": self.epoch, "position": self.epoch_pos},
             "rng": rng_state(),
             "stopping": self.evaluator.state_dict(),

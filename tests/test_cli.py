@@ -45,6 +45,9 @@ def test_train_writes_the_run_dir(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "train_nll" in out and f"{float(res['train_nll']):.4f}" in out
     assert "training pairs over --max-len 32 dropped (--overlong drop)" in out  # the default, counted
+    done = [line for line in out.splitlines() if line.startswith("done: 20 steps")]
+    # TINY computes no BLEU: val_loss chose best.pt, at the one evaluation (the end)
+    assert len(done) == 1 and f"best val_loss {float(res['val_loss']):.4f} at step 20;" in done[0]
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert cfg["model"]["d_model"] == 64 and cfg["run"]["device"] == "cpu" and cfg["optim"]["amp"] == "off"
     # a second run takes the next free name

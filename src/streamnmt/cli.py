@@ -56,7 +56,10 @@ def _run_trainer(args: dict, config_file: str | None, resume: str | None) -> int
     result = trainer.train()
     trainer.dist.close()
     if not result["stopped"] and trainer.dist.main:
-        print(f"done: {result['steps']} steps, best val_loss {result['best_val']:.4f}; "
+        stopper = trainer.evaluator.stopper  # what chose best.pt, and at which step
+        best = "" if stopper.best is None else \
+            f", best {'dev BLEU' if stopper.metric == 'bleu' else 'val_loss'} {stopper.best:.4f} at step {stopper.best_step}"
+        print(f"done: {result['steps']} steps, lowest val_loss {result['best_val']:.4f}{best}; "
               f"results in {result['save_dir']}")
     return 0
 

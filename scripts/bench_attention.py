@@ -7,7 +7,8 @@ real packed batches (base-model heads, bf16, ``--max-tokens 16384 --max-len 128`
 variant (an error string where a variant did not compile), the mask build times, and flex's
 largest difference from SDPA on real positions.
 
-Usage: python3 scripts/bench_attention.py builtin|DATA_DIR [VARIANT,...] [BATCHES]   (PERFORMANCE.md, section 9)
+Usage: python3 scripts/bench_attention.py builtin|DATA_DIR [VARIANT,...] [BATCHES]   (PERFORMANCE.md, "Attention")
+VARIANT ``widths`` alone: SDPA at the same positions in rows of 32-128 (:func:`width_sweep`).
 """
 
 from __future__ import annotations
@@ -111,6 +112,47 @@ def measure(src_seg: torch.Tensor, tgt_seg: torch.Tensor, plain_flex, tuned_flex
     return row
 
 
+def width_sweep(src_seg: torch.Tensor, tgt_seg: torch.Tensor, widths=(32, 48, 64, 96, 128)) -> dict:
+    """SDPA with dense masks at the same number of positions in rows of other widths: what attention
+    would cost if short pairs were packed into narrower rows (a second packed shape). Segments are
+    synthetic here (rows cut into pairs of the batch's mean pair length), so the row width alone
+    changes between the entries. ms of attention per step, forward + backward as in ``measure``."""
+    dev = src_seg.device
+    b, s = src_seg.shape
+    t = tgt_seg.size(1)
+    # needed: the batch's pair count and positions, on the host, to lay out the synthetic rows
+    pairs, src_pos, tgt_pos = host_sync("bench_attention.pairs", lambda: (
+        int(src_seg.max(dim=1).values.sum()), int((src_seg > 0).sum()), int((tgt_seg > 0).sum())))
+    src_len, tgt_len = max(src_pos // max(pairs, 1), 1), max(tgt_pos // max(pairs, 1), 1)
+    row: dict = {"mean_pair": [src_len, tgt_len]}
+    for w in widths:
+        if w < max(src_len, tgt_len):
+            continue
+        rows = max((b * max(s, t)) // w, 1)
+
+        def segs(length: int) -> torch.Tensor:
+            cols = torch.arange(w, device=dev)
+            per = w // length
+            seg = torch.where(cols < per * length, cols // length + 1, torch.zeros_like(cols))
+            return seg.expand(rows, w).contiguous()
+
+        ss, ts = segs(src_len), segs(tgt_len)
+        masks = dense_masks(ss, ts, torch.bfloat16)
+        calls = []
+        for n_q, n_k, grad_n in ((w, w, w), (w, w, w), (w, w, w)):
+            inputs = [torch.randn(rows, HEADS, n, HEAD_DIM, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                      for n in (n_q, n_k, n_k)]
+            calls.append((inputs, torch.randn(rows, HEADS, grad_n, HEAD_DIM, device=dev, dtype=torch.bfloat16)))
+
+        def step() -> None:
+            for _ in range(LAYERS):
+                for (inputs, grad), mask in zip(calls, masks):
+                    F.scaled_dot_product_attention(*inputs, attn_mask=mask).backward(grad)
+
+        row[f"w{w}"] = {"rows": rows, "ms": cuda_ms(step)}
+    return row
+
+
 def main() -> None:
     torch.manual_seed(0)
     data = None if sys.argv[1] == "builtin" else sys.argv[1]
@@ -124,6 +166,9 @@ def main() -> None:
     source = iter(loader)
     for _ in range(batches):
         batch = next(source)
+        if only == {"widths"}:
+            print(json.dumps(width_sweep(batch.src_seg.cuda(), batch.tgt_seg.cuda())), flush=True)
+            continue
         print(json.dumps(measure(batch.src_seg.cuda(), batch.tgt_seg.cuda(), plain, tuned, only)), flush=True)
 
 

@@ -97,3 +97,20 @@ def test_compile_options_are_accepted_by_torch_compile():
     loss = step.forward(batch)  # compiles with inductor_options(): an unknown option would raise here
     step.backward(loss)
     assert torch.isfinite(loss)
+
+
+def test_torchdynamo_is_imported_in_the_background_while_data_is_prepared():
+    """The optimizer's constructor imports TorchDynamo (torch._disable_dynamo); a run imports it on a
+    thread while its data is prepared. In a fresh interpreter: the thread imports it, and once it is
+    imported there is nothing left to start."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from streamnmt.training.step import import_in_background as f; "
+            "assert 'torch._dynamo' not in sys.modules; t = f(False); t.join(); "
+            "assert 'torch._dynamo' in sys.modules and 'torch._inductor.compile_fx' not in sys.modules; "
+            "assert f(False) is None; print('ok')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]

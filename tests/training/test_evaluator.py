@@ -72,6 +72,17 @@ def test_the_end_line_adds_up_to_the_wall_clock(tmp_path):
     assert abs(sum(times.values()) - wall) <= 0.01 * wall, (times, wall)
     end = [line for line in lines if line.startswith("wall ")]
     assert len(end) == 1 and end[0].startswith(f"wall {wall:.0f} s: training ")
+    # the set-up's parts, said once at the start; they add up to its total
+    import re
+
+    (setup,) = [line for line in lines if line.startswith("set-up ")]
+    total, rest = re.fullmatch(r"set-up ([0-9.]+) s: (.*)", setup).groups()
+    parts = {name: float(sec) for name, sec in re.findall(r"(?:^|, )([^,]+?) ([0-9.]+) s", rest)}
+    assert {"data", "model", "loaders", "engine", "start-up (interpreter and imports)"} <= set(parts), parts
+    assert abs(sum(parts.values()) - float(total)) <= 0.05 * len(parts)
+    assert sum(t.setup_s.values()) <= times["set-up"] + 1e-6  # the rest of the set-up is train()'s start
+    rows = read_csv(tmp_path / "w" / "evals.csv")
+    assert rows and all(float(r["val_s"]) > 0 for r in rows)
 
 
 def test_packed_validation_equals_the_bucketed_loss(tmp_path):

@@ -84,6 +84,7 @@ class Evaluation:
     bleu_s: float
     better: bool
     bleu_n: int = 0  # dev sentences scored: fewer than --bleu-samples when the time limit cut the pass
+    val_s: float = 0.0  # seconds of the validation loss (the first: its graph's capture included)
 
 
 class CapturedLoss:
@@ -174,11 +175,13 @@ class Evaluator:
         writes best.pt only where no full pass has set a best yet)."""
         with ema.swapped() if ema is not None else contextlib.nullcontext():
             if self.dist.main:
+                t0 = time.perf_counter()
                 val_loss = self.validate()
+                val_s = time.perf_counter() - t0
                 bleu, bleu_s, bleu_n = self.bleu(stop)
                 asked = len(self._pairs or ())
             else:
-                val_loss, bleu, bleu_s, bleu_n, asked = math.nan, None, 0.0, 0, 0
+                val_loss, val_s, bleu, bleu_s, bleu_n, asked = math.nan, 0.0, None, 0.0, 0, 0
             # every rank learns rank 0's results (best.pt and --patience decide alike everywhere)
             val_loss, bleu, bleu_s, bleu_n, asked = self.dist.broadcast((val_loss, bleu, bleu_s, bleu_n, asked),
                                                                         "dist.evaluate")
@@ -198,7 +201,7 @@ class Evaluator:
                 better = self.stopper.update(bleu if self.stopper.metric == "bleu" else val_loss, step)
             if better and on_better is not None:
                 on_better()
-        return Evaluation(val_loss, bleu, bleu_s, better, bleu_n)
+        return Evaluation(val_loss, bleu, bleu_s, better, bleu_n, val_s)
 
     def start_line(self) -> str:
         """What evaluation runs on, and the decoding copy's memory (made now, kept for the run)."""

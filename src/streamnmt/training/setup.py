@@ -10,11 +10,12 @@ recipe's auto settings are parts of their own (evaluator, checkpointer, recipe).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from streamnmt.training.evaluator import Cadence, Evaluation, Evaluator
 from streamnmt.training.recipe import resolve_compile_for_ranks, resolve_job_for_ranks
 from streamnmt.training.reporting import Scalars, overlong_note, running
 from streamnmt.training.runs import CsvLog, increment_path
-from streamnmt.training.step import example_batch, make_step
+from streamnmt.training.step import example_batch, import_in_background, make_step
 from streamnmt.training.stopping import EarlyStopping, TimeBudget, command_start, parse_duration
 
 STEP_COLUMNS = ["step", "epoch", "loss", "nll", "lr", "tokens", "grad_norm", "skipped"]
@@ -48,7 +49,7 @@ RESULT_COLUMNS = ["epoch", "train_loss", "train_nll", "train_ppl", "val_loss", "
                   "gpu_mem_gb", "gpu_busy", "sync_count", "sync_ms", "steps", "cpu_util"]
 # eval_s, save_s: the seconds the training loop waited for the evaluation and for its best.pt;
 # bleu_n: the dev sentences BLEU scored (fewer than --bleu-samples where the time limit cut the pass)
-EVAL_COLUMNS = ["step", "epoch", "val_loss", "bleu", "bleu_n", "bleu_s", "best", "eval_s", "save_s"]
+EVAL_COLUMNS = ["step", "epoch", "val_loss", "bleu", "bleu_n", "bleu_s", "val_s", "best", "eval_s", "save_s"]
 
 
 class TrainerSetup:
@@ -60,20 +61,50 @@ class TrainerSetup:
 
     def __init__(self, job: TrainJob, log: Callable[[str], None] = print, resume: dict[str, Any] | None = None):
         # Each build step validates what it makes; errors before _build_run_dir leave nothing behind.
-        self._build_process(job, log)
-        # the device the job's auto settings were sized for (a resume: the one the run started on)
-        self.job, self.recipe_device = resolve_job_for_ranks(
-            job, self.device, self.dist, self.log, resumed=resume is not None,
-            origin=(resume or {}).get("recipe_device"))
-        self._build_data(resume)
-        self._build_model(resume)
-        self._build_engine()
-        self._build_loaders()
-        self._build_state(resume)
-        self._prepare_engine()
-        self._build_run_dir(resume)
-        self._build_logs(resume)
+        # Where the set-up's seconds go is said in one start line (docs/PERFORMANCE.md, "Evaluation
+        # and checkpoints in a run": set-up is most of what a short run spends outside training).
+        self.t_command = command_start()  # --time-limit and the end line count from the command's start
+        self.setup_s: dict[str, float] = {"start-up": time.monotonic() - self.t_command}
+        with self._phase("process"):
+            self._build_process(job, log)
+            # the device the job's auto settings were sized for (a resume: the one the run started on)
+            self.job, self.recipe_device = resolve_job_for_ranks(
+                job, self.device, self.dist, self.log, resumed=resume is not None,
+                origin=(resume or {}).get("recipe_device"))
+        # TorchDynamo (imported by the optimizer's constructor) loads while the data is prepared
+        import_in_background(compiled=self.job.engine.compile == "on")
+        with self._phase("data"):
+            self._build_data(resume)
+        with self._phase("model"):
+            self._build_model(resume)
+            self._build_engine()
+        with self._phase("loaders"):
+            self._build_loaders()
+            self._build_state(resume)
+        with self._phase("engine"):
+            self._prepare_engine()
+        with self._phase("run dir"):
+            self._build_run_dir(resume)
+            self._build_logs(resume)
         self._log_start(resume)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Time one part of the set-up (host clock; what it queued on the GPU is waited for by the
+        parts that need it, so the seconds land where the waiting is)."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.setup_s[name] = self.setup_s.get(name, 0.0) + time.monotonic() - t0
+
+    def setup_line(self) -> str:
+        """``set-up 18.2 s: start-up (interpreter and imports) 6.1 s, data 4.4 s, ...``, every part in order."""
+        names = {"start-up": "start-up (interpreter and imports)", "process": "device and recipe",
+                 "engine": ("graph capture" if getattr(self.strategy, "name", "") == "graph" else "engine")
+                 + (" and compile" if self.job.engine.compile == "on" else "")}
+        parts = ", ".join(f"{names.get(k, k)} {v:.1f} s" for k, v in self.setup_s.items())
+        return f"set-up {sum(self.setup_s.values()):.1f} s: {parts}"
 
     def _build_process(self, job: TrainJob, log: Callable[[str], None]) -> None:
         """Process group (under torchrun), this rank's device and log, determinism and seeds."""
@@ -166,7 +197,6 @@ class TrainerSetup:
         self.checkpointer = Checkpointer(self.device, background=job.run.async_save)
         self.save_cadence = Cadence(None, first_after_s=0.0)  # an epoch end's last.pt: --eval-every auto's rule
         self.clock = time.perf_counter  # the loop's timings (injectable: tests use a fake clock)
-        self.t_command = command_start()  # --time-limit and the end line count from the command's start
         self.budget = TimeBudget(parse_duration(job.run.time_limit), t0=self.t_command)
         self.times = dict.fromkeys(("training", "evaluation", "checkpoints", "set-up", "other"), 0.0)
         self.waits: dict[str, Any] = {"eval_s": 0.0, "save_s": 0.0, "stats": []}
@@ -244,6 +274,7 @@ class TrainerSetup:
             f"padding {100 * (1 - self.train_loader.num_tokens()['tgt_fill']):.1f} % of the target positions; "
             + overlong_note(self.data.stats.get("train", {}), job.data))
         log(self.evaluator.start_line())
+        log(self.setup_line())
 
     @property
     def best_val(self) -> float:

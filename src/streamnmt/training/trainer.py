@@ -264,7 +264,10 @@ class Trainer(TrainerSetup):
         result = self.evaluator.evaluate(self.global_step, ema, on_better=write_best, stop=stop)
         if first:  # what the evaluation's graphs (validation, decoding buckets) hold for the rest of the run
             grown = (torch.cuda.memory_reserved(self.device) - before) / 2 ** 20
-            self.log(f"eval: the first evaluation's graphs and buffers reserved {grown:+.0f} MiB on the GPU")
+            took = self.clock() - te
+            self.log(f"eval: the first evaluation took {took:.1f} s (validation {result.val_s:.1f} s, BLEU "
+                     f"{result.bleu_s:.1f} s, captures included; the rest {took - result.val_s - result.bleu_s:.1f} s); "
+                     f"its graphs and buffers reserved {grown:+.0f} MiB on the GPU")
         self.waits["stats"].append(STATS.reset())
         STATS.sites = held
         cost = self.clock() - te - best_save[0]
@@ -277,7 +280,8 @@ class Trainer(TrainerSetup):
         self.evals_log.write({"step": self.global_step, "epoch": epoch + 1, "val_loss": result.val_loss,
                               "bleu": "" if result.bleu is None else round(result.bleu, 2),
                               "bleu_n": "" if result.bleu is None else result.bleu_n,
-                              "bleu_s": round(result.bleu_s, 3), "best": int(result.better),
+                              "bleu_s": round(result.bleu_s, 3), "val_s": round(result.val_s, 3),
+                              "best": int(result.better),
                               "eval_s": round(cost, 3), "save_s": round(best_save[0], 3)})
         self.scalars.add(self.global_step, {"dev/val_loss": result.val_loss, "dev/bleu": result.bleu})
         if self.evaluator.stopper.should_stop:

@@ -383,3 +383,27 @@ def test_polled_wait_ends_in_peer_lost():
         wait_event(stuck, 0.3)
     assert 0.3 <= time.time() - t0 < 5 and stuck.queries > 10
     assert "\n" not in str(e.value) and "--dist-timeout 0.3 s" in str(e.value)
+
+
+def test_lockstep_exchanges_wait_dist_timeout_and_long_waits_the_control_group(monkeypatch):
+    """A stop agreement or an RNG gather, which the ranks reach together, runs on the group whose
+    timeout is --dist-timeout (a hung peer is lost then, not after CONTROL_TIMEOUT_S); an exchange
+    where one rank first works alone (data preparation) waits on the long control group."""
+    import torch.distributed as tdist
+
+    from streamnmt.dist import Dist, is_collective_error
+
+    used: list[tuple[str, object]] = []
+    monkeypatch.setattr(tdist, "all_reduce", lambda t, op=None, group=None: used.append(("agree", group)))
+    monkeypatch.setattr(tdist, "all_gather_object", lambda out, obj, group=None: used.append(("gather", group)))
+    d = Dist(rank=0, world=2, backend="gloo", control="CONTROL", lockstep="LOCKSTEP")
+    d.agree(False)
+    d.gather(1)
+    d.agree(False, long_wait=True)
+    d.gather(1, long_wait=True)
+    assert used == [("agree", "LOCKSTEP"), ("gather", "LOCKSTEP"), ("agree", "CONTROL"), ("gather", "CONTROL")]
+    # the lines gloo gives after a timeout are a lost peer's, not a bug's
+    for text in ("Application timeout caused pair closure",
+                 "Operation timed out!", "Timed out waiting 10000ms for recv operation to complete"):
+        assert is_collective_error(RuntimeError(text)), text
+    assert not is_collective_error(RuntimeError("shape mismatch"))

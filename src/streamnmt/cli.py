@@ -259,8 +259,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(args)
     except (ConfigError, InputError, NonFiniteLoss, DeviceError, PeerLost, CaptureFailed) as e:
-        if int(os.environ.get("RANK", "0")) == 0 or isinstance(e, PeerLost):  # the same line on every rank
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0 or isinstance(e, PeerLost):  # a set-up error is the same line on every rank
             print(f"streamnmt: error: {e}", file=sys.stderr)
+        elif isinstance(e, (NonFiniteLoss, DeviceError)):  # this rank's own (its loss seen first, its memory)
+            print(f"streamnmt: error: rank {rank}: {e}", file=sys.stderr)
         if isinstance(e, PeerLost) and "WORLD_SIZE" in os.environ:  # a collective whose peer died may never
             # finish: no teardown (process group, CUDA context) is left to wait for it
             sys.stdout.flush()

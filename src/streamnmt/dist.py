@@ -65,7 +65,10 @@ class Dist:
     local_rank: int = 0
     backend: str | None = None
     device: torch.device | None = None  # this rank's device (None: the caller resolves --device)
-    control: Any = field(default=None, repr=False)  # gloo group for host-side agreement
+    control: Any = field(default=None, repr=False)  # gloo group for host-side waits on rank 0 (long)
+    # gloo group for host-side exchanges the ranks reach together (a stop, RNG states, capture
+    # outcomes): a rank that hangs there is lost after --dist-timeout, not CONTROL_TIMEOUT_S
+    lockstep: Any = field(default=None, repr=False)
 
     timeout_s: float = 600.0  # --dist-timeout: how long a wait on another rank may take
 
@@ -83,8 +86,9 @@ class Dist:
         import torch.distributed as dist
         dist.all_reduce(t)
 
-    def agree(self, flag: bool, site: str = "dist.stop") -> bool:
-        """True on every rank if ``flag`` is True on any (e.g. a signal reached one rank)."""
+    def agree(self, flag: bool, site: str = "dist.stop", long_wait: bool = False) -> bool:
+        """True on every rank if ``flag`` is True on any (e.g. a signal reached one rank). The ranks
+        come together within --dist-timeout, unless ``long_wait`` (some rank works alone first)."""
         if not self.active:
             return flag
         import torch
@@ -93,7 +97,8 @@ class Dist:
         from streamnmt.engine.syncstats import host_sync
         t = torch.tensor([int(flag)], dtype=torch.int32)
         # Needed: all ranks must stop after the same step; host-side (gloo), not a GPU wait.
-        host_sync(site, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control))
+        group = self.control if long_wait or self.lockstep is None else self.lockstep
+        host_sync(site, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
         return bool(t[0])
 
     def broadcast(self, obj: Any, site: str = "dist.broadcast") -> Any:
@@ -108,8 +113,8 @@ class Dist:
         host_sync(site, lambda: dist.broadcast_object_list(box, src=0, group=self.control))
         return box[0]
 
-    def gather(self, obj: Any, site: str = "dist.gather") -> list[Any]:
-        """Every rank's ``obj``, on every rank, in rank order."""
+    def gather(self, obj: Any, site: str = "dist.gather", long_wait: bool = False) -> list[Any]:
+        """Every rank's ``obj``, on every rank, in rank order (within --dist-timeout, unless ``long_wait``)."""
         if not self.active:
             return [obj]
         import torch.distributed as dist
@@ -117,7 +122,8 @@ class Dist:
         from streamnmt.engine.syncstats import host_sync
         out: list[Any] = [None] * self.world
         # Needed: rank 0's checkpoint holds every rank's RNG state (exact resume).
-        host_sync(site, lambda: dist.all_gather_object(out, obj, group=self.control))
+        group = self.control if long_wait or self.lockstep is None else self.lockstep
+        host_sync(site, lambda: dist.all_gather_object(out, obj, group=group))
         return out
 
     def barrier(self, site: str = "dist.barrier") -> None:
@@ -195,8 +201,9 @@ def init(backend: str, device: str | None, timeout_s: int) -> Dist:
     import torch.distributed as dist
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
+    lockstep = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     return Dist(rank=rank, world=world, local_rank=local, backend=backend, device=dev, control=control,
-                timeout_s=float(timeout_s))
+                lockstep=lockstep, timeout_s=float(timeout_s))
 
 
 def parallelize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -233,7 +240,7 @@ def prepare_once(d: Dist, prepare: Callable[[], T], fingerprint: Callable[[T], d
     d.barrier("dist.data")
     if d.local_rank != 0:
         result = prepare()
-    prints = d.gather(fingerprint(result), "dist.data")
+    prints = d.gather(fingerprint(result), "dist.data", long_wait=True)  # the others may tokenize afresh
     for rank, got in enumerate(prints):
         diff = sorted(k for k in set(got) | set(prints[0]) if got.get(k) != prints[0].get(k))
         if diff:
@@ -314,9 +321,10 @@ def peer_lost(d: Dist, e: BaseException) -> PeerLost:
 def is_collective_error(e: BaseException) -> bool:
     import torch.distributed as dist
     kinds = tuple(k for k in (getattr(dist, "DistError", None),) if k is not None)
-    text = str(e)
-    return isinstance(e, kinds) or any(s in text for s in ("Connection closed by peer", "Connection reset",
-                                                           "Gloo", "NCCL", "ProcessGroup", "Timed out"))
+    text = str(e).lower()
+    return isinstance(e, kinds) or any(s in text for s in ("connection closed by peer", "connection reset",
+                                                           "gloo", "nccl", "processgroup", "timed out",
+                                                           "timeout", "pair closure"))
 
 
 class NullLog:

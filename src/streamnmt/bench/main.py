@@ -161,10 +161,10 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
     data_cfg = DataConfig(data=cfg.data, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, max_len=cfg.max_len,
                           pad_multiple=cfg.pad_multiple, builtin_size=cfg.builtin_size, pack=cfg.pack)
     if not d.main:
-        d.agree(False, "dist.setup")  # Needed: rank 0 writes the tokenizers and cache; the others read them
+        d.agree(False, "dist.setup", long_wait=True)  # Needed: rank 0 writes the tokenizers and cache; the others read them
     bundle = prepare_data(data_cfg, log=log)
     if d.main:
-        d.agree(False, "dist.setup")
+        d.agree(False, "dist.setup", long_wait=True)
     dm, n, h, ff = PRESETS[cfg.model]
     train = random_tokens(bundle.train, cfg.vocab, cfg.seed) if cfg.vocab else bundle.train
     vocab = (cfg.vocab, cfg.vocab) if cfg.vocab else (bundle.src_tok.vocab_size, bundle.tgt_tok.vocab_size)

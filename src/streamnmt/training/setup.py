@@ -253,6 +253,7 @@ class TrainerSetup:
         self.pending_rows: dict[int, dict[str, Any]] = {}  # step -> row waiting for its loss
         self.last_loss: float | None = None
         self.stop_requested, self.stop_reason = False, ""  # this rank: a signal, --time-limit or --patience
+        self._loop_s, self._loop_steps = 0.0, 0  # the loop's training seconds and steps (mean step time)
         self.stopped = False  # the ranks agreed to stop
         self.signalled = False  # a first signal arrived (a second Ctrl-C aborts)
         self.nonfinite_steps: list[int] = []

@@ -19,6 +19,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,7 +77,11 @@ class Trainer(TrainerSetup):
         if (self.save_dir / "steps.csv").stat().st_size > 0 and self.global_step > 0:
             plot_results(self.save_dir)
         if self.stopped:
-            self.log(f"{self.stop_reason or f'stopped by signal after step {self.global_step}'}; "
+            reason = self.stop_reason(self.global_step) if callable(self.stop_reason) else self.stop_reason
+            if not reason:
+                reason = (f"stopped by signal after step {self.global_step}" if self.signalled else
+                          f"stopped after step {self.global_step}: another rank asked to (its time limit)")
+            self.log(f"{reason}; "
                      f"saved {self.save_dir / 'weights' / 'last.pt'}")
         self.times["other"] = self.clock() - end_start - ema_s  # the sync table, logs closed, plots
         result["wall_s"] = time.monotonic() - self.t_command
@@ -86,7 +91,7 @@ class Trainer(TrainerSetup):
     def _done(self) -> bool:
         r = self.job.run
         if not self.stop_requested and self.budget.expired(self._reserve()):  # e.g. after an evaluation
-            self._request_stop(self.budget.reason(self.global_step))
+            self._request_stop(self.budget.reason)
         return self._stop_agreed() or bool(r.max_steps and self.global_step >= r.max_steps)
 
     def _reserve(self, evaluation: bool = True) -> float:
@@ -97,7 +102,10 @@ class Trainer(TrainerSetup):
         w = self.checkpointer.write_s
         ev = (self.evaluator.cadence.cost_s or 0.0) + w.get("best", 0.0) if evaluation else 0.0
         writes = w.get("last", 0.0) + (max(w.values(), default=0.0) if self.checkpointer.busy else 0.0)
-        return ev + writes + min(END_SHARE * (self.budget.limit_s or 0.0), 5.0)
+        # several ranks agree to stop every --sync-interval steps: up to that many more steps run
+        agreeing = (self.job.engine.sync_interval - 1) * self._loop_s / max(self._loop_steps, 1) \
+            if self.dist.active else 0.0
+        return ev + writes + agreeing + min(END_SHARE * (self.budget.limit_s or 0.0), 5.0)
 
     def _stop_agreed(self, every: int = 1) -> bool:
         """Stop after this step? One process: a signal, --time-limit or --patience asked for it.
@@ -156,7 +164,7 @@ class Trainer(TrainerSetup):
             if r.save_every and self.global_step % r.save_every == 0:
                 losses += self._save_mid_epoch("save", keep=r.keep_last)
             if not self.stop_requested and self.budget.expired(self._reserve()):
-                self._request_stop(self.budget.reason(self.global_step))
+                self._request_stop(self.budget.reason)
             if self.global_step == int(os.environ.get("STREAMNMT_TEST_KILL_AT_STEP", "0")):
                 if self.dist.active:
                     self.dist.kill_launcher()
@@ -222,6 +230,7 @@ class Trainer(TrainerSetup):
 
     def _trained(self, seconds: float) -> None:
         """Training time since the last mark: the evaluation and save cadences count it."""
+        self._loop_s, self._loop_steps = self._loop_s + seconds, self._loop_steps + 1
         self.evaluator.cadence.trained(seconds)
         self.save_cadence.trained(seconds)
 
@@ -293,6 +302,7 @@ class Trainer(TrainerSetup):
         a signal: the job is being stopped) and saved, and every write on disk."""
         losses = getattr(self, "pending_losses", [])
         signalled = self.dist.agree(self.signalled, "dist.stop") if self.dist.active else self.signalled  # one rank's
+        self.signalled = signalled  # any rank's: what the last line says
         evaluated = False
         if self.global_step and self.last_eval_step != self.global_step and not signalled:
             losses += self._evaluate(self.epoch)
@@ -320,8 +330,10 @@ class Trainer(TrainerSetup):
         self.save_cadence.done(self.checkpointer.write_s.get("last", 0.0))
         self.last_save_step = self.global_step
 
-    def _request_stop(self, reason: str) -> None:
-        self.stop_requested, self.stop_reason = True, reason  # said once, when the run ends
+    def _request_stop(self, reason: str | Callable[[int], str]) -> None:
+        """Ask to stop after this step (several ranks: after the step they agree on); ``reason`` is
+        said once, when the run ends (a callable gets the step the run stopped after)."""
+        self.stop_requested, self.stop_reason = True, reason
 
     def _write_steps(self, pairs: list[StepLoss]) -> list[StepLoss]:
         """Log the extracted steps; returns them (their losses and named values) for the epoch's means."""

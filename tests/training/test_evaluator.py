@@ -121,16 +121,13 @@ def test_the_budget_counts_from_the_command_start(monkeypatch):
     assert not budget.expired() and not budget.expired(reserve_s=49.0) and budget.expired(reserve_s=50.0)
 
 
-def test_the_time_limit_cuts_a_bleu_pass_that_would_overrun(tmp_path, monkeypatch):
-    """A fake clock: one second per step; each decoding batch 10 s early in the run, 25 s later (a
-    half-trained model decodes longer). The last evaluation's BLEU pass stops between batches once
-    the run's end would no longer fit the limit; that BLEU names its sentence count and is not
-    compared for best.pt."""
+def _slow_decoding_run(tmp_path, monkeypatch, name: str, limit: str, batch_s, lines: list[str]):
+    """A trainer on a fake clock (one second per step) whose dev BLEU pass decodes 12 sentences in
+    batches of 4, each taking ``batch_s(step)`` seconds of that clock."""
     import streamnmt.inference.search as search_module
     import streamnmt.training.evaluator as evaluator_module
 
-    lines: list[str] = []
-    t = make_trainer(tmp_path, "--name", "c", "--time-limit", "100s", "--bleu-samples", "12", lines=lines)
+    t = make_trainer(tmp_path, "--name", name, "--time-limit", limit, "--bleu-samples", "12", lines=lines)
     monkeypatch.setattr(evaluator_module, "EVAL_BATCH", 4)
     extra = [0.0]
     t.clock = t.budget.clock = lambda: float(t.global_step) + extra[0]
@@ -138,10 +135,19 @@ def test_the_time_limit_cuts_a_bleu_pass_that_would_overrun(tmp_path, monkeypatc
     real_search = search_module.search
 
     def slow_search(*args, **kwargs):
-        extra[0] += 10.0 if t.global_step < 30 else 25.0
+        extra[0] += batch_s(t.global_step)
         return real_search(*args, **kwargs)
 
     monkeypatch.setattr(search_module, "search", slow_search)
+    return t
+
+
+def test_the_time_limit_cuts_a_bleu_pass_that_would_overrun(tmp_path, monkeypatch):
+    """Each decoding batch takes 10 s early in the run, 25 s later (a half-trained model decodes
+    longer). The last evaluation's BLEU pass stops between batches once the run's end would no
+    longer fit the limit; that BLEU names its sentence count and is not compared for best.pt."""
+    lines: list[str] = []
+    t = _slow_decoding_run(tmp_path, monkeypatch, "c", "100s", lambda step: 10.0 if step < 30 else 25.0, lines)
     result = t.train()
     rows = read_csv(tmp_path / "c" / "evals.csv")
     assert len(rows) == 2 and int(rows[-1]["step"]) == result["steps"]
@@ -155,22 +161,8 @@ def test_the_time_limit_cuts_a_bleu_pass_that_would_overrun(tmp_path, monkeypatc
 def test_a_cut_first_pass_still_leaves_a_best_pt(tmp_path, monkeypatch):
     """The run's only evaluation is cut: best.pt holds its weights (a run that evaluated has a
     best.pt), but its BLEU is not kept as the best to beat."""
-    import streamnmt.inference.search as search_module
-    import streamnmt.training.evaluator as evaluator_module
-
     lines: list[str] = []
-    t = make_trainer(tmp_path, "--name", "f", "--time-limit", "30s", "--bleu-samples", "12", lines=lines)
-    monkeypatch.setattr(evaluator_module, "EVAL_BATCH", 4)
-    extra = [0.0]
-    t.clock = t.budget.clock = lambda: float(t.global_step) + extra[0]
-    t.budget.t0 = 0.0
-    real_search = search_module.search
-
-    def slow_search(*args, **kwargs):
-        extra[0] += 20.0
-        return real_search(*args, **kwargs)
-
-    monkeypatch.setattr(search_module, "search", slow_search)
+    t = _slow_decoding_run(tmp_path, monkeypatch, "f", "30s", lambda step: 20.0, lines)
     t.train()
     rows = read_csv(tmp_path / "f" / "evals.csv")
     assert len(rows) == 1 and rows[0]["bleu_n"] == "8" and rows[0]["best"] == "1"  # at 3 s (a tenth): 3 + 2 x 20 > 30

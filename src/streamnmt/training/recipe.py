@@ -147,7 +147,12 @@ def resolve_job_for_ranks(job: TrainJob, device: torch.device, d: Dist, log: Cal
     rank and the setting. A resumed run keeps its checkpoint's job, sized for ``origin`` (the
     checkpoint's ``recipe_device``: rank 0's device when the run started), against which every rank
     is checked, rank 0 and a single process included (older checkpoints: rank 0's device now)."""
-    first = RankDevice(**origin) if resumed and origin else None
+    first = None
+    if resumed and origin:
+        try:  # a checkpoint of another version may record other fields: then nothing to check against
+            first = RankDevice(**origin)
+        except TypeError:
+            first = None
     label = "the GPU this run started on" if first is not None else "rank 0"
     if not d.active:
         if not resumed:

@@ -99,7 +99,8 @@ class TrainerSetup:
             self.setup_s[name] = self.setup_s.get(name, 0.0) + time.monotonic() - t0
 
     def setup_line(self) -> str:
-        """``set-up 18.2 s: start-up (interpreter and imports) 6.1 s, data 4.4 s, ...``, every part in order."""
+        """``set-up N s: start-up (interpreter and imports) N s, device and recipe N s, data N s, ...``,
+        every part in order."""
         names = {"start-up": "start-up (interpreter and imports)", "process": "device and recipe",
                  "engine": ("graph capture" if getattr(self.strategy, "name", "") == "graph" else "engine")
                  + (" and compile" if self.job.engine.compile == "on" else "")}

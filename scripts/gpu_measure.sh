@@ -286,7 +286,7 @@ case "$1" in
       cp /tmp/runs/$run/evals.csv "$OUT/${run}_evals.csv"
     done
     for run in builtin_cold builtin_warm lt40; do  # the end line and the set-up's stamped milestones
-      echo "== $run"; grep -E "^ *[0-9.]+ .*(wall [0-9]+ s|data: ready|engine: compile|run dir|graph mode|first evaluation|outside)" \
+      echo "== $run"; grep -E "^ *[0-9.]+ .*(wall [0-9]+ s|set-up [0-9]|data: ready|engine: compile|graph mode|first evaluation|outside)" \
         "$OUT/wall_$run.log" | cut -c1-160
     done ;;
 esac

@@ -119,8 +119,8 @@ class Trainer(TrainerSetup):
 
     def run_epoch(self, epoch: int) -> dict[str, Any]:
         r = self.job.run
-        if self.epoch_pos >= len(self.train_loader):  # resumed at the epoch's end (a checkpoint of
-            self.epoch, self.epoch_pos = epoch + 1, 0  # an earlier version): nothing left to train
+        if 0 < len(self.train_loader) <= self.epoch_pos:  # resumed at the epoch's end (a checkpoint
+            self.epoch, self.epoch_pos = epoch + 1, 0       # of an earlier version): nothing left to train
             return {}
         self.model.train()
         self.train_loader.set_epoch(epoch)  # keeps a resumed mid-epoch position
@@ -307,7 +307,7 @@ class Trainer(TrainerSetup):
         if self.global_step and self.last_eval_step != self.global_step and not signalled:
             losses += self._evaluate(self.epoch)
             evaluated = True
-        if self.epoch_pos >= len(self.train_loader):  # stopped at an epoch's last batch: a resume starts the next
+        if 0 < len(self.train_loader) <= self.epoch_pos:  # stopped at an epoch's last batch: a resume starts the next
             self.epoch, self.epoch_pos = self.epoch + 1, 0
         # last.pt again where this step was saved before its evaluation (--save-every, an epoch end's
         # save): the checkpoint must hold the evaluation's best metric, cadence and patience

@@ -243,3 +243,14 @@ def test_a_percent_sign_in_a_flag_help_is_printed_as_is():
     parser = argparse.ArgumentParser()
     add_args(parser, Cfg)
     assert "under ~10 % of the run (default: 10)" in " ".join(parser.format_help().split())
+
+
+def test_a_set_up_error_under_torchrun_is_not_taken_for_a_lost_peer(tmp_path, monkeypatch, capsys):
+    """Under torchrun a ConfigError that mentions nccl is the one line of a bad flag (exit 2), not
+    "a collective failed, another rank died"."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert train(tmp_path, "--dist-backend", "nccl") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--dist-backend" in err[0] and "collective failed" not in err[0]

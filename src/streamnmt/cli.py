@@ -34,7 +34,8 @@ def _train(args: dict, parser: argparse.ArgumentParser) -> int:
         return _run_trainer(args, config_file, resume)
     except Exception as e:
         d = dist.Dist(*dist.world_from_env()[:2], backend="env" if "WORLD_SIZE" in os.environ else None)
-        if d.active and dist.is_collective_error(e):
+        own = (ConfigError, InputError, NonFiniteLoss, DeviceError, PeerLost, CaptureFailed)
+        if d.active and not isinstance(e, own) and dist.is_collective_error(e):  # our errors say what they are
             raise dist.peer_lost(d, e) from None
         raise
 

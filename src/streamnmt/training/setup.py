@@ -71,10 +71,9 @@ class TrainerSetup:
             self.job, self.recipe_device = resolve_job_for_ranks(
                 job, self.device, self.dist, self.log, resumed=resume is not None,
                 origin=(resume or {}).get("recipe_device"))
-        # TorchDynamo (imported by the optimizer's constructor) loads while the data is prepared
-        import_in_background(compiled=self.job.engine.compile == "on")
         with self._phase("data"):
             self._build_data(resume)
+        self.setup_s["data"] -= self.setup_s.get("imports", 0.0)  # the rest of the imports' thread, waited for
         with self._phase("model"):
             self._build_model(resume)
             self._build_engine()
@@ -102,6 +101,7 @@ class TrainerSetup:
         """``set-up N s: start-up (interpreter and imports) N s, device and recipe N s, data N s, ...``,
         every part in order."""
         names = {"start-up": "start-up (interpreter and imports)", "process": "device and recipe",
+                 "imports": "waiting for TorchDynamo's import",
                  "engine": ("graph capture" if getattr(self.strategy, "name", "") == "graph" else "engine")
                  + (" and compile" if self.job.engine.compile == "on" else "")}
         parts = ", ".join(f"{names.get(k, k)} {v:.1f} s" for k, v in self.setup_s.items())
@@ -124,8 +124,18 @@ class TrainerSetup:
         """Tokenizers and tokenized splits; then the settings that depend on the data (--compile auto)."""
         if resume is None:  # --weights: the tokenizers its checkpoint carries (identical files on every rank)
             self.job = tokenizers_of_weights(self.job, self.log)
-        self.data = distributed.prepare_once(self.dist, lambda: prepare_data(self.job.data, log=self.log),
-                                             lambda bundle: bundle.fingerprint())
+        # TorchDynamo (which the optimizer's constructor imports) loads on a thread while the data is
+        # prepared: preparing imports no torch module, so the two never wait on one module's import
+        # lock; joined before anything after it imports torch modules (Inductor for --compile).
+        imports = import_in_background(compiled=self.job.engine.compile == "on")
+        try:
+            self.data = distributed.prepare_once(self.dist, lambda: prepare_data(self.job.data, log=self.log),
+                                                 lambda bundle: bundle.fingerprint())
+        finally:
+            if imports is not None:
+                t0 = time.monotonic()
+                imports.join()
+                self.setup_s["imports"] = time.monotonic() - t0  # said apart from the data's own seconds
         if resume is not None:
             self._check_tokenizers(resume)
         else:
@@ -202,6 +212,7 @@ class TrainerSetup:
         self.times = dict.fromkeys(("training", "evaluation", "checkpoints", "set-up", "other"), 0.0)
         self.waits: dict[str, Any] = {"eval_s": 0.0, "save_s": 0.0, "stats": []}
         self.last_eval: Evaluation | None = None
+        self.best_on_disk: float | None = None  # the --best-metric value of the model best.pt holds
         self.last_eval_step = self.last_save_step = -1
         if resume is not None:
             self._restore(resume)
@@ -346,7 +357,7 @@ class TrainerSetup:
         # the loader converts a position saved at another world size; the trainer counts in its units
         self.epoch, self.epoch_pos = self.train_loader.epoch, self.train_loader.position
         self.evaluator.load_state_dict(ckpt.get("stopping"))
-        self._newer_best()
+        self._read_best_on_disk()
         if self.step_fn.ema is not None and ckpt.get("ema"):
             self.step_fn.ema.load_state_dict(ckpt["ema"])
         ranks = ckpt.get("rng_ranks") or [ckpt["rng"]]
@@ -360,28 +371,23 @@ class TrainerSetup:
             set_rng_state(ckpt["rng"])
             torch.manual_seed(self.job.run.seed + 1_000_003 * self.dist.rank)
 
-    def _newer_best(self) -> None:
-        """best.pt may be newer than last.pt (a kill after an evaluation that wrote it, before the
-        next last.pt): its recorded metric is then the best to beat, lest a worse model replace it."""
+    def _read_best_on_disk(self) -> None:
+        """The metric of the model best.pt holds (its ``best`` record), which may be newer than
+        last.pt's (a kill after an evaluation wrote best.pt, or a resume from an earlier
+        ``step_*.pt``): the resumed run replaces best.pt only with a better model. The early-stopping
+        state stays as the checkpoint recorded it, so the resume replays the run exactly. Rank 0's
+        file decides for every rank (their ``_save`` calls must agree)."""
         path = self.save_dir_of_resume() / "weights" / "best.pt"
-        stopper = self.evaluator.stopper
         best = None
-        if self.dist.main and path.exists():  # rank 0's file decides for every rank (they must agree)
+        if self.dist.main and path.exists():
             try:
                 best = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("best")
             except Exception:  # an unreadable best.pt is not this resume's business (last.pt is whole)
                 best = None
-            if not best or best.get("metric") != stopper.metric or best.get("value") is None:
+            if not best or best.get("metric") != self.evaluator.stopper.metric or best.get("value") is None:
                 best = None
         best = self.dist.broadcast(best, "dist.resume")
-        if best is None:
-            return
-        value, step = float(best["value"]), int(best["step"])
-        newer = stopper.best is None or (value > stopper.best if stopper.metric == "bleu" else value < stopper.best)
-        if newer:
-            self.log(f"resume: best.pt (step {step}) is newer than last.pt's record of the best; its "
-                     f"{stopper.metric} {value:.4f} is the best to beat")
-            stopper.best, stopper.best_step, stopper.bad = value, step, 0
+        self.best_on_disk = None if best is None else float(best["value"])
 
     def save_dir_of_resume(self) -> Path:
         """The run directory of ``--resume`` (its weights/last.pt's grandparent)."""

@@ -92,7 +92,7 @@ class Trainer(TrainerSetup):
         r = self.job.run
         if not self.stop_requested and self.budget.expired(self._reserve()):  # e.g. after an evaluation
             self._request_stop(self.budget.reason)
-        return self._stop_agreed() or bool(r.max_steps and self.global_step >= r.max_steps)
+        return self._stop_agreed(long_wait=True) or bool(r.max_steps and self.global_step >= r.max_steps)
 
     def _reserve(self, evaluation: bool = True) -> float:
         """Seconds the end of the run will take after the last step: its evaluation (unless not
@@ -107,14 +107,15 @@ class Trainer(TrainerSetup):
             if self.dist.active else 0.0
         return ev + writes + agreeing + min(END_SHARE * (self.budget.limit_s or 0.0), 5.0)
 
-    def _stop_agreed(self, every: int = 1) -> bool:
+    def _stop_agreed(self, every: int = 1, long_wait: bool = False) -> bool:
         """Stop after this step? One process: a signal, --time-limit or --patience asked for it.
         Several: the ranks agree, every ``every`` steps (one host-side all-reduce), so that they all
-        stop after the same step."""
+        stop after the same step; ``long_wait`` where rank 0 may still be busy alone (an epoch end's
+        evaluation and checkpoint wait), else a rank missing for --dist-timeout is lost."""
         if not self.dist.active:
             self.stopped = self.stop_requested
         elif self.global_step % every == 0:
-            self.stopped = self.dist.agree(self.stop_requested)
+            self.stopped = self.dist.agree(self.stop_requested, long_wait=long_wait)
         return self.stopped
 
     def run_epoch(self, epoch: int) -> dict[str, Any]:
@@ -259,8 +260,14 @@ class Trainer(TrainerSetup):
         best_save = [0.0]
 
         def write_best() -> None:
+            value, metric = self.evaluator.stopper.best, self.evaluator.stopper.metric
+            on_disk = self.best_on_disk  # a resume's best.pt may hold a better model than last.pt knew of
+            if on_disk is not None and value is not None and not (value > on_disk if metric == "bleu"
+                                                                   else value < on_disk):
+                return
             ts = self.clock()
             self._save("best.pt", kind="best")
+            self.best_on_disk = value
             best_save[0] = self.clock() - ts
 
         ema = self.step_fn.ema if self.job.run.eval_ema else None
@@ -301,7 +308,8 @@ class Trainer(TrainerSetup):
         """The end of the run, however it ends: every loss logged, the last step evaluated (not after
         a signal: the job is being stopped) and saved, and every write on disk."""
         losses = getattr(self, "pending_losses", [])
-        signalled = self.dist.agree(self.signalled, "dist.stop") if self.dist.active else self.signalled  # one rank's
+        # one rank's signal; rank 0 may still be waiting for a write alone
+        signalled = self.dist.agree(self.signalled, "dist.stop", long_wait=True) if self.dist.active else self.signalled
         self.signalled = signalled  # any rank's: what the last line says
         evaluated = False
         if self.global_step and self.last_eval_step != self.global_step and not signalled:

@@ -115,8 +115,16 @@ def test_the_budget_counts_from_the_command_start(monkeypatch):
     monkeypatch.setenv("STREAMNMT_COMMAND_START", str(time.time() - 30.0))
     assert time.monotonic() - command_start() == pytest.approx(30.0, abs=1.0)
     monkeypatch.delenv("STREAMNMT_COMMAND_START")
-    age = time.time() - psutil.Process().create_time()
-    assert time.monotonic() - command_start() == pytest.approx(age, abs=1.0)
+    import streamnmt
+
+    now = time.time()
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: now - 3.0)
+    monkeypatch.setattr(streamnmt, "IMPORTED_AT", now - 2.5)  # the interpreter started, then imported
+    assert time.monotonic() - command_start() == pytest.approx(3.0, abs=1.0)
+    # a process made a minute before it imported streamnmt (a shell that exec'd the command last)
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: now - 63.0)
+    monkeypatch.setattr(streamnmt, "IMPORTED_AT", now - 3.0)
+    assert time.monotonic() - command_start() == pytest.approx(3.0, abs=1.0)
     budget = TimeBudget(100.0, clock=lambda: 50.0, t0=0.0)
     assert not budget.expired() and not budget.expired(reserve_s=49.0) and budget.expired(reserve_s=50.0)
 

@@ -118,14 +118,25 @@ class EarlyStopping:
             self.best, self.best_step, self.bad = state["best"], state["best_step"], state["bad"]
 
 
+EXEC_GAP_S = 10.0  # an interpreter takes far less from its process's creation to importing streamnmt
+
+
 def command_start() -> float:
     """``time.monotonic()`` at the command's start: the launcher's (``STREAMNMT_COMMAND_START``, a
     Unix time set by ``streamnmt train --nproc`` for its ranks), else this process's creation as the
-    OS recorded it, so that interpreter start-up and imports count too."""
+    OS recorded it, so that interpreter start-up and imports count too; but where the process was
+    made more than :data:`EXEC_GAP_S` before streamnmt was imported, it ran something else first and
+    exec'd this command (``bash -c "pip install ... && streamnmt train"``), which starts at the import."""
+    import streamnmt
+
     now_wall, now = time.time(), time.monotonic()
     started = os.environ.get("STREAMNMT_COMMAND_START")
     try:
-        wall = float(started) if started else psutil.Process().create_time()
+        if started:
+            wall = float(started)
+        else:
+            created = psutil.Process().create_time()
+            wall = created if streamnmt.IMPORTED_AT - created < EXEC_GAP_S else streamnmt.IMPORTED_AT
     except (ValueError, psutil.Error):
         return now
     return now - min(max(now_wall - wall, 0.0), 86400.0)

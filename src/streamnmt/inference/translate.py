@@ -191,6 +191,17 @@ def _check_beam(beam_size: int, tgt_tok: Tokenizer) -> None:
           f"must be at most half the target vocabulary ({tgt_tok.vocab_size // 2}); got {beam_size}")
 
 
+def _load(cfg: InferenceConfig) -> tuple[torch.device, torch.dtype, Transformer, Tokenizer, Tokenizer, dict[str, Any]]:
+    """What ``translate`` and ``eval`` decode with: device, decoding dtype, the checkpoint's model in
+    it, its tokenizers (checked against --beam-size) and its config."""
+    device = resolve_device(cfg.device)
+    dtype = decode_dtype(cfg.dtype, device)
+    model, src_tok, tgt_tok, config = load_for_inference(cfg.weights, device, cfg.tokenizer_src, cfg.tokenizer_tgt,
+                                                         dtype=dtype)
+    _check_beam(cfg.beam_size, tgt_tok)
+    return device, dtype, model, src_tok, tgt_tok, config
+
+
 # -- commands --------------------------------------------------------------------------------
 
 
@@ -221,11 +232,7 @@ def read_lines(path: str | None) -> tuple[str, list[str]]:
 
 def run_translate(cfg: TranslateConfig) -> int:
     """Translate ``cfg.input`` line by line; empty lines stay empty. Returns the exit code."""
-    device = resolve_device(cfg.device)
-    dtype = decode_dtype(cfg.dtype, device)
-    model, src_tok, tgt_tok, _ = load_for_inference(cfg.weights, device, cfg.tokenizer_src, cfg.tokenizer_tgt,
-                                                    dtype=dtype)
-    _check_beam(cfg.beam_size, tgt_tok)
+    device, dtype, model, src_tok, tgt_tok, _ = _load(cfg)
     name, lines = read_lines(cfg.input)
     todo = [i for i, line in enumerate(lines) if line.strip()]  # empty lines are not sent to the model
 
@@ -265,11 +272,7 @@ def eval_data_config(config: dict[str, Any], data: str | None) -> DataConfig:
 
 def run_eval(cfg: EvalConfig) -> int:
     """Print BLEU and chrF of the checkpoint on a split. Returns the exit code."""
-    device = resolve_device(cfg.device)
-    dtype = decode_dtype(cfg.dtype, device)
-    model, src_tok, tgt_tok, config = load_for_inference(cfg.weights, device, cfg.tokenizer_src, cfg.tokenizer_tgt,
-                                                         dtype=dtype)
-    _check_beam(cfg.beam_size, tgt_tok)
+    device, dtype, model, src_tok, tgt_tok, config = _load(cfg)
     try:
         dcfg = eval_data_config(config, cfg.data)
     except ConfigError as e:

@@ -290,3 +290,24 @@ case "$1" in
         "$OUT/wall_$run.log" | cut -c1-160
     done ;;
 esac
+case "$1" in
+  multigpu-tests)  # every 2-GPU test (NCCL): equality by sentences and packed, no hidden syncs, the killed rank
+                   # and resume on 2 and 1 GPUs, the bench's 2-GPU rows; then the one-rank DDP tests
+    set -o pipefail
+    timeout ${TEST_S:-450} python3 -m pytest -m "gpu and multigpu" -v -s -p no:cacheprovider -rs --durations=12 tests \
+      2>&1 | grep -vE "^\s*$" > "$OUT/multigpu_tests.log"
+    grep -E "PASSED|FAILED|ERROR|SKIPPED|kill to launcher|passed|failed" "$OUT/multigpu_tests.log" | cut -c1-200 | tail -30 ;;
+  scaling-packed)  # base, bf16, vocabulary 32k, packed at the H100's default budget (TOKENS=4096), graph mode:
+                   # 1 vs 2 GPUs uncompiled, one profiled 2-GPU run (all-reduce hidden behind the backward), then
+                   # the same with --compile
+    B="python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 --max-tokens ${TOKENS:-4096} --max-len 128"
+    B="$B --no-references --strategies graph"
+    timeout 200 $B --repeats 3 --nproc 1,2 --out /tmp/spk > "$OUT/spk.log" 2>&1
+    timeout 120 $B --repeats 1 --nproc 2 --profile --out /tmp/spk_prof > "$OUT/spk_prof.log" 2>&1
+    timeout ${COMPILE_S:-240} $B --repeats 3 --compile --nproc 1,2 --out /tmp/spkc > "$OUT/spkc.log" 2>&1
+    cp /tmp/spk/bench.json "$OUT/spk.json"; cp /tmp/spkc/bench.json "$OUT/spkc.json" 2>/dev/null
+    cp /tmp/spk_prof/timeline.png "$OUT/spk_timeline2.png" 2>/dev/null
+    echo "== uncompiled"; tail -8 "$OUT/spk.log"
+    echo "== profile, 2 GPUs"; grep -E "GPU busy|all-reduce|nccl all-reduce" "$OUT/spk_prof.log" | cut -c1-160
+    echo "== --compile"; tail -8 "$OUT/spkc.log" ;;
+esac

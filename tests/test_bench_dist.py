@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from streamnmt import cli
-from streamnmt.bench.profile import ALL_REDUCE, analyze_trace
+from streamnmt.bench.profile import ALL_REDUCE, analyze_trace, format_summary
 from streamnmt.bench.scaling import merge_ranks
 from tests.test_dist import free_port
 from tests.test_dist import launch as launch_process
@@ -143,6 +143,20 @@ def test_trace_names_the_nccl_stream():
     summary = analyze_trace({"traceEvents": events})
     assert summary.streams[ALL_REDUCE] == {23: [1, pytest.approx(0.01)]}
     assert summary.streams["backward"] == {7: [1, pytest.approx(0.01)]}
+
+
+def test_trace_says_how_much_of_the_all_reduce_hides_behind_other_kernels():
+    """An all-reduce of 10 us beside 4 us of backward kernels (one of them on the main stream before
+    it, one overlapping): 4 us hidden, 6 us exposed; a second all-reduce alone is all exposed."""
+    def kernel(name: str, stream: int, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+    nccl = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"
+    events = [kernel("gemm_a", 7, 0, 12), kernel(nccl, 23, 10, 10), kernel("gemm_b", 7, 18, 2),
+              kernel(nccl, 23, 40, 5)]
+    s = analyze_trace({"traceEvents": events})
+    assert s.all_reduce_ms == pytest.approx(0.015) and s.all_reduce_hidden_ms == pytest.approx(0.004)
+    assert s.to_dict()["all_reduce_hidden_pct"] == pytest.approx(100 * 4 / 15)
+    assert "all-reduce: 0.01 ms in the window, 27% of it beside other kernels" in format_summary("graph", s)
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str]:

@@ -1,18 +1,25 @@
 """Data parallel on 2 GPUs (NCCL): 2 ranks x batch B equal 1 GPU x batch 2B over 100 steps (fp32,
-deterministic) for full and graph (all-reduce captured in the step's graph), and the training
-loop of each rank makes no host sync outside ``host_sync`` (``pytest -m multigpu``)."""
+deterministic) for full and graph (all-reduce captured in the step's graph), by sentences and
+packed; the training loop of each rank makes no host sync outside ``host_sync``; a rank killed
+with SIGKILL under graph mode ends the run with one line naming it, last.pt resumes exactly on 2
+GPUs and continues on 1 GPU (``pytest -m multigpu``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from streamnmt.training.runs import read_csv
 from tests.test_accum import assert_same_training
-from tests.test_dist import home, streamnmt, torchrun  # noqa: F401  (fixture)
+from tests.test_dist import home, rank_processes, streamnmt, torchrun, wait_for_rows  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
@@ -33,6 +40,62 @@ def test_two_gpus_equal_one_gpu_double_batch(tmp_path, home, strategy):  # noqa:
     if strategy == "graph":
         assert "graph mode captured" in two.stdout and "graph mode unavailable" not in two.stdout + two.stderr
     assert_same_training(tmp_path / "two", tmp_path / "one", steps=STEPS)
+
+
+@pytest.mark.parametrize("strategy", ["full", "graph"])
+def test_two_gpus_equal_one_gpu_double_budget_packed(tmp_path, home, strategy):  # noqa: F811
+    """Packed rows (one shape): 2 ranks x --max-tokens T serve, step by step, the pairs that 1 GPU x
+    2T packs (data.packing: global batch g is world x rows rows of one plan)."""
+    i = GPU.index("--max-tokens")
+    common = [*GPU[:i], *GPU[i + 2:], "--sync-strategy", strategy, "--project", str(tmp_path)]
+    one = streamnmt([*common, "--max-tokens", "1024", "--name", "one"], home)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "in 1 shape(s)" in one.stdout + one.stderr  # packed: one batch shape
+    two = torchrun([*common, "--max-tokens", "512", "--name", "two"], home)
+    assert two.returncode == 0, two.stderr[-3000:]
+    if strategy == "graph":
+        assert "graph mode captured" in two.stdout and "graph mode unavailable" not in two.stdout + two.stderr
+    assert_same_training(tmp_path / "two", tmp_path / "one", steps=STEPS)
+
+
+def test_killed_rank_under_nccl_graph_then_resume_on_two_and_one_gpus(tmp_path, home):  # noqa: F811
+    """SIGKILL of rank 1 mid-run (graph mode, all-reduce captured): the launcher exits non-zero
+    with one line naming rank 1 within --dist-timeout; last.pt loads; --resume on 2 GPUs replays the
+    uninterrupted run exactly; the same last.pt resumed on 1 GPU says what changed and finishes."""
+    common = [*GPU, "--sync-strategy", "graph", "--batch-size", "16", "--save-every", "10", "--dist-timeout", "30",
+              "--project", str(tmp_path)]
+    ref = torchrun([*common, "--name", "ref"], home)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    proc = streamnmt(["--nproc", "2", *common, "--name", "k"], home, wait=False)
+    try:
+        wait_for_rows(tmp_path / "k" / "steps.csv", 25, proc)
+        rank_processes(proc)[1].kill()
+        t0 = time.time()
+        _, err = proc.communicate(timeout=120)
+        took = time.time() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    errors = [ln for ln in err.splitlines() if ln.startswith("streamnmt: error:")]
+    assert proc.returncode not in (0, None) and took < 35, (took, err[-3000:])  # 30 s --dist-timeout, 5 s slack
+    assert len(errors) == 1 and errors[0].startswith("streamnmt: error: rank 1 failed (killed by SIGKILL)"), \
+        (took, err[-3000:])
+    print(f"kill to launcher exit: {took:.1f} s")
+    last = tmp_path / "k" / "weights" / "last.pt"
+    saved = torch.load(last, weights_only=True)
+    assert saved["step"] >= 20 and len(saved["rng_ranks"]) == 2
+    one_dir = tmp_path / "k1"  # the same run, to be resumed on one GPU
+    shutil.copytree(tmp_path / "k", one_dir)
+    resumed = streamnmt(["--nproc", "2", "--resume", str(last)], home)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "not bit-exactly" not in resumed.stdout + resumed.stderr
+    assert read_csv(tmp_path / "k" / "steps.csv") == read_csv(tmp_path / "ref" / "steps.csv")
+    one = streamnmt(["--resume", str(one_dir / "weights" / "last.pt")], home)
+    assert one.returncode == 0, one.stderr[-3000:]
+    said = [ln for ln in (one.stdout + one.stderr).splitlines() if "not bit-exactly" in ln]
+    assert len(said) == 1 and "saved with 2 process(es)" in said[0] and "now 1 x 1" in said[0], said
+    rows = read_csv(one_dir / "steps.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
 
 
 @pytest.mark.parametrize("strategy,accum", [("full", 1), ("graph", 1), ("graph", 2)])

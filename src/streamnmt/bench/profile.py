@@ -103,6 +103,8 @@ class TraceSummary:
     top_kernels: list[tuple[str, int, float]] = field(default_factory=list)  # (name, count, ms), by ms
     n_kernels: int = 0  # kernels that ran inside the window
     families: dict[str, tuple[int, float]] = field(default_factory=dict)  # kernel_family -> (count, ms), by ms
+    all_reduce_ms: float = 0.0         # the union of NCCL kernels' time in the window
+    all_reduce_hidden_ms: float = 0.0  # the part of it that other kernels ran beside (see _overlap)
 
     def to_dict(self) -> dict[str, Any]:
         w = max(self.window_ms, 1e-9)
@@ -113,7 +115,9 @@ class TraceSummary:
                 "host_syncs": len(self.syncs), "kernels": self.n_kernels,
                 "top_kernels": [{"name": n, "count": c, "ms": ms, "pct_of_busy": 100 * ms / max(self.busy_ms, 1e-9)}
                                 for n, c, ms in self.top_kernels],
-                "kernel_families": {f: {"count": c, "ms": ms} for f, (c, ms) in self.families.items()}}
+                "kernel_families": {f: {"count": c, "ms": ms} for f, (c, ms) in self.families.items()},
+                "all_reduce_ms": self.all_reduce_ms, "all_reduce_hidden_ms": self.all_reduce_hidden_ms,
+                "all_reduce_hidden_pct": 100 * self.all_reduce_hidden_ms / max(self.all_reduce_ms, 1e-9)}
 
 
 def load_trace(path: str | Path) -> dict[str, Any]:
@@ -258,8 +262,38 @@ def analyze_trace(trace: dict[str, Any], window: str = WINDOW) -> TraceSummary |
         cell[0] += c
         cell[1] += ms
     families = {f: (int(c), ms) for f, (c, ms) in sorted(fams.items(), key=lambda kv: -kv[1][1])}
+    reduce_ms, hidden_ms = _overlap(ops, w0, w1)
     return TraceSummary((w1 - w0) / 1e3, busy_ms, idle, streams, rel, rel_syncs, top,
-                        sum(int(c) for c, _ in by_name.values()), families)
+                        sum(int(c) for c, _ in by_name.values()), families, reduce_ms, hidden_ms)
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        elif b > a:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _overlap(ops: list[GpuOp], w0: float, w1: float) -> tuple[float, float]:
+    """(all-reduce ms, of which hidden ms): the union of NCCL kernels' spans in the window, and the
+    part of it during which a kernel of another category ran (DDP's buckets reduced behind the
+    backward). An NCCL kernel's span includes its wait for the peer rank, so "hidden" counts time
+    the all-reduce could have cost, not only transfer time; the exposed rest is what a step waits."""
+    clip = [(max(o.start, w0), min(o.end, w1), o.category == ALL_REDUCE) for o in ops if o.kind == "kernel"]
+    reduce = _union([(a, b) for a, b, r in clip if r and b > a])
+    other = _union([(a, b) for a, b, r in clip if not r and b > a])
+    hidden, j = 0.0, 0
+    for a, b in reduce:
+        while j < len(other) and other[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(other) and other[k][0] < b:
+            hidden += min(b, other[k][1]) - max(a, other[k][0])
+            k += 1
+    return sum(b - a for a, b in reduce) / 1e3, hidden / 1e3
 
 
 def stream_label(stream: int) -> str:
@@ -280,11 +314,14 @@ def format_summary(name: str, s: TraceSummary | None) -> str:
         cells = [s.streams[cat].get(st) for st in stream_ids]
         lines.append(f"    {cat:<22}" + "".join(f"{'-' if c is None else f'{int(c[0])} / {c[1]:.2f}':>18}"
                                              for c in cells))
+    if s.all_reduce_ms:
+        lines.append(f"    all-reduce: {s.all_reduce_ms:.2f} ms in the window, {d['all_reduce_hidden_pct']:.0f}% of it "
+                     f"beside other kernels (hidden), {s.all_reduce_ms - s.all_reduce_hidden_ms:.2f} ms exposed")
     if s.families:
         busy = max(s.busy_ms, 1e-9)
         lines.append("    by family: " + ", ".join(f"{f} {100 * ms / busy:.0f}% ({c})" for f, (c, ms) in s.families.items()))
     if s.top_kernels:
         lines.append(f"    {s.n_kernels} kernels in the window; by GPU time (count, ms, share of busy):")
-        for name, count, ms in s.top_kernels:
-            lines.append(f"    {count:>7} {ms:>9.2f} {100 * ms / max(s.busy_ms, 1e-9):>5.1f}%  {name[:110]}")
+        for kernel, count, ms in s.top_kernels:
+            lines.append(f"    {count:>7} {ms:>9.2f} {100 * ms / max(s.busy_ms, 1e-9):>5.1f}%  {kernel[:110]}")
     return "\n".join(lines)

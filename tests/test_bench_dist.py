@@ -221,3 +221,11 @@ def test_config_argv_round_trips():
     args = vars(cli.build_parser().parse_args(["bench", *config_argv(cfg)]))
     args.pop("_run"), args.pop("command")
     assert from_dict(BenchConfig, args) == cfg
+
+
+@pytest.mark.parametrize("cfg, said", [({"batch_size": 32, "max_tokens": 0}, "--batch-size 32"),
+                                       ({"batch_size": 32, "max_tokens": 4096, "pack": True}, "--max-tokens 4096 packed"),
+                                       ({"batch_size": 32, "max_tokens": 4096, "pack": False}, "--max-tokens 4096")])
+def test_scaling_footnote_names_the_batch_each_rank_ran(cfg, said):
+    from streamnmt.bench.scaling import per_rank_batch
+    assert per_rank_batch(cfg) == said

@@ -47,7 +47,8 @@ def test_two_gpus_equal_one_gpu_double_budget_packed(tmp_path, home, strategy): 
     """Packed rows (one shape): 2 ranks x --max-tokens T serve, step by step, the pairs that 1 GPU x
     2T packs (data.packing: global batch g is world x rows rows of one plan)."""
     i = GPU.index("--max-tokens")
-    common = [*GPU[:i], *GPU[i + 2:], "--sync-strategy", strategy, "--project", str(tmp_path)]
+    common = [*GPU[:i], *GPU[i + 2:], "--epochs", "20",  # 14 packed batches an epoch: 100 steps need 8
+              "--sync-strategy", strategy, "--project", str(tmp_path)]
     one = streamnmt([*common, "--max-tokens", "1024", "--name", "one"], home)
     assert one.returncode == 0, one.stderr[-3000:]
     assert "in 1 shape(s)" in one.stdout + one.stderr  # packed: one batch shape

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import functools
+import gc
 import importlib
 import os
 import sys
@@ -55,9 +56,13 @@ def _run_trainer(args: dict, config_file: str | None, resume: str | None) -> int
     else:
         trainer = Trainer(build_job(args, config_file))
     result = trainer.train()
-    trainer.dist.close()
-    if not result["stopped"] and trainer.dist.main:
-        stopper = trainer.evaluator.stopper  # what chose best.pt, and at which step
+    d, stopper = trainer.dist, trainer.evaluator.stopper  # what chose best.pt, and at which step
+    # The trainer's CUDA graphs captured NCCL collectives: destroying the process group while they
+    # live hangs every rank in destroy_process_group (2 H100s, docs/PERFORMANCE.md), so they go first.
+    del trainer
+    gc.collect()
+    d.close()
+    if not result["stopped"] and d.main:
         best = "" if stopper.best is None else \
             f", best {'dev BLEU' if stopper.metric == 'bleu' else 'val_loss'} {stopper.best:.4f} at step {stopper.best_step}"
         print(f"done: {result['steps']} steps, lowest val_loss {result['best_val']:.4f}{best}; "

@@ -134,3 +134,23 @@ def test_agreements_after_rank0s_own_work_wait_on_the_long_group(tmp_path):
     t._done()  # between epochs
     t._stop_agreed(every=1)  # in the loop, after a step
     assert calls == [("dist.stop", True), ("dist.stop", False)]
+
+
+def test_the_trainer_and_its_graphs_are_gone_before_the_process_group_is(tmp_path, monkeypatch):
+    """``streamnmt train`` frees the trainer (its CUDA graphs hold captured NCCL collectives) before
+    destroy_process_group, which otherwise hangs every rank on 2 GPUs; checked where close runs."""
+    import gc
+
+    from streamnmt import cli, dist
+    from tests.test_accum import TINY
+
+    alive: list[int] = []
+    real = dist.Dist.close
+
+    def close(self):
+        alive.append(sum(isinstance(o, Trainer) for o in gc.get_objects()))
+        real(self)
+
+    monkeypatch.setattr(dist.Dist, "close", close)
+    assert cli.main(["train", *TINY, "--max-steps", "2", "--project", str(tmp_path), "--name", "g"]) == 0
+    assert alive == [0]

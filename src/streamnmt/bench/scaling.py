@@ -193,12 +193,19 @@ def format_scaling(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def per_rank_batch(cfg: dict[str, Any]) -> str:
+    """What each rank's batch holds: the token budget where one was given, else the sentences."""
+    if cfg.get("max_tokens"):
+        return f"--max-tokens {cfg['max_tokens']}" + (" packed" if cfg.get("pack", True) else "")
+    return f"--batch-size {cfg['batch_size']}"
+
+
 def scaling_footnotes(records: dict[int, dict[str, Any]], rows: list[dict[str, Any]]) -> str:
     sizes = sorted(records)
     cfg = records[sizes[0]]["config"]
     lines = [
         f"ms/step: median over {cfg['repeats']} runs of {cfg['steps']} steps of the slowest rank's time "
-        f"[min-max]; --batch-size {cfg['batch_size']} per rank (weak scaling)",
+        f"[min-max]; {per_rank_batch(cfg)} per rank (weak scaling)",
         "tok/s: real target tokens of all ranks / the slowest rank's wall time; tok/s per GPU: tok/s / GPUs",
         f"scaling: tok/s per GPU / that of {sizes[0]} GPU(s) (100% = perfect); '{NOISE}': the per-GPU medians "
         "differ by less than the larger min-max range of the two",

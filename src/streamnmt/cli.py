@@ -270,8 +270,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"streamnmt: error: {e}", file=sys.stderr)
         elif isinstance(e, (NonFiniteLoss, DeviceError)):  # this rank's own (its loss seen first, its memory)
             print(f"streamnmt: error: rank {rank}: {e}", file=sys.stderr)
-        if isinstance(e, PeerLost) and "WORLD_SIZE" in os.environ:  # a collective whose peer died may never
-            # finish: no teardown (process group, CUDA context) is left to wait for it
+        if isinstance(e, (PeerLost, CaptureFailed)) and "WORLD_SIZE" in os.environ:
+            # PeerLost: a collective whose peer died may never finish. CaptureFailed: graphs that
+            # captured NCCL collectives may be alive, and tearing down the process group under them
+            # hung every rank (2 H100s, docs/PERFORMANCE.md "Two H100s"). No teardown waits for either.
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(e.exit_code)

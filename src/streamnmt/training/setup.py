@@ -65,8 +65,9 @@ class TrainerSetup:
         # and checkpoints in a run": set-up is most of what a short run spends outside training).
         self.t_command = command_start()  # --time-limit and the end line count from the command's start
         self.setup_s: dict[str, float] = {"start-up": time.monotonic() - self.t_command}
-        with self._phase("process"):
+        with self._phase("device"):
             self._build_process(job, log)
+        with self._phase("recipe"):
             # the device the job's auto settings were sized for (a resume: the one the run started on)
             self.job, self.recipe_device = resolve_job_for_ranks(
                 job, self.device, self.dist, self.log, resumed=resume is not None,
@@ -98,9 +99,10 @@ class TrainerSetup:
             self.setup_s[name] = self.setup_s.get(name, 0.0) + time.monotonic() - t0
 
     def setup_line(self) -> str:
-        """``set-up N s: start-up (interpreter and imports) N s, device and recipe N s, data N s, ...``,
+        """``set-up N s: start-up (interpreter and imports) N s, device N s, recipe N s, data N s, ...``,
         every part in order."""
-        names = {"start-up": "start-up (interpreter and imports)", "process": "device and recipe",
+        names = {"start-up": "start-up (interpreter and imports)",
+                 "device": "device (CUDA context, process group)" if self.device.type == "cuda" else "device",
                  "imports": "waiting for TorchDynamo's import",
                  "engine": ("graph capture" if getattr(self.strategy, "name", "") == "graph" else "engine")
                  + (" and compile" if self.job.engine.compile == "on" else "")}
@@ -114,6 +116,10 @@ class TrainerSetup:
         self.device = self.dist.device or resolve_device(job.run.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # so that streams, events and graphs default to it
+        if self.device.type == "cuda":
+            # The CUDA context is made here (a first allocation), not inside whichever later part
+            # touches the GPU first, so the set-up line says what it costs.
+            torch.empty((), device=self.device)
         if job.run.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)

@@ -292,10 +292,9 @@ case "$1" in
 esac
 case "$1" in
   multigpu-tests)  # every 2-GPU test (NCCL): equality by sentences and packed, no hidden syncs, the killed rank
-                   # and resume on 2 and 1 GPUs, the bench's 2-GPU rows; then the one-rank DDP tests
-    set -o pipefail
-    timeout ${TEST_S:-450} python3 -m pytest -m "gpu and multigpu" -v -s -p no:cacheprovider -rs --durations=12 tests \
-      2>&1 | grep -vE "^\s*$" > "$OUT/multigpu_tests.log"
+                   # and resume on 2 and 1 GPUs, the bench's 2-GPU rows (a test past 150 s dumps its stacks)
+    timeout ${TEST_S:-450} python3 -m pytest -m "gpu and multigpu" -v -s -p no:cacheprovider -o faulthandler_timeout=150 \
+      -rs --tb=short --durations=12 tests > "$OUT/multigpu_tests.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|SKIPPED|kill to launcher|passed|failed" "$OUT/multigpu_tests.log" | cut -c1-200 | tail -30 ;;
   scaling-packed)  # base, bf16, vocabulary 32k, packed at the H100's default budget (TOKENS=4096), graph mode:
                    # 1 vs 2 GPUs uncompiled, one profiled 2-GPU run (all-reduce hidden behind the backward), then
@@ -310,4 +309,23 @@ case "$1" in
     echo "== uncompiled"; tail -8 "$OUT/spk.log"
     echo "== profile, 2 GPUs"; grep -E "GPU busy|all-reduce|nccl all-reduce" "$OUT/spk_prof.log" | cut -c1-160
     echo "== --compile"; tail -8 "$OUT/spkc.log" ;;
+esac
+case "$1" in
+  gpu-tests)  # every one-GPU test on GPU ${GPU:-0} (on a machine of two GPUs the other can run a part beside it)
+    CUDA_VISIBLE_DEVICES=${GPU:-0} timeout ${TEST_S:-540} python3 -m pytest -m "gpu and not multigpu" -v -p no:cacheprovider \
+      -o faulthandler_timeout=150 -rs --tb=short --durations=15 tests > "$OUT/gpu_tests.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed|SKIPPED" "$OUT/gpu_tests.log" | cut -c1-220 | tail -30 ;;
+  big)  # #30/#31: Transformer-big packed 4,096 compiled beside uncompiled (base compiled as the yardstick), then
+        # attention alone at the packed shape in rows of 32-128 (bench_attention widths)
+    B="python3 -m streamnmt bench --amp bf16 --vocab 32000 --max-tokens 4096 --max-len 128 --no-references"
+    B="$B --strategies graph --repeats 3"
+    timeout 260 $B --model big --compile --out /tmp/big_compile > "$OUT/big_compile.log" 2>&1
+    timeout 100 $B --model big --out /tmp/big_eager > "$OUT/big_eager.log" 2>&1
+    timeout 150 $B --model base --compile --out /tmp/base_compile > "$OUT/base_compile.log" 2>&1
+    timeout 100 python3 scripts/bench_attention.py builtin widths 1 > "$OUT/attention_widths.log" 2>&1
+    for f in big_compile big_eager base_compile; do
+      cp /tmp/$f/bench.json "$OUT/$f.json" 2>/dev/null
+      echo "== $f"; grep -E "ready in|^graph " "$OUT/$f.log" | cut -c1-170
+    done
+    echo "== attention widths"; tail -3 "$OUT/attention_widths.log" | cut -c1-400 ;;
 esac

@@ -7,6 +7,7 @@ GPUs and continues on 1 GPU (``pytest -m multigpu``)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import signal
@@ -121,27 +122,33 @@ def _sync_debug_rank(rank: int, world: int, port: int, strategy: str, accum: int
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     from streamnmt import dist
+
+    d = dist.init("nccl", "cuda", 60)
+    # A failure propagates with the process group left up: tearing it down under graphs that
+    # captured NCCL collectives hangs (as streamnmt train, see cli._run_trainer).
+    _sync_debug_steps(d, rank, strategy, accum, out)
+    gc.collect()  # the steps' graphs are gone: the process group can go
+    d.close()
+
+
+def _sync_debug_steps(d, rank: int, strategy: str, accum: int, out: str) -> None:
     from streamnmt.engine import DeferredLosses, EngineConfig, make_strategy
     from streamnmt.models.transformer import make_model
     from streamnmt.training.step import example_batch, make_step
     from tests.engine.test_engine import run_collect, run_without_host_syncs
     from tests.engine.test_graphs_gpu import SHAPES, random_batches, with_global_norm
 
-    d = dist.init("nccl", "cuda", 60)
-    try:
-        torch.manual_seed(0)
-        model = make_model(200, 220, d_model=64, n_layers=2, n_heads=4, d_ff=128).to(d.device)
-        step = make_step(model, d.device, d_model=64, warmup=50, amp="bf16", ddp=True)
-        cfg = EngineConfig(sync_strategy=strategy, accum_steps=accum)
-        strat = make_strategy(strategy, d.device, cfg, log=lambda s: None)
-        strat.prepare(step, [example_batch(s, model.shape, 0) for s in SHAPES])
-        if strategy == "graph":
-            assert strat.fallback is None and "capture_error" not in strat.report, strat.report
-        losses = DeferredLosses(d.device, 10, group=accum, reduce=d.reduce_sum_)
-        batches = with_global_norm(random_batches(4 * accum, seed=rank), accum)
-        run_collect(strat, batches, step, losses)  # warm-up: lazy inits may sync
-        batches = with_global_norm(random_batches(40 * accum, seed=10 + rank), accum)
-        got = run_without_host_syncs(strat, batches, step, losses)
-        (Path(out) / f"rank{rank}.steps").write_text(" ".join(str(s) for s, _ in got))
-    finally:
-        d.close()
+    torch.manual_seed(0)
+    model = make_model(200, 220, d_model=64, n_layers=2, n_heads=4, d_ff=128).to(d.device)
+    step = make_step(model, d.device, d_model=64, warmup=50, amp="bf16", ddp=True)
+    cfg = EngineConfig(sync_strategy=strategy, accum_steps=accum)
+    strat = make_strategy(strategy, d.device, cfg, log=lambda s: None)
+    strat.prepare(step, [example_batch(s, model.shape, 0) for s in SHAPES])
+    if strategy == "graph":
+        assert strat.fallback is None and "capture_error" not in strat.report, strat.report
+    losses = DeferredLosses(d.device, 10, group=accum, reduce=d.reduce_sum_)
+    batches = with_global_norm(random_batches(4 * accum, seed=rank), accum)
+    run_collect(strat, batches, step, losses)  # warm-up: lazy inits may sync
+    batches = with_global_norm(random_batches(40 * accum, seed=10 + rank), accum)
+    got = run_without_host_syncs(strat, batches, step, losses)
+    (Path(out) / f"rank{rank}.steps").write_text(" ".join(str(s) for s, _ in got))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import gc
 import io
 import os
 import platform
@@ -140,13 +141,16 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> int:
         return run_sizes(cfg, sizes, log)
     d = distributed.init(cfg.dist_backend, cfg.device, cfg.dist_timeout)
     try:
-        return _run(cfg, d, log if d.main else distributed.quiet)  # other ranks: errors only
+        code = _run(cfg, d, log if d.main else distributed.quiet)  # other ranks: errors only
     except Exception as e:
         if d.active and distributed.is_collective_error(e):
             raise distributed.peer_lost(d, e) from None
-        raise
-    finally:
-        d.close()
+        raise  # the process group stays up: the error's frames may hold graphs that captured NCCL work
+    # The rows' CUDA graphs (captured NCCL collectives among them) go before the process group:
+    # destroying it under them hangs every rank (docs/PERFORMANCE.md, "Two H100s").
+    gc.collect()
+    d.close()
+    return code
 
 
 def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:

@@ -329,3 +329,26 @@ case "$1" in
     done
     echo "== attention widths"; tail -3 "$OUT/attention_widths.log" | cut -c1-400 ;;
 esac
+case "$1" in
+  ttb2)  # #32: time to BLEU on 1M pairs (make_longtail), `--time-limit ${TIME:-150s}` each: 1 GPU at the defaults,
+         # 2 GPUs at the same global batch (--max-tokens 2048 a rank), 2 GPUs at the defaults (2x the batch, the
+         # warm-up rule scaling it); RUNS picks some (e.g. RUNS=gpu1, then RUNS="gpu2_same gpu2_double" in a second
+         # call on the same machine: the corpus and its cache stay in /tmp). Then the curves and one table.
+    T=${TIME:-150s}
+    [ -d /tmp/lt1m ] || python3 scripts/make_longtail.py --out /tmp/lt1m --pairs 1000000 > "$OUT/ttb_corpus.txt"
+    python3 -c "from streamnmt.data import DataConfig, prepare_data
+prepare_data(DataConfig(data='/tmp/lt1m'), log=print)" > "$OUT/ttb_prepare.log" 2>&1
+    common=(--data /tmp/lt1m --time-limit "$T" --project /tmp/ttb --exist-ok)
+    for run in ${RUNS:-gpu1 gpu2_same gpu2_double}; do
+      case $run in
+        gpu1) flags=(--name gpu1) ;;
+        gpu2_same) flags=(--nproc 2 --max-tokens 2048 --name gpu2_same) ;;
+        gpu2_double) flags=(--nproc 2 --name gpu2_double) ;;
+      esac
+      timeout 400 python3 -m streamnmt train "${common[@]}" "${flags[@]}" > "$OUT/ttb_$run.log" 2>&1
+      cp /tmp/ttb/$run/evals.csv "$OUT/ttb_${run}_evals.csv" 2>/dev/null
+      echo "== $run"; grep -E "^recipe:|wall [0-9]+ s|^done" "$OUT/ttb_$run.log" | cut -c1-200
+    done
+    runs=(); for r in gpu1 gpu2_same gpu2_double; do [ -f /tmp/ttb/$r/evals.csv ] && runs+=(/tmp/ttb/$r); done
+    python3 scripts/plot_time_to_bleu.py "${runs[@]}" --out "$OUT/time_to_bleu_2gpu.png" ;;
+esac

@@ -154,3 +154,24 @@ def test_the_trainer_and_its_graphs_are_gone_before_the_process_group_is(tmp_pat
     monkeypatch.setattr(dist.Dist, "close", close)
     assert cli.main(["train", *TINY, "--max-steps", "2", "--project", str(tmp_path), "--name", "g"]) == 0
     assert alive == [0]
+
+
+def test_evals_say_the_runs_wall_clock_at_each_evaluation_summed_over_resumes(tmp_path):
+    """evals.csv's wall_s: the run's seconds from the command's start to the evaluated step (a fake
+    budget clock: 10 s a step); a resume adds the checkpoint's seconds to its own."""
+    t = make_trainer(tmp_path, "--name", "w", "--epochs", "2", "--eval-every", "0")
+    t.budget.clock = lambda: 10.0 * t.global_step
+    t.budget.t0 = -5.0  # 5 s of set-up before the first step
+    n = len(t.train_loader)
+    t.train()
+    evals = read_csv(tmp_path / "w" / "evals.csv")
+    assert [float(r["wall_s"]) for r in evals] == [10.0 * n + 5, 20.0 * n + 5]
+    ckpt = torch.load(tmp_path / "w" / "weights" / "last.pt", weights_only=True)
+    assert ckpt["wall_s"] == 20.0 * n + 5
+    resumed = Trainer.from_checkpoint(str(tmp_path / "w" / "weights" / "last.pt"), log=lambda _: None,
+                                      changes={"epochs": 3})
+    resumed.budget.clock = lambda: 10.0 * (resumed.global_step - 2 * n)
+    resumed.budget.t0 = -3.0
+    resumed.train()
+    evals = read_csv(tmp_path / "w" / "evals.csv")
+    assert [float(r["wall_s"]) for r in evals] == [10.0 * n + 5, 20.0 * n + 5, (20.0 * n + 5) + 10.0 * n + 3]

@@ -48,8 +48,11 @@ RESULT_COLUMNS = ["epoch", "train_loss", "train_nll", "train_ppl", "val_loss", "
                   "padded_tokens_per_s", "epoch_s", "bleu_s", "eval_s", "save_s",
                   "gpu_mem_gb", "gpu_busy", "sync_count", "sync_ms", "steps", "cpu_util"]
 # eval_s, save_s: the seconds the training loop waited for the evaluation and for its best.pt;
+# wall_s: the run's wall clock (from the command's start, summed over resumes) when it reached the
+# evaluated weights, for time-to-BLEU curves (scripts/plot_time_to_bleu.py);
 # bleu_n: the dev sentences BLEU scored (fewer than --bleu-samples where the time limit cut the pass)
-EVAL_COLUMNS = ["step", "epoch", "val_loss", "bleu", "bleu_n", "bleu_s", "val_s", "best", "eval_s", "save_s"]
+EVAL_COLUMNS = ["step", "epoch", "wall_s", "val_loss", "bleu", "bleu_n", "bleu_s", "val_s", "best", "eval_s",
+                "save_s"]
 
 
 class TrainerSetup:
@@ -220,6 +223,9 @@ class TrainerSetup:
         self.last_eval: Evaluation | None = None
         self.best_on_disk: float | None = None  # the --best-metric value of the model best.pt holds
         self.last_eval_step = self.last_save_step = -1
+        # The wall clock of the run's earlier processes up to the state a resume starts from, so that
+        # evals.csv's wall_s (time to BLEU) counts across resumes.
+        self.wall_before = 0.0
         if resume is not None:
             self._restore(resume)
 
@@ -355,6 +361,7 @@ class TrainerSetup:
         if self.scaler is not None and ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
         self.global_step, self.evaluator.best_val = ckpt["step"], ckpt["best_val"]
+        self.wall_before = float(ckpt.get("wall_s", 0.0))
         self.last_save_step = self.global_step
         # a checkpoint of a step that was not evaluated (a signal, --save-every) gets its evaluation
         self.last_eval_step = ckpt.get("last_eval_step", self.global_step)
@@ -395,6 +402,11 @@ class TrainerSetup:
         best = self.dist.broadcast(best, "dist.resume")
         self.best_on_disk = None if best is None else float(best["value"])
 
+    def run_wall_s(self) -> float:
+        """Seconds of wall clock the run has taken to reach its current state: this command's, from
+        its start, plus the earlier processes' up to the checkpoint it resumed from."""
+        return self.wall_before + self.budget.elapsed()
+
     def save_dir_of_resume(self) -> Path:
         """The run directory of ``--resume`` (its weights/last.pt's grandparent)."""
         return Path(self.job.run.resume).resolve().parent.parent
@@ -409,6 +421,7 @@ class TrainerSetup:
                                                                           ("tgt", self.data.tgt_tok))},
             "config": self.job.to_dict(),
             "step": self.global_step, "best_val": self.best_val, "last_eval_step": self.last_eval_step,
+            "wall_s": self.run_wall_s(),
             "recipe_device": dataclasses.asdict(self.recipe_device),
             "sampler": {**self.train_loader.state_dict(), "epoch": self.epoch, "position": self.epoch_pos},
             "rng": rng_state(),

@@ -254,7 +254,7 @@ class Trainer(TrainerSetup):
     def _evaluate(self, epoch: int) -> list[StepLoss]:
         """Drain, then validation loss and BLEU (with the EMA weights under --eval-ema); best.pt when
         --best-metric improved; a stop request when --patience ran out. Returns the drained losses."""
-        te = self.clock()
+        te, wall_s = self.clock(), self.run_wall_s()  # wall_s: when the run reached the evaluated weights
         losses = self._drain("eval")
         held, STATS.sites = STATS.sites, {}  # the evaluation's host waits are not training's
         best_save = [0.0]
@@ -293,7 +293,8 @@ class Trainer(TrainerSetup):
         self.times["evaluation"] += cost
         self.times["checkpoints"] += best_save[0]
         self.last_eval, self.last_eval_step = result, self.global_step
-        self.evals_log.write({"step": self.global_step, "epoch": epoch + 1, "val_loss": result.val_loss,
+        self.evals_log.write({"step": self.global_step, "epoch": epoch + 1, "wall_s": round(wall_s, 1),
+                              "val_loss": result.val_loss,
                               "bleu": "" if result.bleu is None else round(result.bleu, 2),
                               "bleu_n": "" if result.bleu is None else result.bleu_n,
                               "bleu_s": round(result.bleu_s, 3), "val_s": round(result.val_s, 3),

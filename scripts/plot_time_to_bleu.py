@@ -1,0 +1,125 @@
+"""Time to BLEU: dev BLEU against the run's wall clock for several runs, from their evals.csv.
+
+Each row of ``evals.csv`` holds ``wall_s``, the run's seconds from the command's start (summed over
+resumes) to the evaluated weights, and the dev BLEU of that evaluation. A pass the time limit cut
+short (``bleu_n`` under the run's full count) is drawn hollow and not counted as the run's best.
+
+Usage: python3 scripts/plot_time_to_bleu.py RUN_DIR[=LABEL] ... [--out ttb.png] [--target BLEU]
+Prints one line per run (evaluations, best BLEU and when, time to --target) and writes the plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Curve:
+    label: str
+    wall_s: list[float]
+    bleu: list[float]
+    full: list[bool]  # a whole BLEU pass (not cut by the time limit)
+
+    def best(self) -> tuple[float, float] | None:
+        """(BLEU, wall_s) of the best whole pass, or None."""
+        points = [(b, w) for b, w, f in zip(self.bleu, self.wall_s, self.full) if f]
+        return max(points, key=lambda p: (p[0], -p[1])) if points else None
+
+    def time_to(self, target: float) -> float | None:
+        """wall_s of the first whole pass at or above ``target``, or None."""
+        return next((w for b, w, f in zip(self.bleu, self.wall_s, self.full) if f and b >= target), None)
+
+
+class InputError(Exception):
+    pass
+
+
+def read_curve(spec: str) -> Curve:
+    """``RUN_DIR[=LABEL]``: the run's evaluations with a BLEU, in step order."""
+    path, _, label = spec.partition("=")
+    run = Path(path)
+    evals = run / "evals.csv" if run.is_dir() else run
+    try:
+        with open(evals, newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as e:
+        raise InputError(f"{evals}: {e.strerror or e}") from None
+    if rows and "wall_s" not in rows[0]:
+        raise InputError(f"{evals}: no wall_s column (written by streamnmt train since evals.csv gained it)")
+    rows = [r for r in rows if r.get("bleu")]
+    if not rows:
+        raise InputError(f"{evals}: no evaluation with a dev BLEU (a run with --bleu-samples 0?)")
+    try:
+        counts = [int(r["bleu_n"]) if r.get("bleu_n") else 0 for r in rows]
+        return Curve(label or (run.name if run.is_dir() else run.parent.name),
+                     [float(r["wall_s"]) for r in rows], [float(r["bleu"]) for r in rows],
+                     [n == max(counts) for n in counts])
+    except ValueError as e:
+        raise InputError(f"{evals}: {e}") from None
+
+
+def summary(curves: list[Curve], target: float | None) -> str:
+    head = f"{'run':<24} {'evals':>5} {'last s':>8} {'best BLEU':>9} {'at s':>8}"
+    head += f" {'to ' + format(target, 'g'):>9}" if target is not None else ""
+    lines = [head]
+    for c in curves:
+        best = c.best()
+        line = (f"{c.label:<24} {len(c.bleu):>5} {c.wall_s[-1]:>8.1f} "
+                + (f"{best[0]:>9.2f} {best[1]:>8.1f}" if best else f"{'-':>9} {'-':>8}"))
+        if target is not None:
+            t = c.time_to(target)
+            line += f" {'not reached' if t is None else format(t, '.1f') + ' s':>9}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot(curves: list[Curve], out: Path, target: float | None) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for c in curves:
+        minutes = [w / 60 for w in c.wall_s]
+        (line,) = ax.plot(minutes, c.bleu, label=c.label)
+        ax.scatter([m for m, f in zip(minutes, c.full) if f], [b for b, f in zip(c.bleu, c.full) if f], s=14,
+                   color=line.get_color())
+        cut = [(m, b) for m, b, f in zip(minutes, c.bleu, c.full) if not f]
+        if cut:
+            ax.scatter(*zip(*cut), s=14, facecolors="none", edgecolors=line.get_color())
+    if target is not None:
+        ax.axhline(target, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("wall clock from the command's start (min)")
+    ax.set_ylabel("dev BLEU")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = out.with_name(out.name + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR[=LABEL]", help="run directories (or evals.csv files)")
+    p.add_argument("--out", default="time_to_bleu.png", help="the plot (PNG)")
+    p.add_argument("--target", type=float, default=None, help="a dev BLEU: print when each run first reached it")
+    args = p.parse_args(argv)
+    try:
+        curves = [read_curve(spec) for spec in args.runs]
+    except InputError as e:
+        print(f"plot_time_to_bleu: error: {e}", file=sys.stderr)
+        return 2
+    print(summary(curves, args.target))
+    plot(curves, Path(args.out), args.target)
+    print(f"plot: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

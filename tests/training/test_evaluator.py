@@ -176,3 +176,51 @@ def test_a_cut_first_pass_still_leaves_a_best_pt(tmp_path, monkeypatch):
     assert len(rows) == 1 and rows[0]["bleu_n"] == "8" and rows[0]["best"] == "1"  # at 3 s (a tenth): 3 + 2 x 20 > 30
     assert (tmp_path / "f" / "weights" / "best.pt").exists() and t.evaluator.stopper.best is None
     assert any(line.endswith("best.pt until a full pass sets a best") for line in lines)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_background_capture_ends_before_the_first_evaluation(tmp_path, monkeypatch, fails):
+    """The decoding buckets' capture on a thread (CUDA graph decoding on a copy; faked here): the
+    first evaluation waits for it before validating, says what it did in one line, and a failed
+    capture leaves the BLEU pass to capture (it still scores)."""
+    import threading
+
+    from streamnmt.training import evaluator as ev
+
+    started, release = threading.Event(), threading.Event()
+    seen: dict = {}
+
+    def fake_prepare(model, sources, *, device, beam_size, batch_size, options):
+        started.set()
+        release.wait(10)
+        seen.update(n=len(sources), beam=beam_size, batch=batch_size)
+        if fails:
+            raise RuntimeError("capture refused\nsecond line")
+        return 3
+
+    lines: list[str] = []
+    t = make_trainer(tmp_path, "--name", "bg", "--bleu-samples", "8", "--max-steps", "2", lines=lines)
+    monkeypatch.setattr(ev, "prepare_decoding", fake_prepare)
+    monkeypatch.setattr(Evaluator, "_decodes_a_graph_copy", lambda self: True)
+    t.evaluator.bleu_model = t.evaluator.bleu_model or t.model
+    assert t.evaluator.capture_in_background()
+    assert started.wait(10)
+    validated = []
+    real_validate = Evaluator.validate
+    monkeypatch.setattr(Evaluator, "validate", lambda self: validated.append(self._capturing) or real_validate(self))
+    threading.Timer(0.2, release.set).start()
+    result = t.evaluator.evaluate(1)
+    assert validated == [None]  # the capture had ended (joined) when validation began
+    assert seen == {"n": 8, "beam": t.job.run.beam_size, "batch": ev.EVAL_BATCH}
+    said = [line for line in lines if "in the background" in line]
+    if fails:
+        assert said == [("eval: capturing the decoding buckets in the background failed (RuntimeError: capture "
+                         "refused); the BLEU pass captures them")]
+    else:
+        assert len(said) == 1 and said[0].startswith("eval: 3 decoding bucket(s) captured in the background")
+    assert result.bleu is not None and result.bleu_n == 8
+
+
+def test_no_background_capture_without_a_graph_decoding_copy(tmp_path):
+    t = make_trainer(tmp_path, "--name", "nb", "--bleu-samples", "8", "--max-steps", "2")
+    assert not t.evaluator.capture_in_background() and t.evaluator._capturing is None  # the CPU decodes eagerly

@@ -96,6 +96,21 @@ def rank_processes(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
     return out
 
 
+def kill_rank_after(launcher: subprocess.Popen, steps: Path, rows: int, rank: int = 1,
+                    timeout: float = 90) -> tuple[str, str, float]:
+    """Once ``steps`` has more than ``rows`` rows, SIGKILL rank ``rank`` of ``launcher``'s run; its
+    (stdout, stderr) and the seconds from the kill to the launcher's exit. Nothing it started outlives it."""
+    try:
+        wait_for_rows(steps, rows, launcher)
+        rank_processes(launcher)[rank].kill()
+        t0 = time.time()
+        out, err = launcher.communicate(timeout=timeout)
+        return out, err, time.time() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+
 def wait_for_rows(steps: Path, n: int, proc: subprocess.Popen) -> None:
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
@@ -206,15 +221,7 @@ def test_dead_rank_ends_the_run_with_one_line(tmp_path, home):
     args = [*TINY, "--epochs", "50", "--batch-size", "8", "--loss-interval", "1", "--project", str(tmp_path),
             "--name", "d"]
     proc = streamnmt(["--nproc", "2", *args], home, wait=False)
-    try:
-        wait_for_rows(tmp_path / "d" / "steps.csv", 4, proc)
-        rank_processes(proc)[1].kill()
-        t0 = time.time()
-        out, err = proc.communicate(timeout=90)
-        took = time.time() - t0
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    _, err, took = kill_rank_after(proc, tmp_path / "d" / "steps.csv", 4)
     assert proc.returncode not in (0, None) and took < 60
     assert "streamnmt: error: rank 1 failed (killed by SIGKILL)" in err
     assert not list((tmp_path / "d" / "weights").glob("*.tmp*"))  # no half-written checkpoint

@@ -6,13 +6,10 @@ GPUs and continues on 1 GPU (``pytest -m multigpu``)."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import shutil
-import signal
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +17,7 @@ import torch
 
 from streamnmt.training.runs import read_csv
 from tests.test_accum import assert_same_training
-from tests.test_dist import home, rank_processes, streamnmt, torchrun, wait_for_rows  # noqa: F401  (fixture)
+from tests.test_dist import home, kill_rank_after, streamnmt, torchrun  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
@@ -69,15 +66,7 @@ def test_killed_rank_under_nccl_graph_then_resume_on_two_and_one_gpus(tmp_path, 
     ref = torchrun([*common, "--name", "ref"], home)
     assert ref.returncode == 0, ref.stderr[-3000:]
     proc = streamnmt(["--nproc", "2", *common, "--name", "k"], home, wait=False)
-    try:
-        wait_for_rows(tmp_path / "k" / "steps.csv", 25, proc)
-        rank_processes(proc)[1].kill()
-        t0 = time.time()
-        _, err = proc.communicate(timeout=120)
-        took = time.time() - t0
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    _, err, took = kill_rank_after(proc, tmp_path / "k" / "steps.csv", 25, timeout=120)
     errors = [ln for ln in err.splitlines() if ln.startswith("streamnmt: error:")]
     assert proc.returncode not in (0, None) and took < 35, (took, err[-3000:])  # 30 s --dist-timeout, 5 s slack
     assert len(errors) == 1 and errors[0].startswith("streamnmt: error: rank 1 failed (killed by SIGKILL)"), \

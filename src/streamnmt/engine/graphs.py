@@ -100,6 +100,7 @@ class GraphStrategy(Strategy):
         self.graphs: dict[tuple, _Captured] = {}  # K == 1: whole steps; K > 1: (key, ends) -> micro steps
         self.opt_graph: torch.cuda.CUDAGraph | None = None  # K > 1: the optimizer step
         self.report: dict[str, Any] = {}
+        self._warmup_s = 0.0  # host seconds of the eager warm-up steps before the captures
         self.polling = False  # set by prepare(): with DDP, host waits poll with a deadline
         dev = torch.device(device)
         if dev.type != "cuda":
@@ -142,9 +143,12 @@ class GraphStrategy(Strategy):
             return
         shapes = {key if self.accum == 1 else key[0] for key in self.graphs}
         self.report = {"shapes": len(shapes), "capture_s": round(time.perf_counter() - t0, 2),
+                       "warmup_s": round(self._warmup_s, 2),
                        "pool_mb": round((torch.cuda.memory_reserved(self.device) - mem0) / 2**20, 1)}
-        self.log(f"engine: graph mode captured {self.report['shapes']} shape(s) in {self.report['capture_s']} s, "
-                 f"memory pool +{self.report['pool_mb']} MiB")
+        # warm-up: the host's time to queue the eager steps, where a fresh process's lazy set-up
+        # (kernel loading, Triton compiles, library handles) lands; the capture waits for them to run
+        self.log(f"engine: graph mode captured {self.report['shapes']} shape(s) in {self.report['capture_s']} s "
+                 f"(warm-up {self.report['warmup_s']} s), memory pool +{self.report['pool_mb']} MiB")
 
     def _capture_failed(self, step: StepFunction, why: str) -> None:
         if _data_parallel(step):  # no fallback on one rank alone: the caller agrees across ranks
@@ -179,12 +183,14 @@ class GraphStrategy(Strategy):
             step.grads_to_none = False  # the micro graphs accumulate into .grad tensors that stay put
         # Variants of the micro graph: without and with the cross-rank all-reduce (DDP).
         variants = (False, True) if ddp else (True,)
+        self._warmup_s = 0.0
         for example in examples:
             key = shape_key(example)
             if key in self.graphs or (key, True) in self.graphs:
                 continue
             static = move(example, self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))  # the copy into ``static`` first
+            tw = time.perf_counter()
             with torch.cuda.stream(stream):
                 for _ in range(warmup):
                     for m in range(k):
@@ -193,6 +199,7 @@ class GraphStrategy(Strategy):
                         step.backward(loss)
                         del loss  # no autograd graph (and its AccumulateGrad nodes) outlives its backward
                     step.optimizer_step()
+            self._warmup_s += time.perf_counter() - tw
             torch.cuda.current_stream(self.device).wait_stream(stream)
             if k == 1:
                 graph = torch.cuda.CUDAGraph()

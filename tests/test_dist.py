@@ -193,6 +193,8 @@ def test_one_process_checkpoint_resumes_on_two_ranks(tmp_path, home):
     one, two = (len(make_loader(train, cfg, train=True, seed=3, pin_memory=False, world=w, rank=0)) for w in (1, 2))
     rows = read_csv(tmp_path / "one" / "steps.csv")
     assert sum(1 for r in rows if r["epoch"] == "1" and int(r["step"]) > 10) == two - -(-10 * two // one)
+    said = [ln for ln in (res.stdout + res.stderr).splitlines() if "not bit-exactly" in ln]
+    assert len(said) == 1 and f"epoch 1 continues at its step {-(-10 * two // one)} of {two}," in said[0], said
 
 
 @pytest.mark.parametrize("target", ["rank 1", "launcher"])

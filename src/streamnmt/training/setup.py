@@ -376,8 +376,13 @@ class TrainerSetup:
         ranks = ckpt.get("rng_ranks") or [ckpt["rng"]]
         saved = (ckpt["sampler"].get("world", 1), ckpt["sampler"].get("accum", 1))
         if saved != (self.dist.world, self.job.engine.accum_steps) or len(ranks) != self.dist.world:
+            k = self.job.engine.accum_steps
+            steps = len(self.train_loader) // k  # this run's optimizer steps per epoch
             self.log(f"resume: saved with {saved[0]} process(es) x --accum-steps {saved[1]}, now {self.dist.world} x "
-                     f"{self.job.engine.accum_steps}: training continues from step {ckpt['step']}, not bit-exactly")
+                     f"{k}: epoch {self.epoch + 1} continues at its step {self.epoch_pos // k} of {steps}, the share "
+                     f"of the epoch the saved run had trained rounded up to a whole step (at most one step's "
+                     f"pairs of the epoch left out); from there each step groups the epoch's pairs differently, "
+                     f"so training continues from step {ckpt['step']}, not bit-exactly")
         if self.dist.rank < len(ranks):
             set_rng_state(ranks[self.dist.rank])
         else:  # a rank the checkpoint had not: rank 0's state, then a dropout stream of its own

@@ -274,28 +274,6 @@ def test_graph_decoder_stops_when_all_finished_and_reuses_buckets(model, sources
     assert len(gd.buckets) == 2
 
 
-def test_prepare_makes_the_buckets_a_pass_then_only_reuses(model):
-    """GraphDecoder.prepare(batch_shapes(...)) ahead of a pass (the trainer's background capture):
-    the pass then makes no bucket of its own, and decodes as a decoder that made them on the way."""
-    from streamnmt.inference.graph_search import GraphDecoder
-    from streamnmt.inference.search import batch_shapes
-
-    opts = SearchOptions(beam_size=3, max_len_b=5)
-    g = torch.Generator().manual_seed(11)
-    sources = [torch.randint(4, VOCAB, (n,), generator=g).tolist() + [masks.EOS] for n in (3, 28, 9, 17, 5, 12, 30)]
-    seen: list[tuple[int, int]] = []
-    translate_ids(model, sources, opts, batch_size=3, search_fn=lambda src: seen.append(tuple(src.shape)) or
-                  [[] for _ in range(src.size(0))])
-    assert batch_shapes(sources, 3) == seen == [(3, 31), (3, 13), (1, 4)]  # longest first, padded to the longest
-    ahead = GraphDecoder(model, opts, batch_size=3)
-    assert ahead.prepare(batch_shapes(sources, 3), torch.device("cpu")) == len(ahead.buckets) == 2
-    made = list(ahead.buckets)
-    got = translate_ids(model, sources, opts, batch_size=3, search_fn=ahead.search)
-    assert list(ahead.buckets) == made  # nothing new: the pass reused what prepare made
-    assert ahead.prepare(batch_shapes(sources, 3), torch.device("cpu")) == 0  # all there already
-    assert got == translate_ids(model, sources, opts, batch_size=3, search_fn=GraphDecoder(model, opts, batch_size=3).search)
-
-
 def test_a_wider_bucket_serves_narrower_batches_up_to_half_its_width(model):
     """Longest first, as translation sorts: the first batch's bucket decodes the narrower batches
     after it (source width down to half its own), with the results of their own buckets."""

@@ -62,23 +62,6 @@ def test_dev_bleu_decodes_through_graphs_captured_once(trained):
     assert bleu == pytest.approx(eager["bleu"], abs=1e-9)  # the same search, replayed
 
 
-def test_the_decoding_buckets_are_captured_beside_the_training(tmp_path, monkeypatch):
-    """Graph mode: the dev BLEU pass's buckets are captured on a thread while the run trains; its
-    evaluations then capture none (the decoder's count stays at what the thread made)."""
-    monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path / "home"))
-    args = vars(build_parser().parse_args(["train", *TINY, "--project", str(tmp_path), "--sync-strategy", "graph"]))
-    for key in ("_run", "command"):
-        args.pop(key, None)
-    lines: list[str] = []
-    t = Trainer(build_job(args), log=lines.append)
-    t.train()
-    said = [line for line in lines if "in the background" in line]
-    assert len(said) == 1 and "captured in the background while training" in said[0], said
-    made = int(said[0].split()[1])
-    decoder = shared_decoder(t.evaluator.bleu_model, t.evaluator.options, EVAL_BATCH)
-    assert made >= 1 and decoder.captures == made and not decoder.failed
-
-
 def test_a_background_save_from_the_gpu_writes_the_state_of_its_call(tmp_path):
     w = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
     state = {"model": {"w": w, "tied": w}, "step": 1}

@@ -123,8 +123,10 @@ class GraphDecoder:
         b, s = src.shape
         # 1. bucket: as the eager search, the loop bound comes from the padded width (a host value)
         max_steps, limits = output_limits(model, src, opts)
-        key = self._key(b, s)
-        s_pad = key.src_width
+        cap = model.shape.max_positions - 1
+        s_pad = source_bucket(s, model.shape.max_positions)
+        width = min(max(int(opts.max_len_a * s_pad + opts.max_len_b), 1), cap) + 1
+        key = BucketKey(_round_rows(b, self.batch_size), k, s_pad, width)
         # 2. encode once (eagerly), at the source width of the bucket that will decode the batch
         # (a kept, covering one where there is one): the encoder and the cross-attention
         # projections then run at one shape per bucket, not one per coarse batch width (each new
@@ -143,33 +145,7 @@ class GraphDecoder:
         self._run(bucket, max_steps, opts.sync_every or sync_interval(src.device))
         return bucket.results(b)
 
-    @torch.inference_mode()
-    @sdpa_kernel(DECODE_ATTENTION)
-    def prepare(self, shapes: list[tuple[int, int]], device: torch.device) -> int:
-        """Make (on CUDA: capture) now the buckets that batches of these (rows, source width) shapes
-        will decode in, in the order given (a pass sorted longest first: see
-        :func:`streamnmt.inference.search.batch_shapes`), so that decoding them later only replays.
-        The trainer calls this on a thread while it trains, its first BLEU pass then capturing
-        nothing (captures are thread-local: the training thread's CUDA calls go on). Returns the
-        buckets made."""
-        check_search(self.model, self.opts.beam_size)
-        self._check_weights()
-        dtype = next(self.model.parameters()).dtype
-        made = 0
-        for b, s in shapes:
-            key = self._key(b, s)
-            if self._covering(key) is None and key not in self.failed:
-                made += self._bucket(key, None, dtype, device) is not None
-        return made
-
     # -- buckets and graphs ----------------------------------------------------------------------
-    def _key(self, rows: int, src_len: int) -> BucketKey:
-        """The bucket a batch of ``rows`` sentences padded to ``src_len`` source tokens needs."""
-        opts, cap = self.opts, self.model.shape.max_positions - 1
-        s_pad = source_bucket(src_len, self.model.shape.max_positions)
-        width = min(max(int(opts.max_len_a * s_pad + opts.max_len_b), 1), cap) + 1
-        return BucketKey(_round_rows(rows, self.batch_size), opts.beam_size, s_pad, width)
-
     def _check_weights(self) -> None:
         weights = tuple(p.data_ptr() for p in self.model.parameters())
         if weights != self._weights:  # moved or reloaded: the graphs would read stale addresses
@@ -243,9 +219,7 @@ class GraphDecoder:
             for span in bucket.spans:
                 for parity in bucket.parities:
                     graph = torch.cuda.CUDAGraph()
-                    # thread-local: a capture on the trainer's background thread must not turn the
-                    # training thread's CUDA calls (event queries, allocations) into capture errors
-                    graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                    graph.capture_begin(pool=self.pool)
                     try:
                         bucket.step(span)
                     finally:

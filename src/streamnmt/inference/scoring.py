@@ -29,8 +29,7 @@ from streamnmt.models import masks
 from streamnmt.inference import scoreworker
 from streamnmt.data import Tokenizer
 from streamnmt.inference.decoding import SearchOptions
-from streamnmt.inference.graph_search import shared_decoder, translate_ids
-from streamnmt.inference.search import batch_shapes
+from streamnmt.inference.graph_search import translate_ids
 from streamnmt.models.transformer import Transformer
 
 CHINESE = scoreworker.CHINESE  # target languages scored with sacrebleu's "zh" tokenizer
@@ -299,23 +298,6 @@ class Scorer:
         self._closed = True
         for w in self._workers:
             w.close(WORKER_TIMEOUT_S if timeout is None else timeout)
-
-
-def prepare_decoding(model: Transformer, sources: list[list[int]], *, device: torch.device | str, beam_size: int,
-                     batch_size: int, options: SearchOptions | None = None) -> int:
-    """Capture now the decoding buckets that :func:`bleu_on_pairs` over these ``sources`` (from
-    :func:`encode_sources`) will replay, with the same settings: on CUDA with graph decoding; a
-    no-op (0) elsewhere. Returns the buckets made. The model is in eval mode while it runs."""
-    opts = dataclasses.replace(options or SearchOptions(), beam_size=beam_size)
-    device = torch.device(device)
-    if not opts.graph or device.type != "cuda" or not sources:
-        return 0
-    was_training = model.training
-    model.eval()
-    try:
-        return shared_decoder(model, opts, batch_size).prepare(batch_shapes(sources, batch_size), device)
-    finally:
-        model.train(was_training)
 
 
 def bleu_on_pairs(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, pairs: list[tuple[str, str]], *,

@@ -347,17 +347,6 @@ def pad_batch(seqs: list[list[int]], device: torch.device | str) -> Tensor:
     return batch.pin_memory().to(device, non_blocking=True)
 
 
-def batch_indices(sources: list[list[int]], batch_size: int) -> list[list[int]]:
-    """The batches :func:`translate_ids` decodes, as indices into ``sources``: longest first."""
-    order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
-    return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
-
-
-def batch_shapes(sources: list[list[int]], batch_size: int) -> list[tuple[int, int]]:
-    """(rows, padded source length) of each batch :func:`translate_ids` decodes, in its order."""
-    return [(len(idx), max(len(sources[i]) for i in idx)) for idx in batch_indices(sources, batch_size)]
-
-
 def translate_ids(model: Transformer, sources: list[list[int]], opts: SearchOptions = SearchOptions(), *,
                   batch_size: int = 64, device: torch.device | str = "cpu",
                   search_fn: Callable[[Tensor], list[list[int]]] | None = None,
@@ -374,10 +363,12 @@ def translate_ids(model: Transformer, sources: list[list[int]], opts: SearchOpti
     ``stop()`` is asked before each batch but the first: True ends the decoding there (a time limit);
     the sentences not decoded keep empty outputs, and ``on_batch`` has named those that were.
     """
+    order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
     results: list[list[int]] = [[] for _ in sources]
-    for n, idx in enumerate(batch_indices(sources, batch_size)):
-        if n and stop is not None and stop():
+    for start in range(0, len(order), batch_size):
+        if start and stop is not None and stop():
             break
+        idx = order[start:start + batch_size]
         src = pad_batch([sources[i] for i in idx], device)
         hyps = search_fn(src) if search_fn is not None else search(model, src, opts)
         for i, hyp in zip(idx, hyps):

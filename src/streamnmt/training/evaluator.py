@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ import torch
 from streamnmt.data import read_pairs
 from streamnmt.engine.base import tensors
 from streamnmt.engine.syncstats import host_sync
-from streamnmt.inference.scoring import ScorePool, bleu_on_pairs, encode_sources, prepare_decoding
+from streamnmt.inference.scoring import ScorePool, bleu_on_pairs
 from streamnmt.models import masks
 from streamnmt.inference.decoding import SearchOptions, decoding_copy
 from streamnmt.training.step import LossModel
@@ -165,8 +164,6 @@ class Evaluator:
         # scoring workers for the run's BLEU passes, started now (they start while the run sets up)
         self.pool = ScorePool(job.data.tgt_lang) if run.bleu_samples and dist.main else None
         self._captured = CapturedLoss(self._nll, device, log) if device.type == "cuda" else None
-        self._capturing: threading.Thread | None = None  # the decoding buckets' background capture
-        self._captured_report: dict[str, Any] = {}
 
     # -- what the loop calls ------------------------------------------------------------------
     def evaluate(self, step: int, ema: Any = None, on_better: Callable[[], None] | None = None,
@@ -176,8 +173,6 @@ class Evaluator:
         (rank 0's, asked between decoding batches) cuts the BLEU pass short for a time limit: that
         BLEU is reported with its sentence count, and not compared for best.pt or --patience (it
         writes best.pt only where no full pass has set a best yet)."""
-        # The background capture ends first: validation captures and runs attention of its own.
-        self._join_capture()
         with ema.swapped() if ema is not None else contextlib.nullcontext():
             if self.dist.main:
                 t0 = time.perf_counter()
@@ -226,57 +221,6 @@ class Evaluator:
                 + (f"CUDA graphs (decoding copy {copy_mb:.0f} MiB)" if self.options.graph else "eager"))
         return f"eval: {when}; validation {'CUDA graphs' if self._captured else 'eager'}; {bleu}"
 
-    def capture_in_background(self) -> bool:
-        """Capture the dev BLEU pass's decoding buckets on a thread while the run trains, so that the
-        first evaluation replays them instead of capturing (on a fresh machine the first pass cost
-        3-4 s, mostly captures: docs/PERFORMANCE.md, "Evaluation and checkpoints in a run"). Only
-        where the pass decodes graphs on its own copy of the weights (CUDA, rank 0, the eval dtype
-        not the training's), and only while the caller runs no eager attention on the GPU (graph
-        mode): the decoder's attention-backend choice is process-wide. False where it did not start."""
-        run, model = self.job.run, self.bleu_model
-        if not self._decodes_a_graph_copy():
-            return False
-        if self._pairs is None:
-            self._pairs = read_pairs(self.job.data, "dev")[:run.bleu_samples]
-        sources, _ = encode_sources(self.data.src_tok, [s for s, _ in self._pairs], model.shape.max_positions)
-        report, device = self._captured_report, self.device
-
-        def capture() -> None:
-            t0 = time.perf_counter()
-            try:
-                if device.type == "cuda" and device.index is not None:
-                    torch.cuda.set_device(device)  # a thread starts on the CUDA runtime's device 0
-                report["buckets"] = prepare_decoding(model, sources, device=device, beam_size=run.beam_size,
-                                                     batch_size=EVAL_BATCH, options=self.options)
-            except Exception as e:  # noqa: BLE001  (any failure: the first BLEU pass captures what is missing)
-                text = str(e).strip()
-                report["error"] = f"{type(e).__name__}: {text.splitlines()[0][:160]}" if text else type(e).__name__
-            report["seconds"] = time.perf_counter() - t0
-
-        self._capturing = threading.Thread(target=capture, name="streamnmt-decode-capture", daemon=True)
-        self._capturing.start()
-        return True
-
-    def _decodes_a_graph_copy(self) -> bool:
-        model = self.bleu_model
-        return bool(self.job.run.bleu_samples and self.options.graph and self.dist.main
-                    and self.device.type == "cuda" and model is not None and model is not self.model)
-
-    def _join_capture(self) -> None:
-        """Wait for the background capture (the evaluation counts the wait) and say what it did."""
-        if self._capturing is None:
-            return
-        t0 = time.perf_counter()
-        self._capturing.join()
-        waited, r = time.perf_counter() - t0, self._captured_report
-        self._capturing = None
-        if "error" in r:
-            self.log(f"eval: capturing the decoding buckets in the background failed ({r['error']}); the BLEU "
-                     "pass captures them")
-        else:
-            self.log(f"eval: {r.get('buckets', 0)} decoding bucket(s) captured in the background while training, in "
-                     f"{r['seconds']:.1f} s ({waited:.1f} s of it waited for here)")
-
     # -- the parts ----------------------------------------------------------------------------
     def _nll(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
@@ -307,7 +251,6 @@ class Evaluator:
         if self._pairs is None:
             self._pairs = read_pairs(self.job.data, "dev")[:n]
         t0 = time.perf_counter()
-        self._join_capture()  # (a no-op after evaluate's): the copy's weights must not change under a capture
         self.bleu_model = model = decoding_copy(self.model, self.bleu_dtype, self.bleu_model)
         res = bleu_on_pairs(model, self.data.src_tok, self.data.tgt_tok, self._pairs, device=self.device,
                             beam_size=self.job.run.beam_size, batch_size=EVAL_BATCH,
@@ -315,10 +258,7 @@ class Evaluator:
         return res["bleu"], time.perf_counter() - t0, res["n"]
 
     def close(self) -> None:
-        """The end of the run: the background capture is waited for, the scoring workers exit."""
-        if self._capturing is not None:
-            self._capturing.join()
-            self._capturing = None
+        """The end of the run: the scoring workers exit."""
         if self.pool is not None:
             self.pool.close()
             self.pool = None

@@ -52,9 +52,6 @@ class Trainer(TrainerSetup):
         row: dict[str, Any] = {}
         self.times["set-up"] = time.monotonic() - self.t_command  # from the command's start to the first step
         loop_start = self.clock()
-        if self.strategy.name == "graph" and getattr(self.strategy, "fallback", None) is None:
-            # graph mode runs no eager attention: the decoding buckets can be captured beside it
-            self.evaluator.capture_in_background()
         with stop_signals(self):
             self.log(f"{'Epoch':>7}{'GPU_mem':>9}{'batches':>9}{'tokens/s':>10}{'train_loss':>12}"
                      f"{'train_nll':>11}{'ppl':>9}{'val_loss':>10}{'BLEU':>7}{'time':>8}")

@@ -2,7 +2,9 @@
 
 Each row of ``evals.csv`` holds ``wall_s``, the run's seconds from the command's start (summed over
 resumes) to the evaluated weights, and the dev BLEU of that evaluation. A pass the time limit cut
-short (``bleu_n`` under the run's full count) is drawn hollow and not counted as the run's best.
+short (``bleu_n`` under the largest count of the run, taken as the whole pass) is drawn hollow and
+not counted as the run's best. Rows without ``wall_s`` (a run resumed from a checkpoint older than
+that column: its earlier seconds are unknown) are left out, and the line says how many.
 
 Usage: python3 scripts/plot_time_to_bleu.py RUN_DIR[=LABEL] ... [--out ttb.png] [--target BLEU]
 Prints one line per run (evaluations, best BLEU and when, time to --target) and writes the plot.
@@ -23,6 +25,7 @@ class Curve:
     wall_s: list[float]
     bleu: list[float]
     full: list[bool]  # a whole BLEU pass (not cut by the time limit)
+    untimed: int = 0  # evaluations left out: no wall_s
 
     def best(self) -> tuple[float, float] | None:
         """(BLEU, wall_s) of the best whole pass, or None."""
@@ -53,11 +56,14 @@ def read_curve(spec: str) -> Curve:
     rows = [r for r in rows if r.get("bleu")]
     if not rows:
         raise InputError(f"{evals}: no evaluation with a dev BLEU (a run with --bleu-samples 0?)")
+    timed = [r for r in rows if r.get("wall_s")]
+    if not timed:
+        raise InputError(f"{evals}: no evaluation with a wall_s (resumed from a checkpoint that did not record it)")
     try:
-        counts = [int(r["bleu_n"]) if r.get("bleu_n") else 0 for r in rows]
+        counts = [int(r["bleu_n"]) if r.get("bleu_n") else 0 for r in timed]
         return Curve(label or (run.name if run.is_dir() else run.parent.name),
-                     [float(r["wall_s"]) for r in rows], [float(r["bleu"]) for r in rows],
-                     [n == max(counts) for n in counts])
+                     [float(r["wall_s"]) for r in timed], [float(r["bleu"]) for r in timed],
+                     [n == max(counts) for n in counts], untimed=len(rows) - len(timed))
     except ValueError as e:
         raise InputError(f"{evals}: {e}") from None
 
@@ -73,6 +79,8 @@ def summary(curves: list[Curve], target: float | None) -> str:
         if target is not None:
             t = c.time_to(target)
             line += f" {'not reached' if t is None else format(t, '.1f') + ' s':>9}"
+        if c.untimed:
+            line += f"  ({c.untimed} evaluation(s) without wall_s left out)"
         lines.append(line)
     return "\n".join(lines)
 

@@ -36,6 +36,14 @@ def test_best_and_time_to_target_skip_cut_passes(tmp_path):
     assert c.time_to(40.0) == 60.0 and c.time_to(44.0) is None
 
 
+def test_rows_without_wall_s_are_left_out_and_counted(tmp_path, capsys):
+    run = write_run(tmp_path / "old", [("", 20.0, 500), ("", 30.0, 500), (95.0, 41.0, 500)])
+    c = ttb.read_curve(str(run))
+    assert c.wall_s == [95.0] and c.untimed == 2
+    assert ttb.main([str(run), "--out", str(tmp_path / "p.png")]) == 0
+    assert "(2 evaluation(s) without wall_s left out)" in capsys.readouterr().out
+
+
 def test_main_prints_a_line_per_run_and_writes_the_plot(tmp_path, capsys):
     a = write_run(tmp_path / "a", [(30.0, 20.0, 500), (60.0, 41.0, 500)])
     b = write_run(tmp_path / "b", [(25.0, 30.0, 500), (50.0, "", 0), (70.0, 44.0, 500)])
@@ -48,7 +56,9 @@ def test_main_prints_a_line_per_run_and_writes_the_plot(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("content, says", [(None, "No such file"), ("step,epoch,bleu\n1,1,3.0\n", "no wall_s column"),
-                                           (",".join(COLUMNS) + "\n", "no evaluation with a dev BLEU")])
+                                           (",".join(COLUMNS) + "\n", "no evaluation with a dev BLEU"),
+                                           (",".join(COLUMNS) + "\n1,1,,2.0,30.0,5,0.1,0.1,0,0.2,0\n",
+                                            "no evaluation with a wall_s")])
 def test_bad_runs_exit_2_naming_the_file(tmp_path, capsys, content, says):
     run = tmp_path / "r"
     run.mkdir()

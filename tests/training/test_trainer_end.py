@@ -175,3 +175,12 @@ def test_evals_say_the_runs_wall_clock_at_each_evaluation_summed_over_resumes(tm
     resumed.train()
     evals = read_csv(tmp_path / "w" / "evals.csv")
     assert [float(r["wall_s"]) for r in evals] == [10.0 * n + 5, 20.0 * n + 5, (20.0 * n + 5) + 10.0 * n + 3]
+    # a checkpoint from before it recorded wall_s: the run's earlier seconds are unknown, not zero
+    last = tmp_path / "w" / "weights" / "last.pt"
+    ckpt = torch.load(last, weights_only=True)
+    del ckpt["wall_s"]
+    torch.save(ckpt, last)
+    older = Trainer.from_checkpoint(str(last), log=lambda _: None, changes={"epochs": 4})
+    older.train()
+    evals = read_csv(tmp_path / "w" / "evals.csv")
+    assert len(evals) == 4 and evals[-1]["wall_s"] == "" and evals[-2]["wall_s"] != ""

@@ -225,7 +225,7 @@ class TrainerSetup:
         self.last_eval_step = self.last_save_step = -1
         # The wall clock of the run's earlier processes up to the state a resume starts from, so that
         # evals.csv's wall_s (time to BLEU) counts across resumes.
-        self.wall_before = 0.0
+        self.wall_before: float | None = 0.0
         if resume is not None:
             self._restore(resume)
 
@@ -361,7 +361,8 @@ class TrainerSetup:
         if self.scaler is not None and ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
         self.global_step, self.evaluator.best_val = ckpt["step"], ckpt["best_val"]
-        self.wall_before = float(ckpt.get("wall_s", 0.0))
+        # a checkpoint written before checkpoints carried it: the earlier seconds are unknown
+        self.wall_before = float(ckpt["wall_s"]) if ckpt.get("wall_s") is not None else None
         self.last_save_step = self.global_step
         # a checkpoint of a step that was not evaluated (a signal, --save-every) gets its evaluation
         self.last_eval_step = ckpt.get("last_eval_step", self.global_step)
@@ -407,10 +408,11 @@ class TrainerSetup:
         best = self.dist.broadcast(best, "dist.resume")
         self.best_on_disk = None if best is None else float(best["value"])
 
-    def run_wall_s(self) -> float:
+    def run_wall_s(self) -> float | None:
         """Seconds of wall clock the run has taken to reach its current state: this command's, from
-        its start, plus the earlier processes' up to the checkpoint it resumed from."""
-        return self.wall_before + self.budget.elapsed()
+        its start, plus the earlier processes' up to the checkpoint it resumed from (None where that
+        checkpoint did not say)."""
+        return None if self.wall_before is None else self.wall_before + self.budget.elapsed()
 
     def save_dir_of_resume(self) -> Path:
         """The run directory of ``--resume`` (its weights/last.pt's grandparent)."""

@@ -254,8 +254,9 @@ class Trainer(TrainerSetup):
     def _evaluate(self, epoch: int) -> list[StepLoss]:
         """Drain, then validation loss and BLEU (with the EMA weights under --eval-ema); best.pt when
         --best-metric improved; a stop request when --patience ran out. Returns the drained losses."""
-        te, wall_s = self.clock(), self.run_wall_s()  # wall_s: when the run reached the evaluated weights
+        te = self.clock()
         losses = self._drain("eval")
+        wall_s = self.run_wall_s()  # when the run reached the evaluated weights (the drain: the GPU too)
         held, STATS.sites = STATS.sites, {}  # the evaluation's host waits are not training's
         best_save = [0.0]
 
@@ -293,7 +294,8 @@ class Trainer(TrainerSetup):
         self.times["evaluation"] += cost
         self.times["checkpoints"] += best_save[0]
         self.last_eval, self.last_eval_step = result, self.global_step
-        self.evals_log.write({"step": self.global_step, "epoch": epoch + 1, "wall_s": round(wall_s, 1),
+        self.evals_log.write({"step": self.global_step, "epoch": epoch + 1,
+                              "wall_s": "" if wall_s is None else round(wall_s, 1),
                               "val_loss": result.val_loss,
                               "bleu": "" if result.bleu is None else round(result.bleu, 2),
                               "bleu_n": "" if result.bleu is None else result.bleu_n,

@@ -334,11 +334,12 @@ case "$1" in
          # 2 GPUs at the same global batch (--max-tokens 2048 a rank), 2 GPUs at the defaults (2x the batch, the
          # warm-up rule scaling it); RUNS picks some (e.g. RUNS=gpu1, then RUNS="gpu2_same gpu2_double" in a second
          # call on the same machine: the corpus and its cache stay in /tmp). Then the curves and one table.
-    T=${TIME:-150s}
-    [ -d /tmp/lt1m ] || python3 scripts/make_longtail.py --out /tmp/lt1m --pairs 1000000 > "$OUT/ttb_corpus.txt"
-    python3 -c "from streamnmt.data import DataConfig, prepare_data
-prepare_data(DataConfig(data='/tmp/lt1m'), log=print)" > "$OUT/ttb_prepare.log" 2>&1
-    common=(--data /tmp/lt1m --time-limit "$T" --project /tmp/ttb --exist-ok)
+    # (a CPU smoke test of this part: PAIRS=3000 TIME=20s EXTRA="--device cpu --model tiny" TTB=/tmp/ttb_cpu)
+    T=${TIME:-150s}; D=${TTB:-/tmp/ttb}; C=$D/corpus
+    [ -d $C ] || python3 scripts/make_longtail.py --out $C --pairs ${PAIRS:-1000000} > "$OUT/ttb_corpus.txt"
+    python3 -c "import sys; from streamnmt.data import DataConfig, prepare_data
+prepare_data(DataConfig(data=sys.argv[1]), log=print)" $C > "$OUT/ttb_prepare.log" 2>&1
+    common=(--data $C --time-limit "$T" --project $D --exist-ok ${EXTRA:-})
     for run in ${RUNS:-gpu1 gpu2_same gpu2_double}; do
       case $run in
         gpu1) flags=(--name gpu1) ;;
@@ -346,9 +347,9 @@ prepare_data(DataConfig(data='/tmp/lt1m'), log=print)" > "$OUT/ttb_prepare.log" 
         gpu2_double) flags=(--nproc 2 --name gpu2_double) ;;
       esac
       timeout 400 python3 -m streamnmt train "${common[@]}" "${flags[@]}" > "$OUT/ttb_$run.log" 2>&1
-      cp /tmp/ttb/$run/evals.csv "$OUT/ttb_${run}_evals.csv" 2>/dev/null
-      echo "== $run"; grep -E "^recipe:|wall [0-9]+ s|^done" "$OUT/ttb_$run.log" | cut -c1-200
+      cp $D/$run/evals.csv "$OUT/ttb_${run}_evals.csv" 2>/dev/null
+      echo "== $run"; grep -E "^recipe:|wall [0-9]+ s|^done|error" "$OUT/ttb_$run.log" | cut -c1-200
     done
-    runs=(); for r in gpu1 gpu2_same gpu2_double; do [ -f /tmp/ttb/$r/evals.csv ] && runs+=(/tmp/ttb/$r); done
+    runs=(); for r in gpu1 gpu2_same gpu2_double; do [ -f $D/$r/evals.csv ] && runs+=($D/$r); done
     python3 scripts/plot_time_to_bleu.py "${runs[@]}" --out "$OUT/time_to_bleu_2gpu.png" ;;
 esac

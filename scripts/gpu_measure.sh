@@ -353,3 +353,15 @@ prepare_data(DataConfig(data=sys.argv[1]), log=print)" $C > "$OUT/ttb_prepare.lo
     runs=(); for r in gpu1 gpu2_same gpu2_double; do [ -f $D/$r/evals.csv ] && runs+=($D/$r); done
     python3 scripts/plot_time_to_bleu.py "${runs[@]}" --out "$OUT/time_to_bleu_2gpu.png" ;;
 esac
+case "$1" in
+  ddp-buckets)  # #32's stretch: 1 vs 2 GPUs at the default buckets, then 2 GPUs at each BUCKETS size (MB); base,
+                # bf16, vocab 32k, packed 4,096 a rank, graph mode (uncompiled: ~1 min a row)
+    B="python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 --max-tokens ${TOKENS:-4096} --max-len 128"
+    B="$B --no-references --strategies graph --repeats 3"
+    timeout 200 $B --nproc 1,2 --out /tmp/db_ref > "$OUT/db_ref.log" 2>&1
+    echo "== 25 MB (default), 1 and 2 GPUs"; grep -E "^graph +[12] " "$OUT/db_ref.log"
+    for mb in ${BUCKETS:-50 100 200}; do
+      timeout 120 $B --nproc 2 --bucket-cap-mb $mb --out /tmp/db_$mb > "$OUT/db_$mb.log" 2>&1
+      echo "== $mb MB, 2 GPUs"; grep -E "^graph " "$OUT/db_$mb.log" | cut -c1-120
+    done ;;
+esac

@@ -114,3 +114,23 @@ def test_torchdynamo_is_imported_in_the_background_while_data_is_prepared():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_ddp_gets_the_bucket_size(monkeypatch):
+    """--bucket-cap-mb reaches DistributedDataParallel (the wrapper faked: no process group)."""
+    import types
+
+    import torch.nn.parallel
+
+    built = {}
+
+    def fake_ddp(module, **kwargs):
+        built.update(kwargs)
+        module.process_group = types.SimpleNamespace(size=lambda: 2)
+        return module
+
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", fake_ddp)
+    model = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64, dropout=0.0)
+    step = make_step(model, torch.device("cpu"), d_model=32, ddp=True, bucket_cap_mb=7.5)
+    step.parallel()
+    assert built["bucket_cap_mb"] == 7.5 and built["gradient_as_bucket_view"] and step.world == 2

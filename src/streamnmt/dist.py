@@ -206,7 +206,7 @@ def init(backend: str, device: str | None, timeout_s: int) -> Dist:
                 lockstep=lockstep, timeout_s=float(timeout_s))
 
 
-def parallelize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, device: torch.device, bucket_cap_mb: float = 25.0) -> torch.nn.Module:
     """``model`` in DistributedDataParallel over the default process group (any world size). The
     trainer and the benchmark ask for it with ``make_step(ddp=dist.active)``; the step calls this
     lazily, at its first forward or :meth:`streamnmt.training.step.NMTStep.parallel`.
@@ -216,7 +216,7 @@ def parallelize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
     add cross-stream waits (and a warning) on every backward. Gradients are views into DDP's
     buckets (``gradient_as_bucket_view``: no copy between them, measured ~5 % faster per captured
     step on one H200); buffers are not broadcast each forward (the model's are constants), so a
-    forward launches no collective.
+    forward launches no collective. ``bucket_cap_mb``: ``--bucket-cap-mb`` (DDP's own default 25).
     """
     import inspect
 
@@ -225,7 +225,7 @@ def parallelize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
     no_sync_bufs = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
                     else {"broadcast_buffers": False})
     ids = {"device_ids": [device.index]} if device.type == "cuda" else {}
-    return DDP(model, gradient_as_bucket_view=True, **ids, **no_sync_bufs)
+    return DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=bucket_cap_mb, **ids, **no_sync_bufs)
 
 
 def prepare_once(d: Dist, prepare: Callable[[], T], fingerprint: Callable[[T], dict[str, str]]) -> T:

@@ -80,6 +80,8 @@ class BenchConfig:
                                     "CPU", choices=DIST_BACKENDS)
     dist_timeout: int = opt(300, "several processes: seconds a collective may wait for another rank (graph "
                                  "capture and compilation of a row happen between two collectives)")
+    bucket_cap_mb: float = opt(25.0, "several processes: DistributedDataParallel's gradient bucket size in MB, "
+                                     "as the trainer's --bucket-cap-mb")
 
     def __post_init__(self) -> None:
         RunConfig(device=self.device)  # the trainer's --device check
@@ -109,6 +111,7 @@ class BenchConfig:
         check(self.profile_steps >= 1, "profile_steps", f"must be at least 1; got {self.profile_steps}")
         check_choice(self.dist_backend, "dist_backend", DIST_BACKENDS)
         check(self.dist_timeout >= 5, "dist_timeout", f"must be at least 5 seconds; got {self.dist_timeout}")
+        check(self.bucket_cap_mb > 0, "bucket_cap_mb", f"must be positive; got {self.bucket_cap_mb}")
         self.world_sizes()  # validates --nproc
         self.selected()  # validates --strategies
 

@@ -33,6 +33,9 @@ class EngineConfig:
     dist_timeout: int = opt(600, "several processes: seconds a collective (or a wait on a replayed one) may "
                                  "wait for another rank before the run stops with an error (a dead or hung "
                                  "rank)")
+    bucket_cap_mb: float = opt(25.0, "several processes: DistributedDataParallel's gradient bucket size in MB "
+                                     "(PyTorch's and fairseq's default 25): larger buckets, fewer and later "
+                                     "all-reduces")
 
     def __post_init__(self) -> None:
         check_choice(self.sync_strategy, "sync_strategy", ("auto", *STRATEGY_NAMES))
@@ -48,3 +51,4 @@ class EngineConfig:
         check(self.accum_steps >= 1, "accum_steps", f"must be at least 1; got {self.accum_steps}")
         check_choice(self.dist_backend, "dist_backend", DIST_BACKENDS)
         check(self.dist_timeout >= 5, "dist_timeout", f"must be at least 5 seconds; got {self.dist_timeout}")
+        check(self.bucket_cap_mb > 0, "bucket_cap_mb", f"must be positive; got {self.bucket_cap_mb}")

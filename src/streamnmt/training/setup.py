@@ -169,7 +169,7 @@ class TrainerSetup:
                                  label_smoothing=m.label_smoothing, compile=job.engine.compile == "on",
                                  shapes=len({*batch_plan(self.data.train, job.data)[1],  # validation's too
                                              *batch_plan(self.data.dev, job.data, train=False)[1]}), ema=job.run.ema,
-                                 ddp=self.dist.active)
+                                 ddp=self.dist.active, bucket_cap_mb=job.engine.bucket_cap_mb)
         self.optimizer, self.schedule, self.scaler = (self.step_fn.optimizer, self.step_fn.schedule,
                                                       self.step_fn.scaler)
 

@@ -304,7 +304,7 @@ class _InfGrad(torch.autograd.Function):
 def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr: float = 1.0,
               warmup: int = 4000, amp: str = "off", clip: float = 1.0, label_smoothing: float = 0.0,
               compile: bool = False, shapes: int = 1, ema: float = 0.0, ddp: bool = False,
-              loss_model: nn.Module | None = None) -> NMTStep:
+              bucket_cap_mb: float = 25.0, loss_model: nn.Module | None = None) -> NMTStep:
     """The optimizer, schedule, grad scaler and step function for ``model`` (trainer and bench).
 
     With ``compile``, the model is compiled for each of its ``shapes`` batch shapes (static shapes:
@@ -312,7 +312,8 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
     the compiled artefacts persist under ``$STREAMNMT_HOME/compile`` (:mod:`.compile_cache`; the key
     that ``recipe.resolve_compile`` staged, else the directories alone).
     ``ddp``: wrap the model in DistributedDataParallel (the process group is initialised), at the
-    step's first forward or :meth:`NMTStep.parallel` (compiled after wrapping). ``loss_model``: the
+    step's first forward or :meth:`NMTStep.parallel` (compiled after wrapping), in buckets of
+    ``bucket_cap_mb``. ``loss_model``: the
     module that computes the loss sums (default :class:`LossModel` of ``model``; the bench's stock
     peer brings its own), whose parameters the optimizer then updates.
     """
@@ -334,7 +335,7 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
 
     def parallelize(m: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
         from streamnmt.dist import parallelize as wrap
-        wrapped = wrap(m, device)
+        wrapped = wrap(m, device, bucket_cap_mb)
         return (compiled(wrapped) if compile else wrapped), wrapped
 
     step_model = compiled(loss_model) if compile and not ddp else loss_model

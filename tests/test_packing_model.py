@@ -151,7 +151,8 @@ def test_start_line_padding_under_five_percent_with_pack(tmp_path, capsys):
                      "--project", str(tmp_path), "--name", "packed"])
     out = capsys.readouterr().out
     assert code == 0
-    m = re.search(r"in 1 shape\(s\); padding ([0-9.]+) % of the target positions", out)
+    m = re.search(r"in packed rows of \d+ target and \d+ source positions, \d+ a batch[^;]*; padding ([0-9.]+) % "
+                  r"of the target positions", out)
     assert m is not None, out
     assert float(m.group(1)) < 5.0
 
@@ -171,7 +172,7 @@ def test_packed_training_resumes_exactly_after_sigkill(tmp_path):
               str(tmp_path), "--builtin-size", "500", "--workers", "0"]
     ref = run_cli([*common, "--name", "ref"], home)
     assert ref.returncode == 0, ref.stderr[-2000:]
-    assert "in 1 shape(s)" in ref.stdout + ref.stderr  # packed: one batch shape
+    assert "in packed rows of" in ref.stdout + ref.stderr  # packed: one batch shape
     ref_losses = losses(tmp_path / "ref")
     assert len(ref_losses) == 60 and len({e for _, e, _ in ref_losses}) >= 2  # crosses an epoch boundary
     killed = run_cli([*common, "--name", "killed"], home, env={"STREAMNMT_TEST_KILL_AT_STEP": "35"})
@@ -223,3 +224,36 @@ def test_additive_masks_under_autocast_compute_what_boolean_masks_do(monkeypatch
         monkeypatch.setattr(attention, "sdpa_mask_dtype", lambda device: None)
         boolean = model.features(b.src, b.tgt_in, masks.src_mask(b.src), segments=b.segments())
     torch.testing.assert_close(additive.float(), boolean.float(), rtol=0, atol=0)
+
+
+# -- --pack-width: the packed row's target width --------------------------------------------
+
+def test_a_given_pack_width_must_hold_the_longest_training_target():
+    from types import SimpleNamespace
+
+    from streamnmt.data import DataConfig
+    from streamnmt.errors import ConfigError
+    from streamnmt.training.recipe import check_pack_width
+
+    bundle = SimpleNamespace(train=SimpleNamespace(tgt_lengths=np.array([5, 30])))
+    check_pack_width(DataConfig(max_tokens=1024, max_len=128), bundle)  # default: --max-len
+    check_pack_width(DataConfig(max_tokens=1024, max_len=128, pack_width=31), bundle)
+    check_pack_width(DataConfig(max_tokens=0, max_len=128, pack_width=8), bundle)  # not packed: unused
+    with pytest.raises(ConfigError, match=r"--pack-width .*30 positions cannot hold the longest training target "
+                                          r"\(31 with its EOS\)"):
+        check_pack_width(DataConfig(max_tokens=1024, max_len=128, pack_width=30, pad_multiple=1), bundle)
+
+
+def test_pack_width_packs_rows_of_that_width_and_resumes_exactly(tmp_path):
+    from tests.test_reliability import TINY, losses, run_cli
+
+    home = str(tmp_path / "home")
+    common = [*TINY, "--max-tokens", "256", "--max-len", "64", "--max-steps", "24", "--seed", "5", "--save-every",
+              "10", "--project", str(tmp_path), "--builtin-size", "500", "--workers", "0", "--pack-width", "40"]
+    ref = run_cli([*common, "--name", "ref"], home)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    assert "packed rows of 40 target" in ref.stdout and "(--pack-width 40)" in ref.stdout
+    killed = run_cli([*common, "--name", "k"], home, env={"STREAMNMT_TEST_KILL_AT_STEP": "15"})
+    resumed = run_cli(["--resume", str(tmp_path / "k" / "weights" / "last.pt")], home)
+    assert killed.returncode != 0 and resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "packed rows of 40 target" in resumed.stdout and losses(tmp_path / "k") == losses(tmp_path / "ref")

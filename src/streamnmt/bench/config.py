@@ -45,6 +45,8 @@ class BenchConfig:
     max_len: int = opt(32, "longest sentence in tokens")
     pack: bool = opt(True, "packed batches as training runs them (one shape; see the trainer's --pack); "
                            "--no-pack = length buckets")
+    pack_width: int | None = opt(None, "target positions of a packed row, as the trainer's --pack-width "
+                                       "(default --max-len)")
     attention: str = opt("auto", "attention of packed batches: sdpa (dense segment masks), flex "
                                  "(FlexAttention block masks); auto = sdpa", choices=("auto", "sdpa", "flex"))
     vocab: int | None = opt(None, "source and target vocabulary: the corpus's pairs keep their lengths but "

@@ -46,6 +46,7 @@ from streamnmt.data import DataConfig, prepare_data
 from streamnmt.fsutil import atomic_write
 from streamnmt.models.transformer import ModelShape
 from streamnmt.training.plots import plot_bench, plot_timeline
+from streamnmt.training.recipe import check_pack_width
 from streamnmt.training.runs import increment_path, write_json
 from streamnmt.devices import resolve_device, seed_everything
 
@@ -163,12 +164,14 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
 
     # 1. data: the trainer's loader over the same corpus for every row (rank 0 prepares it first)
     data_cfg = DataConfig(data=cfg.data, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, max_len=cfg.max_len,
-                          pad_multiple=cfg.pad_multiple, builtin_size=cfg.builtin_size, pack=cfg.pack)
+                          pad_multiple=cfg.pad_multiple, builtin_size=cfg.builtin_size, pack=cfg.pack,
+                          pack_width=cfg.pack_width)
     if not d.main:
         d.agree(False, "dist.setup", long_wait=True)  # Needed: rank 0 writes the tokenizers and cache; the others read them
     bundle = prepare_data(data_cfg, log=log)
     if d.main:
         d.agree(False, "dist.setup", long_wait=True)
+    check_pack_width(data_cfg, bundle)
     dm, n, h, ff = PRESETS[cfg.model]
     train = random_tokens(bundle.train, cfg.vocab, cfg.seed) if cfg.vocab else bundle.train
     vocab = (cfg.vocab, cfg.vocab) if cfg.vocab else (bundle.src_tok.vocab_size, bundle.tgt_tok.vocab_size)

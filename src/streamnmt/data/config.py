@@ -34,6 +34,10 @@ class DataConfig:
                                   "default: on with a token budget (--max-tokens), off when batching by sentences "
                                   "(a packed row holds as many sentences as fit, not --batch-size)")
     pad_multiple: int = opt(8, "padded lengths are rounded up to a multiple of this (bounds batch shapes)")
+    pack_width: int | None = opt(None, "target positions of a packed row (rounded up to --pad-multiple; at least "
+                                       "the longest training target); default --max-len. Narrow rows were "
+                                       "slower on a GPU: attention kernels work in tiles of 64-128 positions "
+                                       "(docs/PERFORMANCE.md, 'The packed shape')")
     workers: int = opt(0, "DataLoader worker processes (0 = load in the main process)")
     prefetch_factor: int = opt(4, "batches each worker loads ahead")
     builtin_size: int | None = opt(None, "sentence pairs in the built-in corpus's training split "
@@ -52,6 +56,8 @@ class DataConfig:
         check(self.pad_multiple >= 1, "pad_multiple", f"must be a positive integer; got {self.pad_multiple}")
         check(not self.max_tokens or self.max_tokens >= self.max_len, "max_tokens",
               f"must be at least --max-len ({self.max_len}) so the longest sentence fits; got {self.max_tokens}")
+        check(self.pack_width is None or 2 <= self.pack_width <= self.max_len, "pack_width",
+              f"must be from 2 to --max-len ({self.max_len}); got {self.pack_width}")
         check(self.workers >= 0, "workers", f"must be 0 or more; got {self.workers}")
         check(self.prefetch_factor >= 1, "prefetch_factor", f"must be at least 1; got {self.prefetch_factor}")
         check(self.builtin_size is None or self.builtin_size >= 100, "builtin_size",

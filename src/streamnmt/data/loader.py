@@ -160,6 +160,7 @@ def make_sampler(corpus: TokenizedCorpus, cfg: DataConfig, *, train: bool, seed:
             pass  # a pair longer than the packed row: buckets hold every pair
     if train and cfg.packs:
         shape = pack_shape(corpus.src_lengths, corpus.tgt_lengths, max_len=cfg.max_len, max_tokens=cfg.max_tokens,
+                           width=cfg.pack_width,
                            batch_size=cfg.batch_size, pad_multiple=cfg.pad_multiple)
         return PackSampler(corpus.src_lengths, corpus.tgt_lengths, shape, shuffle=True, seed=seed, accum=accum,
                            world=world, rank=rank)

@@ -2,8 +2,8 @@
 
 Kept apart from the sampler because it is a pure function of the corpus's lengths and the batching
 settings (every rank computes the same), which the loader and the trainer ask for before any
-sampler exists. The target width is ``--max-len`` rounded up to ``--pad-multiple`` (the longest
-target after ``--overlong`` fits), the source width is the corpus's source/target token ratio times
+sampler exists. The target width is ``--max-len`` (or ``--pack-width``) rounded up to
+``--pad-multiple`` (the longest target after ``--overlong`` fits), the source width is the corpus's source/target token ratio times
 the target width times 1 to 1.25 (at least its longest source), the factor chosen by packing a
 sample at each so that the target side stays full and the encoder does little work on padding;
 rows = ``--max-tokens`` / target width (without a token budget: enough rows for ``--batch-size``
@@ -34,7 +34,7 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def pack_shape(src_lengths: np.ndarray, tgt_lengths: np.ndarray, *, max_len: int, max_tokens: int,
-               batch_size: int, pad_multiple: int) -> tuple[int, int, int]:
+               batch_size: int, pad_multiple: int, width: int | None = None) -> tuple[int, int, int]:
     """(rows, src width, tgt width) of every packed batch of a corpus (see the module docstring).
 
     The source width is chosen by packing one window of the corpus at each candidate width
@@ -46,7 +46,7 @@ def pack_shape(src_lengths: np.ndarray, tgt_lengths: np.ndarray, *, max_len: int
     (40,000 pairs) 280 source columns instead of 288, a long-tailed one (make_longtail.py, 40,000
     pairs) 248 instead of 304, its source fill 95 % instead of 79 % and its target fill 97.5 %
     instead of 99.9 %. A deterministic function of the lengths (every rank computes the same)."""
-    t_width = round_up(max_len, pad_multiple)
+    t_width = round_up(width or max_len, pad_multiple)
     src_total, tgt_total = int(src_lengths.sum()) + len(src_lengths), int(tgt_lengths.sum()) + len(tgt_lengths)
     ratio = src_total / max(tgt_total, 1)
     longest_src = int(src_lengths.max()) + 1 if len(src_lengths) else 1

@@ -35,7 +35,7 @@ from streamnmt.models.attention import resolve_attention
 from streamnmt.models.transformer import ModelShape, Transformer
 from streamnmt.training.checkpointer import Checkpointer, remove_stale_temporaries
 from streamnmt.training.evaluator import Cadence, Evaluation, Evaluator
-from streamnmt.training.recipe import resolve_compile_for_ranks, resolve_job_for_ranks
+from streamnmt.training.recipe import check_pack_width, resolve_compile_for_ranks, resolve_job_for_ranks
 from streamnmt.training.reporting import Scalars, overlong_note, running
 from streamnmt.training.runs import CsvLog, increment_path
 from streamnmt.training.step import example_batch, import_in_background, make_step
@@ -145,6 +145,7 @@ class TrainerSetup:
                 t0 = time.monotonic()
                 imports.join()
                 self.setup_s["imports"] = time.monotonic() - t0  # said apart from the data's own seconds
+        check_pack_width(self.job.data, self.data)
         if resume is not None:
             self._check_tokenizers(resume)
         else:
@@ -295,7 +296,11 @@ class TrainerSetup:
             + (f"; EMA {job.run.ema}" if job.run.ema else "")
             + (f"; {d.world} processes ({d.backend}) x --accum-steps {k}" if d.active else
                f"; --accum-steps {k}" if k > 1 else ""))
-        log(f"data: {len(self.train_loader)} batches per epoch in {len(self.train_loader.shapes())} shape(s); "
+        packed = getattr(self.train_loader.sampler, "shape", None)  # (rows, src width, tgt width) when packed
+        shapes = (f"packed rows of {packed[2]} target and {packed[1]} source positions, {packed[0]} a batch"
+                  + (f" (--pack-width {job.data.pack_width})" if job.data.pack_width else "")
+                  if packed else f"{len(self.train_loader.shapes())} shape(s)")
+        log(f"data: {len(self.train_loader)} batches per epoch in {shapes}; "
             f"padding {100 * (1 - self.train_loader.num_tokens()['tgt_fill']):.1f} % of the target positions; "
             + overlong_note(self.data.stats.get("train", {}), job.data))
         log(self.evaluator.start_line())

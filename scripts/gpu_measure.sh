@@ -365,3 +365,15 @@ case "$1" in
       echo "== $mb MB, 2 GPUs"; grep -E "^graph " "$OUT/db_$mb.log" | cut -c1-120
     done ;;
 esac
+case "$1" in
+  pack-widths)  # #31: packed rows of WIDTHS target positions on the built-in corpus (every pair fits 32), base,
+                # bf16, vocab 32k, TOKENS a batch, graph mode (COMPILE=--compile to compile each row, ~80 s a row)
+    B="python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 --max-tokens ${TOKENS:-16384} --max-len 128"
+    B="$B --no-references --strategies graph --repeats 3 ${COMPILE:-}"
+    for w in ${WIDTHS:-128 64 48 32}; do
+      timeout 200 $B --pack-width $w --out /tmp/pw_$w > "$OUT/pw_$w.log" 2>&1
+      cp /tmp/pw_$w/bench.json "$OUT/pw_$w.json" 2>/dev/null
+      echo "== width $w: $(grep -o 'padding [0-9.]* % of the target positions' "$OUT/pw_$w.log" | head -1)"
+      grep -E "^graph " "$OUT/pw_$w.log" | cut -c1-120
+    done ;;
+esac

@@ -229,19 +229,16 @@ def test_additive_masks_under_autocast_compute_what_boolean_masks_do(monkeypatch
 # -- --pack-width: the packed row's target width --------------------------------------------
 
 def test_a_given_pack_width_must_hold_the_longest_training_target():
-    from types import SimpleNamespace
-
-    from streamnmt.data import DataConfig
+    from streamnmt.data.packshape import pack_shape
     from streamnmt.errors import ConfigError
-    from streamnmt.training.recipe import check_pack_width
 
-    bundle = SimpleNamespace(train=SimpleNamespace(tgt_lengths=np.array([5, 30])))
-    check_pack_width(DataConfig(max_tokens=1024, max_len=128), bundle)  # default: --max-len
-    check_pack_width(DataConfig(max_tokens=1024, max_len=128, pack_width=31), bundle)
-    check_pack_width(DataConfig(max_tokens=0, max_len=128, pack_width=8), bundle)  # not packed: unused
+    src, tgt = np.array([4, 20]), np.array([5, 30])  # the longest target: 30 + EOS = 31 positions
+    kw = {"max_len": 128, "max_tokens": 1024, "batch_size": 32}
+    assert pack_shape(src, tgt, **kw, pad_multiple=8)[2] == 128  # default: --max-len
+    assert pack_shape(src, tgt, **kw, pad_multiple=8, width=31)[2] == 32
     with pytest.raises(ConfigError, match=r"--pack-width .*30 positions cannot hold the longest training target "
                                           r"\(31 with its EOS\)"):
-        check_pack_width(DataConfig(max_tokens=1024, max_len=128, pack_width=30, pad_multiple=1), bundle)
+        pack_shape(src, tgt, **kw, pad_multiple=1, width=30)
 
 
 def test_pack_width_packs_rows_of_that_width_and_resumes_exactly(tmp_path):

@@ -46,7 +46,6 @@ from streamnmt.data import DataConfig, prepare_data
 from streamnmt.fsutil import atomic_write
 from streamnmt.models.transformer import ModelShape
 from streamnmt.training.plots import plot_bench, plot_timeline
-from streamnmt.training.recipe import check_pack_width
 from streamnmt.training.runs import increment_path, write_json
 from streamnmt.devices import resolve_device, seed_everything
 
@@ -171,7 +170,6 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
     bundle = prepare_data(data_cfg, log=log)
     if d.main:
         d.agree(False, "dist.setup", long_wait=True)
-    check_pack_width(data_cfg, bundle)
     dm, n, h, ff = PRESETS[cfg.model]
     train = random_tokens(bundle.train, cfg.vocab, cfg.seed) if cfg.vocab else bundle.train
     vocab = (cfg.vocab, cfg.vocab) if cfg.vocab else (bundle.src_tok.vocab_size, bundle.tgt_tok.vocab_size)
@@ -180,7 +178,8 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
     info = device_info(device)
     peak = peak_flops(info["name"], cfg.amp) if device.type == "cuda" else None
     env = Env(cfg, device, shape, data_cfg, train, peak, log, dist=d)
-    empty = env.loader(0).sampler.empty_rank() if d.active else None
+    sampler = env.loader(0).sampler  # built before anything is written: a bad --pack-width stops here
+    empty = sampler.empty_rank() if d.active else None
     check(empty is None, "nproc", f"{d.world} processes leave rank {empty} without a single pair "
                                   f"({len(bundle.train)} pairs in batches of {cfg.batch_size} per rank); use fewer "
                                   "processes or a smaller --batch-size")

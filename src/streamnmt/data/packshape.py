@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from streamnmt.data.packrows import WINDOW, pack_rows
+from streamnmt.errors import ConfigError
 
 _SHAPE_CACHE: dict[tuple, int] = {}  # source widths chosen by pack_shape
 # Source widths tried: target width x the corpus's source/target token ratio x each slack.
@@ -47,6 +48,11 @@ def pack_shape(src_lengths: np.ndarray, tgt_lengths: np.ndarray, *, max_len: int
     pairs) 248 instead of 304, its source fill 95 % instead of 79 % and its target fill 97.5 %
     instead of 99.9 %. A deterministic function of the lengths (every rank computes the same)."""
     t_width = round_up(width or max_len, pad_multiple)
+    longest_tgt = int(tgt_lengths.max()) + 1 if len(tgt_lengths) else 1
+    if width and t_width < longest_tgt:
+        raise ConfigError(f"--pack-width (config key 'pack_width'): {width} positions cannot hold the longest "
+                          f"training target ({longest_tgt} with its EOS); give at least {longest_tgt} or leave it "
+                          f"to its default")
     src_total, tgt_total = int(src_lengths.sum()) + len(src_lengths), int(tgt_lengths.sum()) + len(tgt_lengths)
     ratio = src_total / max(tgt_total, 1)
     longest_src = int(src_lengths.max()) + 1 if len(src_lengths) else 1

@@ -25,7 +25,6 @@ from streamnmt.config import (EPOCHS_UNLIMITED, TOKENS_PER_GIB, WARMUP_TOKENS, M
                               job_from_dict, recipe_max_tokens, recipe_warmup)
 from streamnmt.data import TokenizedCorpus, batch_plan
 from streamnmt.data.config import DataConfig
-from streamnmt.data.packshape import round_up
 from streamnmt.dist import Dist
 from streamnmt.engine.auto import choose_compile, choose_strategy, graph_step_s
 from streamnmt.errors import ConfigError, InputError
@@ -93,17 +92,6 @@ def resolve_recipe(data: DataConfig, optim: OptimConfig, model: ModelConfig, acc
     if notes:
         log("recipe: " + "; ".join(notes))
     return data, optim
-
-def check_pack_width(data: DataConfig, bundle: Any) -> None:
-    """A given ``--pack-width`` of a packed run must hold the longest training target."""
-    if not data.packs or data.pack_width is None:
-        return
-    longest = int(bundle.train.tgt_lengths.max()) + 1 if len(bundle.train.tgt_lengths) else 0
-    if round_up(data.pack_width, data.pad_multiple) < longest:
-        raise ConfigError(f"--pack-width (config key 'pack_width'): {data.pack_width} positions cannot hold the "
-                          f"longest training target ({longest} with its EOS); give at least {longest} or leave it "
-                          f"to its default")
-
 
 def resolve_compile(job: TrainJob, train: TokenizedCorpus, device: torch.device, world: int,
                     log: Callable[[str], None]) -> TrainJob:

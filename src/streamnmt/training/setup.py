@@ -35,7 +35,7 @@ from streamnmt.models.attention import resolve_attention
 from streamnmt.models.transformer import ModelShape, Transformer
 from streamnmt.training.checkpointer import Checkpointer, remove_stale_temporaries
 from streamnmt.training.evaluator import Cadence, Evaluation, Evaluator
-from streamnmt.training.recipe import check_pack_width, resolve_compile_for_ranks, resolve_job_for_ranks
+from streamnmt.training.recipe import resolve_compile_for_ranks, resolve_job_for_ranks
 from streamnmt.training.reporting import Scalars, overlong_note, running
 from streamnmt.training.runs import CsvLog, increment_path
 from streamnmt.training.step import example_batch, import_in_background, make_step
@@ -145,7 +145,6 @@ class TrainerSetup:
                 t0 = time.monotonic()
                 imports.join()
                 self.setup_s["imports"] = time.monotonic() - t0  # said apart from the data's own seconds
-        check_pack_width(self.job.data, self.data)
         if resume is not None:
             self._check_tokenizers(resume)
         else:

@@ -54,7 +54,11 @@ def test_two_gpus_equal_one_gpu_double_budget_packed(tmp_path, home, strategy): 
     assert two.returncode == 0, two.stderr[-3000:]
     if strategy == "graph":
         assert "graph mode captured" in two.stdout and "graph mode unavailable" not in two.stdout + two.stderr
-    assert_same_training(tmp_path / "two", tmp_path / "one", steps=STEPS)
+    # Each tensor within 1e-4: at 1d988d6 (2 x H100) every step's loss agreed within 1e-5, but
+    # encoder.0.ln1.bias, a tensor of norm 0.017, differed by 8.6e-5 of its norm in full and
+    # graph alike: Adam (eps 1e-9) scales each element's step by its own gradient history, so
+    # summation-order rounding in the packed rows' sums grows most in the smallest tensors.
+    assert_same_training(tmp_path / "two", tmp_path / "one", steps=STEPS, tensor_tol=1e-4)
 
 
 def test_killed_rank_under_nccl_graph_then_resume_on_two_and_one_gpus(tmp_path, home):  # noqa: F811

@@ -192,6 +192,7 @@ def test_nproc_under_torchrun_exits_2(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_two_gpus_nccl_graph_rows_and_the_all_reduce_in_the_trace(tmp_path, home):
     out = tmp_path / "exp"

@@ -99,18 +99,19 @@ def test_compile_options_are_accepted_by_torch_compile():
     assert torch.isfinite(loss)
 
 
-def test_torchdynamo_is_imported_in_the_background_while_data_is_prepared():
-    """The optimizer's constructor imports TorchDynamo (torch._disable_dynamo); a run imports it on a
-    thread while its data is prepared. In a fresh interpreter: the thread imports it, and once it is
-    imported there is nothing left to start."""
+def test_torchdynamo_is_imported_in_the_background_only_where_needed():
+    """A compiled or DistributedDataParallel run imports TorchDynamo on a thread while its data is
+    prepared; an eager run on one process has nothing to import (streamnmt.training.optim.Adam).
+    In a fresh interpreter: nothing starts for an eager run, the thread imports TorchDynamo for a
+    DDP run, and once it is imported there is nothing left to start."""
     import os
     import subprocess
     import sys
 
     code = ("import sys; from streamnmt.training.step import import_in_background as f; "
-            "assert 'torch._dynamo' not in sys.modules; t = f(False); t.join(); "
+            "assert f(False) is None and 'torch._dynamo' not in sys.modules; t = f(False, ddp=True); t.join(); "
             "assert 'torch._dynamo' in sys.modules and 'torch._inductor.compile_fx' not in sys.modules; "
-            "assert f(False) is None; print('ok')")
+            "assert f(False, ddp=True) is None; print('ok')")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]

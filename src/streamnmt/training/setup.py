@@ -133,10 +133,10 @@ class TrainerSetup:
         """Tokenizers and tokenized splits; then the settings that depend on the data (--compile auto)."""
         if resume is None:  # --weights: the tokenizers its checkpoint carries (identical files on every rank)
             self.job = tokenizers_of_weights(self.job, self.log)
-        # TorchDynamo (which the optimizer's constructor imports) loads on a thread while the data is
-        # prepared: preparing imports no torch module, so the two never wait on one module's import
-        # lock; joined before anything after it imports torch modules (Inductor for --compile).
-        imports = import_in_background(compiled=self.job.engine.compile == "on")
+        # TorchDynamo, where the run needs it (compiling, DistributedDataParallel), loads on a thread
+        # while the data is prepared: preparing imports no torch module, so the two never wait on
+        # one module's import lock; joined before anything after it imports torch modules.
+        imports = import_in_background(compiled=self.job.engine.compile == "on", ddp=self.dist.active)
         try:
             self.data = distributed.prepare_once(self.dist, lambda: prepare_data(self.job.data, log=self.log),
                                                  lambda bundle: bundle.fingerprint())

@@ -41,6 +41,7 @@ from streamnmt.training import compile_cache
 from streamnmt.training.ema import EMA
 from streamnmt.models.transformer import ModelShape
 from streamnmt.models.xent import linear_cross_entropy
+from streamnmt.training.optim import Adam
 
 
 def _loss_eager() -> Callable[..., Any]:
@@ -59,14 +60,15 @@ def _loss_eager() -> Callable[..., Any]:
 _LOSS_EAGER: Callable[..., Any] | None = None
 
 
-def import_in_background(compiled: bool) -> threading.Thread | None:
+def import_in_background(compiled: bool, ddp: bool = False) -> threading.Thread | None:
     """Import TorchDynamo (and Inductor's compiler where the step will be compiled) on a daemon
-    thread while the run prepares its data, instead of on the main thread when the step is made:
-    ``torch.optim.Optimizer.__init__`` is wrapped by ``torch._disable_dynamo``, whose first call
-    imports TorchDynamo (0.8 s with a warm page cache on the development machine, more on a cold
-    one), every run, compiled or not. An import that fails here is left to the main thread, which
-    imports again and raises where it needs the module. None where there is nothing to import."""
-    names = ["torch._dynamo"] + (["torch._inductor.compile_fx"] if compiled else [])
+    thread while the run prepares its data, instead of on the main thread when the step is made,
+    where the run needs it: to compile, or for DistributedDataParallel, whose constructor reads
+    TorchDynamo's settings. An import that fails here is left to the main thread, which imports
+    again and raises where it needs the module. None where there is nothing to import: a run on
+    one process that stays eager never imports TorchDynamo (its optimizer is
+    :class:`streamnmt.training.optim.Adam`)."""
+    names = (["torch._dynamo"] if compiled or ddp else []) + (["torch._inductor.compile_fx"] if compiled else [])
     names = [n for n in names if n not in sys.modules]
     if not names:
         return None
@@ -321,7 +323,7 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
     # Fused Adam reading the learning rate from a device tensor; capturable so that graph mode
     # can put the step inside a CUDA graph (used by every strategy, so all compute the same).
     loss_model = LossModel(model, label_smoothing, compiled=compile) if loss_model is None else loss_model
-    optimizer = torch.optim.Adam(loss_model.parameters(), lr=schedule.lr_t, betas=(0.9, 0.98), eps=1e-9,
+    optimizer = Adam(loss_model.parameters(), lr=schedule.lr_t, betas=(0.9, 0.98), eps=1e-9,
                                  fused=True, capturable=device.type == "cuda")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None

@@ -63,6 +63,8 @@ def test_compile_auto_turns_on_for_a_packed_base_run_of_ten_minutes():
     assert choose_compile("auto", CUDA, "graph", int(300 / step), 1, step).value is False
     cut = choose_compile("auto", CUDA, "graph", ten_min, 1, step, time_limit_s=180)
     assert cut.value is False and "~3 min" in cut.why
+    assert f"(~{round(180 / step):,} steps of" in cut.why  # the steps in those 3 minutes, not the epochs'
+    assert f"(~{ten_min:,} steps of" in choose_compile("auto", CUDA, "graph", ten_min, 1, step).why
 
 
 def test_compile_auto_with_a_warm_cache_compiles_a_run_of_two_minutes():

@@ -82,8 +82,9 @@ def choose_compile(requested: str, device: torch.device, strategy: str, planned_
     planned = planned_steps * step_s
     if time_limit_s:
         planned = min(planned, time_limit_s)
+    steps = min(planned_steps, round(planned / step_s))  # the steps the time limit leaves, where it cuts
     gain = planned * COMPILE_SAVING
-    run = f"a run of ~{planned / 60:.0f} min ({planned_steps} steps of ~{step_s * 1e3:.0f} ms)"
+    run = f"a run of ~{planned / 60:.0f} min (~{steps:,} steps of ~{step_s * 1e3:.0f} ms)"
     if gain >= 2 * cost:
         return Choice(True, f"auto: {run} saves ~{gain:.0f} s, >= 2x the ~{cost:.0f} s of compiling "
                             f"{n_shapes} batch shape(s)")

@@ -101,6 +101,7 @@ class GraphStrategy(Strategy):
         self.opt_graph: torch.cuda.CUDAGraph | None = None  # K > 1: the optimizer step
         self.report: dict[str, Any] = {}
         self._warmup_s = 0.0  # host seconds of the eager warm-up steps before the captures
+        self._ddp_s: float | None = None  # host seconds of building DDP (its first collective) before them
         self.polling = False  # set by prepare(): with DDP, host waits poll with a deadline
         dev = torch.device(device)
         if dev.type != "cuda":
@@ -145,10 +146,13 @@ class GraphStrategy(Strategy):
         self.report = {"shapes": len(shapes), "capture_s": round(time.perf_counter() - t0, 2),
                        "warmup_s": round(self._warmup_s, 2),
                        "pool_mb": round((torch.cuda.memory_reserved(self.device) - mem0) / 2**20, 1)}
+        if self._ddp_s is not None:
+            self.report["ddp_s"] = round(self._ddp_s, 2)
         # warm-up: the host's time to queue the eager steps, where a fresh process's lazy set-up
         # (kernel loading, Triton compiles, library handles) lands; the capture waits for them to run
+        ddp = f"DDP built in {self.report['ddp_s']} s, " if "ddp_s" in self.report else ""
         self.log(f"engine: graph mode captured {self.report['shapes']} shape(s) in {self.report['capture_s']} s "
-                 f"(warm-up {self.report['warmup_s']} s), memory pool +{self.report['pool_mb']} MiB")
+                 f"({ddp}warm-up {self.report['warmup_s']} s), memory pool +{self.report['pool_mb']} MiB")
 
     def _capture_failed(self, step: StepFunction, why: str) -> None:
         if _data_parallel(step):  # no fallback on one rank alone: the caller agrees across ranks
@@ -163,9 +167,13 @@ class GraphStrategy(Strategy):
         # One stream for DDP's construction, the warm-up and the capture (see the module docstring).
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        t_ddp = time.perf_counter()
         with torch.cuda.stream(stream):
             if hasattr(step, "parallel"):
                 step.parallel()  # DDP built (and its parameters broadcast) before the state is saved
+        # host seconds of DDP's construction: its parameter broadcast is the process group's first
+        # collective, where NCCL makes its communicator (2-GPU set-up: docs/PERFORMANCE.md)
+        self._ddp_s = time.perf_counter() - t_ddp if _data_parallel(step) else None
         # Keyed by storage address: the graphs hold these addresses, so restoring is in place.
         torch.cuda.current_stream(self.device).wait_stream(stream)
         saved = {t.data_ptr(): t.detach().clone() for t in step.state_tensors()}

@@ -35,6 +35,33 @@ def random_corpus(n: int, seed: int = 0, longest: int = 14) -> TokenizedCorpus:
                        list(rng.integers(4, 50, rng.integers(1, longest)))) for _ in range(n)])
 
 
+def test_rows_packed_in_forked_processes_equal_rows_packed_in_one():
+    """The windows are independent: packed by 2 forked processes, an epoch's rows are the same rows
+    in the same order; a sampler plans in several processes only with no other Python thread."""
+    import threading
+
+    from streamnmt.data.packrows import epoch_rows
+
+    c = random_corpus(3000, seed=4)
+    s, t = c.src_lengths + 1, c.tgt_lengths + 1
+    one = epoch_rows(s, t, (8, 40, 32), True, 5, 2, window=256)
+    two = epoch_rows(s, t, (8, 40, 32), True, 5, 2, window=256, workers=2)
+    assert len(one) == len(two) > 3000 // 8
+    assert all(np.array_equal(a, b) for a, b in zip(one, two))
+    sampler = PackSampler(c.src_lengths, c.tgt_lengths, (8, 40, 32), shuffle=True, seed=5, window=256,
+                          background=False)
+    if (os.cpu_count() or 1) > 1 and threading.active_count() == 1:  # (an earlier test may leave a thread)
+        assert sampler._plan_workers() > 1
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert sampler._plan_workers() == 1
+    finally:
+        stop.set()
+        other.join()
+
+
 def test_rows_hold_whole_pairs_within_both_widths():
     c = random_corpus(500)
     s, t = c.src_lengths + 1, c.tgt_lengths + 1

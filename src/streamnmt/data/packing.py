@@ -26,6 +26,8 @@ served, so a saved state resumes exactly; the plan is a pure function of ``(seed
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -95,11 +97,26 @@ class PackSampler:
             except (EOFError, OSError):  # the planner died (killed, out of memory): plan here
                 _planner_failed()
         if rows is None:
-            rows = epoch_rows(self.src_len, self.tgt_len, self.shape, self.shuffle, self.seed, epoch, self.window)
+            rows = epoch_rows(self.src_len, self.tgt_len, self.shape, self.shuffle, self.seed, epoch, self.window,
+                              workers=self._plan_workers())
         while len(_ROWS_CACHE) >= 4:
             _ROWS_CACHE.pop(next(iter(_ROWS_CACHE)))
         _ROWS_CACHE[key] = rows
         return rows
+
+    def _plan_workers(self) -> int:
+        """Processes for an epoch planned here: several for a corpus of many windows (1M pairs took
+        5.7 s of a run's set-up in one process on an H100 machine, 2026-11-25, 1d988d6;
+        docs/PERFORMANCE.md, "The packing planner"), this rank's share of the CPUs, at most 8; one
+        where another Python thread runs (forking beside it could copy a lock it holds)."""
+        windows = -(-len(self.src_len) // self.window)
+        if windows < 4 or threading.active_count() > 1:
+            return 1
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cpus = os.cpu_count() or 1
+        return max(1, min(8, cpus // self.world, windows))
 
     def _plan_ahead(self, epoch: int) -> None:
         """Start planning ``epoch``'s rows in the planner process, unless known or under way."""

@@ -24,43 +24,71 @@ _PLANNER: Any = None  # this process's _Planner (False: none to be had)
 
 
 def pack_rows(src_len: np.ndarray, tgt_len: np.ndarray, order: np.ndarray, s_width: int, t_width: int,
-              window: int = WINDOW) -> list[np.ndarray]:
+              window: int = WINDOW, workers: int = 1) -> list[np.ndarray]:
     """Pack pairs ``order`` (lengths with EOS/BOS: ``n + 1``, ``m + 1``) into rows whose source and
     target both fit; first-fit-decreasing within windows of ``window`` pairs. Returns each row's
-    pairs in placement order. Every pair must fit an empty row (the corpus's --overlong did that)."""
+    pairs in placement order. Every pair must fit an empty row (the corpus's --overlong did that).
+    ``workers`` > 1: the windows (independent of each other) are packed in that many forked
+    processes, with the same result."""
+    ratio = src_len.sum() / max(int(tgt_len.sum()), 1)  # both sides weighed by the corpus's ratio
+    starts = range(0, len(order), window)
+    if workers > 1 and len(starts) > 1 and "fork" in multiprocessing.get_all_start_methods():
+        global _POOL_JOB
+        _POOL_JOB = (src_len, tgt_len, order, s_width, t_width, window, ratio)  # inherited by the fork
+        try:
+            with warnings.catch_warnings():  # the children run NumPy only: no CUDA, no other thread's locks
+                warnings.simplefilter("ignore", DeprecationWarning)
+                with multiprocessing.get_context("fork").Pool(min(workers, len(starts))) as pool:
+                    parts = pool.map(_pack_window_of_job, starts, chunksize=max(1, len(starts) // (4 * workers)))
+        finally:
+            _POOL_JOB = None
+        return [row for part in parts for row in part]
     rows: list[np.ndarray] = []
-    for k in range(0, len(order), window):
-        part = order[k:k + window]
-        # largest first, size = both sides weighed by the corpus's ratio (stable: deterministic)
-        size = tgt_len[part] * (src_len.sum() / max(int(tgt_len.sum()), 1)) + src_len[part]
-        part = part[np.argsort(-size, kind="stable")]
-        free_s = np.empty(len(part), np.int64)
-        free_t = np.empty(len(part), np.int64)
-        members: list[list[int]] = []
-        for p in part.tolist():
-            s, t = int(src_len[p]), int(tgt_len[p])
-            nb = len(members)
-            hit = np.flatnonzero((free_s[:nb] >= s) & (free_t[:nb] >= t)) if nb else ()
-            if len(hit):
-                j = int(hit[0])
-                members[j].append(p)
-                free_s[j] -= s
-                free_t[j] -= t
-            else:
-                members.append([p])
-                free_s[nb], free_t[nb] = s_width - s, t_width - t
-        rows.extend(np.asarray(m, np.int64) for m in members)
+    for k in starts:
+        rows.extend(_pack_window(src_len, tgt_len, order[k:k + window], s_width, t_width, ratio))
     return rows
 
 
+_POOL_JOB: Any = None  # pack_rows's arguments, for the forked pool's workers
+
+
+def _pack_window_of_job(k: int) -> list[np.ndarray]:
+    src_len, tgt_len, order, s_width, t_width, window, ratio = _POOL_JOB
+    return _pack_window(src_len, tgt_len, order[k:k + window], s_width, t_width, ratio)
+
+
+def _pack_window(src_len: np.ndarray, tgt_len: np.ndarray, part: np.ndarray, s_width: int, t_width: int,
+                 ratio: float) -> list[np.ndarray]:
+    """First-fit-decreasing of one window's pairs ``part``, largest first (size = target x ``ratio``
+    + source; stable: deterministic)."""
+    size = tgt_len[part] * ratio + src_len[part]
+    part = part[np.argsort(-size, kind="stable")]
+    free_s = np.empty(len(part), np.int64)
+    free_t = np.empty(len(part), np.int64)
+    members: list[list[int]] = []
+    for p in part.tolist():
+        s, t = int(src_len[p]), int(tgt_len[p])
+        nb = len(members)
+        hit = np.flatnonzero((free_s[:nb] >= s) & (free_t[:nb] >= t)) if nb else ()
+        if len(hit):
+            j = int(hit[0])
+            members[j].append(p)
+            free_s[j] -= s
+            free_t[j] -= t
+        else:
+            members.append([p])
+            free_s[nb], free_t[nb] = s_width - s, t_width - t
+    return [np.asarray(m, np.int64) for m in members]
+
+
 def epoch_rows(src_len: np.ndarray, tgt_len: np.ndarray, shape: tuple[int, int, int], shuffle: bool, seed: int,
-               epoch: int, window: int) -> list[np.ndarray]:
+               epoch: int, window: int, workers: int = 1) -> list[np.ndarray]:
     """An epoch's rows in serving order (lengths with EOS/BOS): its pairs shuffled by ``(seed,
-    epoch)``, packed by :func:`pack_rows`, the rows shuffled. A pure function of its arguments, run
-    here or in the planner process."""
+    epoch)``, packed by :func:`pack_rows` (in ``workers`` processes), the rows shuffled. A pure
+    function of its arguments, run here or in the planner process."""
     rng = np.random.default_rng([seed & (2**63 - 1), epoch]) if shuffle else None
     order = rng.permutation(len(src_len)) if rng is not None else np.arange(len(src_len))
-    rows = pack_rows(src_len, tgt_len, order, shape[1], shape[2], window)
+    rows = pack_rows(src_len, tgt_len, order, shape[1], shape[2], window, workers)
     if rng is not None:
         rows = [rows[k] for k in rng.permutation(len(rows))]
     return rows

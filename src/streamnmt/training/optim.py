@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-
 _ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)  # Adam.step less _use_grad_for_differentiable
 
 

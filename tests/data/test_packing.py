@@ -35,22 +35,38 @@ def random_corpus(n: int, seed: int = 0, longest: int = 14) -> TokenizedCorpus:
                        list(rng.integers(4, 50, rng.integers(1, longest)))) for _ in range(n)])
 
 
-def test_rows_packed_in_forked_processes_equal_rows_packed_in_one():
-    """The windows are independent: packed by 2 forked processes, an epoch's rows are the same rows
-    in the same order; a sampler plans in several processes only with no other Python thread."""
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def test_rows_packed_in_forked_processes_equal_rows_packed_in_one(tmp_path, monkeypatch):
+    """The windows are independent: packed by 2 forked processes (which did run: each leaves a mark),
+    an epoch's rows are the same rows in the same order; a sampler plans in several processes only
+    with no other Python thread."""
     import threading
 
-    from streamnmt.data.packrows import epoch_rows
+    from streamnmt.data import packrows
 
     c = random_corpus(3000, seed=4)
     s, t = c.src_lengths + 1, c.tgt_lengths + 1
-    one = epoch_rows(s, t, (8, 40, 32), True, 5, 2, window=256)
-    two = epoch_rows(s, t, (8, 40, 32), True, 5, 2, window=256, workers=2)
+    one = packrows.epoch_rows(s, t, (8, 40, 32), True, 5, 2, window=256)
+    work = packrows._pack_window
+
+    def marked(*args):
+        (tmp_path / f"worker-{os.getpid()}").touch()
+        return work(*args)
+
+    monkeypatch.setattr(packrows, "_pack_window", marked)  # inherited by the forked workers
+    two = packrows.epoch_rows(s, t, (8, 40, 32), True, 5, 2, window=256, workers=2)
+    assert len(list(tmp_path.glob("worker-*"))) == 2 and not (tmp_path / f"worker-{os.getpid()}").exists()
     assert len(one) == len(two) > 3000 // 8
     assert all(np.array_equal(a, b) for a, b in zip(one, two))
     sampler = PackSampler(c.src_lengths, c.tgt_lengths, (8, 40, 32), shuffle=True, seed=5, window=256,
                           background=False)
-    if (os.cpu_count() or 1) > 1 and threading.active_count() == 1:  # (an earlier test may leave a thread)
+    if _cpus() > 1 and threading.active_count() == 1:  # (an earlier test may leave a thread)
         assert sampler._plan_workers() > 1
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
@@ -60,6 +76,20 @@ def test_rows_packed_in_forked_processes_equal_rows_packed_in_one():
     finally:
         stop.set()
         other.join()
+
+
+def test_a_packing_process_that_dies_leaves_the_plan_to_this_one(monkeypatch):
+    """A worker killed mid-plan (out of memory, SIGKILL) does not hang the plan: the windows are
+    packed here instead, with the same rows."""
+    from streamnmt.data import packrows
+
+    c = random_corpus(2000, seed=6)
+    s, t = c.src_lengths + 1, c.tgt_lengths + 1
+    want = packrows.epoch_rows(s, t, (8, 40, 32), True, 3, 0, window=256)
+    parent, work = os.getpid(), packrows._pack_window
+    monkeypatch.setattr(packrows, "_pack_window", lambda *a: work(*a) if os.getpid() == parent else os._exit(9))
+    got = packrows.epoch_rows(s, t, (8, 40, 32), True, 3, 0, window=256, workers=2)
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
 
 
 def test_rows_hold_whole_pairs_within_both_widths():

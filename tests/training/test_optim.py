@@ -74,3 +74,24 @@ def test_an_eager_run_imports_no_torchdynamo(tmp_path, optimizer, imported):
     out = subprocess.run([sys.executable, "-c", RUN, optimizer, str(tmp_path)], check=False, capture_output=True,
                          text=True, env=env, timeout=240)
     assert f"rc 0 dynamo {imported}" in out.stdout, out.stdout[-1500:] + out.stderr[-1500:]
+
+
+def test_only_torchs_own_wrappers_are_taken_off():
+    """The dynamo-importing wrappers are peeled (nothing wrapped is left on this torch); a wrapper
+    of another kind, such as one a later torch might add, is kept."""
+    import functools
+
+    from streamnmt.training import optim
+
+    for fn in (optim._ADD_PARAM_GROUP, optim._ZERO_GRAD, optim._STATE_DICT, optim._LOAD_STATE_DICT, optim._ADAM_STEP):
+        assert not hasattr(fn, "__wrapped__"), fn
+
+    def inner(self):
+        return "inner"
+
+    @functools.wraps(inner)
+    def other(self):
+        return "kept"
+
+    assert optim._peel(other, optim._DISABLE + optim._STEP) is other
+    assert optim._peel(torch._disable_dynamo(inner), optim._DISABLE) is inner

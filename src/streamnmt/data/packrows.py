@@ -11,8 +11,11 @@ starts.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import warnings
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import numpy as np
@@ -33,28 +36,60 @@ def pack_rows(src_len: np.ndarray, tgt_len: np.ndarray, order: np.ndarray, s_wid
     ratio = src_len.sum() / max(int(tgt_len.sum()), 1)  # both sides weighed by the corpus's ratio
     starts = range(0, len(order), window)
     if workers > 1 and len(starts) > 1 and "fork" in multiprocessing.get_all_start_methods():
-        global _POOL_JOB
-        _POOL_JOB = (src_len, tgt_len, order, s_width, t_width, window, ratio)  # inherited by the fork
-        try:
-            with warnings.catch_warnings():  # the children run NumPy only: no CUDA, no other thread's locks
-                warnings.simplefilter("ignore", DeprecationWarning)
-                with multiprocessing.get_context("fork").Pool(min(workers, len(starts))) as pool:
-                    parts = pool.map(_pack_window_of_job, starts, chunksize=max(1, len(starts) // (4 * workers)))
-        finally:
-            _POOL_JOB = None
-        return [row for part in parts for row in part]
-    rows: list[np.ndarray] = []
+        rows = _pack_in_processes(src_len, tgt_len, order, s_width, t_width, window, ratio, workers)
+        if rows is not None:
+            return rows
+    rows = []
     for k in starts:
         rows.extend(_pack_window(src_len, tgt_len, order[k:k + window], s_width, t_width, ratio))
     return rows
 
 
-_POOL_JOB: Any = None  # pack_rows's arguments, for the forked pool's workers
+_POOL_JOB: Any = None  # pack_rows's arguments, for the forked workers (inherited, never pickled)
 
 
-def _pack_window_of_job(k: int) -> list[np.ndarray]:
+def _pack_in_processes(src_len: np.ndarray, tgt_len: np.ndarray, order: np.ndarray, s_width: int, t_width: int,
+                       window: int, ratio: float, workers: int) -> list[np.ndarray] | None:
+    """The windows packed by ``workers`` forked processes, in order; None where a process could not
+    be forked or died (killed, out of memory): the caller then packs in this process. The workers
+    run NumPy only, end with the trainer (:func:`streamnmt.data.workers.detach`) and keep SIGTERM's
+    default, so that shutting the pool down never waits on a worker."""
+    global _POOL_JOB
+    starts = list(range(0, len(order), window))
+    n = min(workers, len(starts))
+    chunks = [starts[i::n] for i in range(n)]  # worker i: windows i, i + n, ...
+    _POOL_JOB = (src_len, tgt_len, order, s_width, t_width, window, ratio)
+    try:
+        with warnings.catch_warnings():  # the children run NumPy only: no CUDA, no other thread's locks
+            warnings.simplefilter("ignore", DeprecationWarning)
+            with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"),
+                                     initializer=functools.partial(detach, ignore_sigterm=False)) as pool:
+                parts = list(pool.map(_pack_windows_of_job, chunks))
+    except (BrokenProcessPool, OSError):
+        return None
+    finally:
+        _POOL_JOB = None
+    by_window: dict[int, list[np.ndarray]] = {}
+    for chunk, (flat, counts, per_window) in zip(chunks, parts):
+        rows = np.split(flat, np.cumsum(counts)[:-1]) if len(counts) else []
+        at = 0
+        for k, n_rows in zip(chunk, per_window):
+            by_window[k] = rows[at:at + n_rows]
+            at += n_rows
+    return [row for k in starts for row in by_window[k]]
+
+
+def _pack_windows_of_job(chunk: list[int]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """A worker's windows: their rows as one flat array, the rows' lengths and each window's row count."""
     src_len, tgt_len, order, s_width, t_width, window, ratio = _POOL_JOB
-    return _pack_window(src_len, tgt_len, order[k:k + window], s_width, t_width, ratio)
+    rows: list[np.ndarray] = []
+    per_window = []
+    for k in chunk:
+        packed = _pack_window(src_len, tgt_len, order[k:k + window], s_width, t_width, ratio)
+        rows.extend(packed)
+        per_window.append(len(packed))
+    counts = np.fromiter((len(r) for r in rows), np.int64, len(rows))
+    return (np.concatenate(rows) if rows else np.zeros(0, np.int64)), counts, per_window
 
 
 def _pack_window(src_len: np.ndarray, tgt_len: np.ndarray, part: np.ndarray, s_width: int, t_width: int,

@@ -82,7 +82,7 @@ def choose_compile(requested: str, device: torch.device, strategy: str, planned_
     planned = planned_steps * step_s
     if time_limit_s:
         planned = min(planned, time_limit_s)
-    steps = min(planned_steps, round(planned / step_s))  # the steps the time limit leaves, where it cuts
+    steps = min(planned_steps, round(planned / step_s)) if step_s > 0 else planned_steps  # what the limit leaves
     gain = planned * COMPILE_SAVING
     run = f"a run of ~{planned / 60:.0f} min (~{steps:,} steps of ~{step_s * 1e3:.0f} ms)"
     if gain >= 2 * cost:

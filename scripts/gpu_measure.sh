@@ -377,3 +377,35 @@ case "$1" in
       grep -E "^graph " "$OUT/pw_$w.log" | cut -c1-120
     done ;;
 esac
+case "$1" in
+  ttb-ema)  # time to BLEU with the weights' moving average evaluated (--ema D --eval-ema) against the
+            # defaults, the same --time-limit each, one after the other (RUNS picks some, EMAS the decays);
+            # on the 1M-pair corpus of ttb2 (TTB=/tmp/ttb; made here if absent), where the defaults' dev BLEU
+            # moved by up to 17 points from one evaluation to the next at 1d988d6
+    T=${TIME:-150s}; D=${TTB:-/tmp/ttb}; C=$D/corpus
+    [ -d $C ] || python3 scripts/make_longtail.py --out $C --pairs ${PAIRS:-1000000} > "$OUT/ttb_corpus.txt"
+    runs=()
+    for run in ${RUNS:-defaults ${EMAS:-ema0.999 ema0.9999}}; do
+      flags=(--name $run); [ "${run#ema}" != "$run" ] && flags+=(--ema "${run#ema}" --eval-ema)
+      timeout 400 python3 -m streamnmt train --data $C --time-limit "$T" --project $D --exist-ok ${EXTRA:-} \
+        "${flags[@]}" > "$OUT/ttb_$run.log" 2>&1
+      cp $D/$run/evals.csv "$OUT/ttb_${run}_evals.csv" 2>/dev/null
+      echo "== $run"; grep -E "wall [0-9]+ s|^done|error" "$OUT/ttb_$run.log" | cut -c1-200
+      runs+=($D/$run)
+    done
+    python3 scripts/plot_time_to_bleu.py "${runs[@]}" --out "$OUT/time_to_bleu_ema.png" ;;
+  setup-split)  # where a run's set-up goes after the set-up changes (one GPU): the 120-s built-in run twice
+                # (no TorchDynamo import where nothing compiles), then a 2-GPU run on 1M pairs (TTB corpus)
+                # for the packing processes and the DDP construction's seconds in the capture line
+    for run in builtin_a builtin_b; do
+      t0=$(date +%s%N); timeout 200 python3 -m streamnmt train --time-limit 120s --project /tmp/runs --name $run \
+        2>&1 | python3 -u scripts/stamp.py > "$OUT/wall_$run.log"
+      echo "$(( ($(date +%s%N) - t0) / 1000000 )) ms wall (outside)" >> "$OUT/wall_$run.log"
+      echo "== $run"; grep -E "set-up [0-9]|wall [0-9]+ s|graph mode|outside" "$OUT/wall_$run.log" | cut -c1-220
+    done
+    if [ -d ${TTB:-/tmp/ttb}/corpus ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+      timeout 200 python3 -m streamnmt train --data ${TTB:-/tmp/ttb}/corpus --nproc 2 --time-limit 60s \
+        --project /tmp/runs --name split2 > "$OUT/split2.log" 2>&1
+      echo "== 2 GPUs, 1M pairs"; grep -E "set-up [0-9]|graph mode|wall [0-9]+ s" "$OUT/split2.log" | cut -c1-220
+    fi ;;
+esac

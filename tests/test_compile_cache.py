@@ -232,24 +232,3 @@ print("IMPORTED", sorted(m for m in ("torch._inductor", "torch._dynamo") if m in
     assert len(lines) == 3 and "off even with a warm compile cache" in lines[0] and "cache cold" in lines[1]
     assert "IMPORTED []" in res.stdout
 
-
-def test_may_compile_is_an_upper_bound_known_before_the_data(monkeypatch):
-    """A 2-minute --time-limit run cannot compile while the compile cache holds no key (its best case
-    saves less than twice the cold cost), so TorchDynamo is not imported for it; with any key in the
-    cache, with no time limit, or with --compile on it may; never on the CPU. Where may_compile says
-    no, the rule itself says off for every step count."""
-    from streamnmt.engine.auto import choose_compile
-    from streamnmt.training.recipe import may_compile
-
-    job = resolve_job(build_job({"device": "cpu", "model": "tiny", "time_limit": "120s"}), CPU, 1, lambda s: None)
-    job = dataclasses.replace(job, engine=dataclasses.replace(job.engine, sync_strategy="graph", compile="auto"))
-    assert not may_compile(job, CUDA) and not may_compile(job, CPU)
-    for steps in (10**3, 10**5, 10**9):
-        assert not choose_compile("auto", CUDA, "graph", steps, 1, time_limit_s=120).value
-    assert may_compile(dataclasses.replace(job, engine=dataclasses.replace(job.engine, compile="on")), CUDA)
-    assert may_compile(dataclasses.replace(job, run=dataclasses.replace(job.run, time_limit=None)), CUDA)
-    assert may_compile(dataclasses.replace(job, run=dataclasses.replace(job.run, time_limit="10m")), CUDA)
-    cc.CompileCache(key()).stage(None).save(None)  # some earlier compiled run's key
-    assert may_compile(job, CUDA)
-    assert choose_compile("auto", CUDA, "graph", 10**9, 1, time_limit_s=120,
-                          compile_s=COMPILE_S_PER_SHAPE_WARM).value  # the warm case it allows for

@@ -93,28 +93,6 @@ def resolve_recipe(data: DataConfig, optim: OptimConfig, model: ModelConfig, acc
         log("recipe: " + "; ".join(notes))
     return data, optim
 
-def may_compile(job: TrainJob, device: torch.device) -> bool:
-    """Whether the run can end up compiling, known before its data: ``--compile on``, flex attention
-    (compiled) on CUDA, or ``--compile auto`` unless even its best case, the whole ``--time-limit``
-    compiled at the warm cost where the compile cache holds any key (else the cold one), stays under
-    the rule (engine.auto.choose_compile). Where it cannot, the run never imports TorchDynamo, which
-    costs seconds of set-up (docs/PERFORMANCE.md, "Evaluation and checkpoints in a run")."""
-    from streamnmt.engine.auto import COMPILE_S_PER_SHAPE, COMPILE_S_PER_SHAPE_WARM, COMPILE_SAVING
-    from streamnmt.training.compile_cache import streamnmt_home
-
-    e = job.engine
-    if e.compile == "on" or (job.model.attention == "flex" and device.type == "cuda"):
-        return True
-    if e.compile != "auto" or device.type != "cuda" or e.sync_strategy != "graph":
-        return False
-    limit = parse_duration(job.run.time_limit) or 0.0
-    if not limit:
-        return True
-    keys = streamnmt_home() / "compile" / "keys"
-    cost = COMPILE_S_PER_SHAPE_WARM if keys.is_dir() and any(keys.iterdir()) else COMPILE_S_PER_SHAPE
-    return limit * COMPILE_SAVING >= 2 * cost
-
-
 def resolve_compile(job: TrainJob, train: TokenizedCorpus, device: torch.device, world: int,
                     log: Callable[[str], None]) -> TrainJob:
     """``--compile auto``: decided from the run's planned steps and batch shapes (see engine.auto), at

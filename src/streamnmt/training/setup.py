@@ -35,7 +35,7 @@ from streamnmt.models.attention import resolve_attention
 from streamnmt.models.transformer import ModelShape, Transformer
 from streamnmt.training.checkpointer import Checkpointer, remove_stale_temporaries
 from streamnmt.training.evaluator import Cadence, Evaluation, Evaluator
-from streamnmt.training.recipe import may_compile, resolve_compile_for_ranks, resolve_job_for_ranks
+from streamnmt.training.recipe import resolve_compile_for_ranks, resolve_job_for_ranks
 from streamnmt.training.reporting import Scalars, overlong_note, running
 from streamnmt.training.runs import CsvLog, increment_path
 from streamnmt.training.step import example_batch, import_in_background, make_step
@@ -133,10 +133,14 @@ class TrainerSetup:
         """Tokenizers and tokenized splits; then the settings that depend on the data (--compile auto)."""
         if resume is None:  # --weights: the tokenizers its checkpoint carries (identical files on every rank)
             self.job = tokenizers_of_weights(self.job, self.log)
-        # TorchDynamo, where the run needs it (compiling, DistributedDataParallel), loads on a thread
-        # while the data is prepared: preparing imports no torch module, so the two never wait on
-        # one module's import lock; joined before anything after it imports torch modules.
-        imports = import_in_background(compiled=may_compile(self.job, self.device), ddp=self.dist.active)
+        # TorchDynamo, where the run is known to need it (--compile on, flex attention, DDP), loads on
+        # a thread while the data is prepared: preparing imports no torch module, so the two never
+        # wait on one module's import lock; joined before anything after it imports torch modules.
+        # --compile auto is decided after the data: a run it compiles imports TorchDynamo in
+        # make_step, one that stays eager never does (docs/PERFORMANCE.md, "Evaluation and
+        # checkpoints in a run").
+        flex = self.job.model.attention == "flex" and self.device.type == "cuda"
+        imports = import_in_background(compiled=self.job.engine.compile == "on" or flex, ddp=self.dist.active)
         try:
             self.data = distributed.prepare_once(self.dist, lambda: prepare_data(self.job.data, log=self.log),
                                                  lambda bundle: bundle.fingerprint())

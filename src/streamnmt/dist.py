@@ -228,17 +228,31 @@ def parallelize(model: torch.nn.Module, device: torch.device, bucket_cap_mb: flo
     return DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=bucket_cap_mb, **ids, **no_sync_bufs)
 
 
-def prepare_once(d: Dist, prepare: Callable[[], T], fingerprint: Callable[[T], dict[str, str]]) -> T:
+def prepare_once(d: Dist, prepare: Callable[[], T], fingerprint: Callable[[T], dict[str, str]],
+                 prepared: Callable[[], T] | None = None) -> T:
     """Run ``prepare`` (tokenizers, tokenized cache) on local rank 0 first while the other ranks
     wait at a barrier, then on them (they find rank 0's files); then every rank checks that its
-    ``fingerprint`` (tokenizer hashes, cache keys) equals rank 0's. One process: just ``prepare``.
-    A mismatch (e.g. hosts that do not share the data directory and hold other tokenizers) stops
-    every rank with the same line."""
+    ``fingerprint`` (tokenizer hashes, cache keys) equals rank 0's. ``prepared``: what the other
+    ranks try beside local rank 0 first, the files an earlier run left, read without writing
+    anything (``prepare_data(build=False)``); where it finds them (it raises NotPrepared where it
+    does not) they wait at the barrier with their data already loaded instead of loading it after
+    (1.8 s of each 2-GPU run's set-up on a 1M-pair corpus at 1d988d6: docs/PERFORMANCE.md).
+    One process: just ``prepare``. A mismatch (e.g. hosts that do not share the data directory and
+    hold other tokenizers) stops every rank with the same line."""
+    from streamnmt.data.prepare import NotPrepared
+
     if not d.active:
         return prepare()
-    result = prepare() if d.local_rank == 0 else None
+    result = None
+    if d.local_rank == 0:
+        result = prepare()
+    elif prepared is not None:
+        try:
+            result = prepared()
+        except (NotPrepared, InputError, OSError):  # not there yet, or an error prepare() will say after
+            result = None
     d.barrier("dist.data")
-    if d.local_rank != 0:
+    if result is None:
         result = prepare()
     prints = d.gather(fingerprint(result), "dist.data", long_wait=True)  # the others may tokenize afresh
     for rank, got in enumerate(prints):

@@ -211,3 +211,66 @@ def test_builtin_corpus_directory(tmp_path: Path, monkeypatch) -> None:
 
 def json_pairs(path: Path) -> list[tuple[str, str]]:
     return [(r["en"], r["ch"]) for r in json.loads(path.read_text(encoding="utf-8"))]
+
+
+def test_prepared_only_reads_what_an_earlier_preparation_wrote(corpus_dir: Path, tmp_path: Path,
+                                                               monkeypatch) -> None:
+    """build=False writes nothing and says NotPrepared while a tokenizer, a tokenized split or the
+    built-in corpus is missing; after a preparation it loads the same data (the other ranks of a
+    host load it so beside local rank 0)."""
+    from streamnmt.data.prepare import NotPrepared
+
+    cfg = small_config(corpus_dir)
+    before = _files(corpus_dir)
+    with pytest.raises(NotPrepared):
+        prepare_data(cfg, log=_quiet, build=False)
+    assert _files(corpus_dir) == before  # nothing written
+    built = prepare_data(cfg, log=_quiet)
+    loaded = prepare_data(cfg, log=_quiet, build=False)
+    assert loaded.fingerprint() == built.fingerprint()
+    assert np.array_equal(loaded.train.tgt_lengths, built.train.tgt_lengths)
+    other = small_config(corpus_dir, max_len=32)  # another tokenized cache key
+    with pytest.raises(NotPrepared):
+        prepare_data(other, log=_quiet, build=False)
+    monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path / "home"))
+    with pytest.raises(NotPrepared):
+        prepare_data(DataConfig(builtin_size=300), log=_quiet, build=False)
+    assert not (tmp_path / "home").exists()
+
+
+class _Ranks:
+    """A stand-in process group of 2 on one host, seen from local rank 1."""
+
+    active, local_rank, world = True, 1, 2
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def barrier(self, name: str) -> None:
+        self.calls.append("barrier")
+
+    def gather(self, obj, name: str, long_wait: bool = False):
+        return [obj, obj]
+
+
+def test_other_ranks_load_prepared_data_beside_local_rank_0() -> None:
+    """prepare_once on a rank other than local rank 0: data already prepared is loaded before the
+    barrier (no waiting for rank 0 to load it first); data not prepared yet is prepared after it."""
+    from streamnmt import dist
+    from streamnmt.data.prepare import NotPrepared
+
+    def fp(result: str) -> dict[str, str]:
+        return {"src tokenizer sha256": result}
+
+    ranks = _Ranks()
+    assert dist.prepare_once(ranks, lambda: ranks.calls.append("prepare") or "tok", fp,
+                             lambda: ranks.calls.append("prepared") or "tok") == "tok"
+    assert ranks.calls == ["prepared", "barrier"]
+
+    def missing() -> str:
+        ranks.calls.append("prepared")
+        raise NotPrepared("train: not in the tokenized cache")
+
+    ranks.calls.clear()
+    assert dist.prepare_once(ranks, lambda: ranks.calls.append("prepare") or "tok", fp, missing) == "tok"
+    assert ranks.calls == ["prepared", "barrier", "prepare"]

@@ -30,6 +30,11 @@ from streamnmt.errors import InputError
 Log = Callable[[str], None]
 
 
+class NotPrepared(Exception):
+    """``prepare_data(build=False)`` found something it would have to write (the built-in corpus, a
+    tokenizer, a tokenized split): the data is not prepared yet."""
+
+
 @dataclass
 class DataBundle:
     """Everything the trainer needs from the data. ``test`` is None when the corpus has no test split."""
@@ -54,12 +59,15 @@ def builtin_dir(cfg: DataConfig) -> Path:
     return home / f"builtin-{cfg.builtin_pairs}"
 
 
-def resolve_data_dir(cfg: DataConfig) -> Path:
-    """``cfg.data``, or the built-in corpus's directory (written there first if absent)."""
+def resolve_data_dir(cfg: DataConfig, build: bool = True) -> Path:
+    """``cfg.data``, or the built-in corpus's directory (written there first if absent; with
+    ``build=False`` :class:`NotPrepared` instead)."""
     if cfg.data is None:
         from streamnmt.data import synthetic  # written by its own module; imported only when used
 
         directory = builtin_dir(cfg)
+        if not build and not synthetic.builtin_written(directory, cfg.builtin_pairs, seed=0):
+            raise NotPrepared(f"{directory}: the built-in corpus is not written")
         synthetic.write_builtin(directory, cfg.builtin_pairs, seed=0)
         return directory
     directory = Path(cfg.data).expanduser()
@@ -87,14 +95,16 @@ def read_pairs(cfg: DataConfig, split: str) -> list[tuple[str, str]]:
                            cfg.src_lang, cfg.tgt_lang))
 
 
-def prepare_data(cfg: DataConfig, log: Log = print) -> DataBundle:
-    """Tokenizers and tokenized splits for ``cfg``; see the module docstring."""
+def prepare_data(cfg: DataConfig, log: Log = print, build: bool = True) -> DataBundle:
+    """Tokenizers and tokenized splits for ``cfg``; see the module docstring. ``build=False``: only
+    what is already on disk, writing nothing; :class:`NotPrepared` where anything is missing (the
+    other ranks of a host load an earlier run's files beside local rank 0, see dist.prepare_once)."""
     t0 = time.perf_counter()
-    directory = resolve_data_dir(cfg)
+    directory = resolve_data_dir(cfg, build)
     if cfg.data is None:
         log(f"data: built-in corpus ({cfg.builtin_pairs} training pairs) in {directory}")
     sources = find_sources(cfg, directory)
-    src_tok, tgt_tok = _tokenizers(cfg, directory, sources, log)
+    src_tok, tgt_tok = _tokenizers(cfg, directory, sources, log, build)
     corpora: dict[str, TokenizedCorpus] = {}
     stats: dict[str, dict[str, int]] = {}
     keys: dict[str, str] = {}
@@ -104,7 +114,7 @@ def prepare_data(cfg: DataConfig, log: Log = print) -> DataBundle:
             log(f"data: {split}: no {split} split in {directory}; skipped")
             continue
         corpora[split], stats[split], keys[split] = _tokenized(cfg, directory / "cache", source, src_tok, tgt_tok,
-                                                               log)
+                                                               log, build)
     log(f"data: ready in {time.perf_counter() - t0:.1f}s (vocab {src_tok.vocab_size} source, "
         f"{tgt_tok.vocab_size} target)")
     return DataBundle(train=corpora["train"], dev=corpora["dev"], test=corpora.get("test"),
@@ -112,10 +122,10 @@ def prepare_data(cfg: DataConfig, log: Log = print) -> DataBundle:
 
 
 def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],
-                log: Log) -> tuple[Tokenizer, Tokenizer]:
+                log: Log, build: bool = True) -> tuple[Tokenizer, Tokenizer]:
     """Given models as they are; else ``DIR/tokenizer/{eng,chn}.model``, trained when absent."""
     if cfg.shared_vocab:
-        tok = _shared_tokenizer(cfg, directory, sources, log)
+        tok = _shared_tokenizer(cfg, directory, sources, log, build)
         return tok, tok
     sides = [  # (given?, path, vocab size, language, name)
         (cfg.tokenizer_eng is not None, Path(cfg.tokenizer_eng or directory / "tokenizer" / "eng.model"),
@@ -125,6 +135,8 @@ def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource
     ]
     loaded = {k: Tokenizer(path) for k, (given, path, *_) in enumerate(sides) if given or path.is_file()}
     missing = [k for k in range(2) if k not in loaded]
+    if missing and not build:
+        raise NotPrepared(f"{sides[missing[0]][1]}: not trained yet")
     for k, tok in loaded.items():
         log(f"data: {sides[k][4]}: {tok.path} (vocab {tok.vocab_size})")
     if missing:
@@ -150,7 +162,7 @@ def _check_other_splits(cfg: DataConfig, sources: dict[str, SplitSource | None])
 
 
 def _shared_tokenizer(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],
-                      log: Log) -> Tokenizer:
+                      log: Log, build: bool = True) -> Tokenizer:
     """``--shared-vocab``: the given model, else ``DIR/tokenizer/shared.model``, trained on both sides."""
     given = cfg.tokenizer_eng or cfg.tokenizer_chn
     path = Path(given or directory / "tokenizer" / "shared.model")
@@ -158,6 +170,8 @@ def _shared_tokenizer(cfg: DataConfig, directory: Path, sources: dict[str, Split
         tok = Tokenizer(path)
         log(f"data: shared tokenizer: {tok.path} (vocab {tok.vocab_size})")
         return tok
+    if not build:
+        raise NotPrepared(f"{path}: not trained yet")
     t0 = time.perf_counter()
     samples = _sample_train(cfg, sources["train"])
     _check_other_splits(cfg, sources)
@@ -184,7 +198,7 @@ def _sample_train(cfg: DataConfig, source: SplitSource) -> tuple[list[str], list
 
 
 def _tokenized(cfg: DataConfig, cache_dir: Path, source: SplitSource, src_tok: Tokenizer,
-               tgt_tok: Tokenizer, log: Log) -> tuple[TokenizedCorpus, dict[str, int], str]:
+               tgt_tok: Tokenizer, log: Log, build: bool = True) -> tuple[TokenizedCorpus, dict[str, int], str]:
     """One split from its cache entry, or tokenized now and cached."""
     split = source.split
     overlong = cfg.overlong if split == "train" else "truncate"
@@ -197,6 +211,8 @@ def _tokenized(cfg: DataConfig, cache_dir: Path, source: SplitSource, src_tok: T
         log(f"data: {split}: {_summary(stats, cfg.max_len)} from cache {entry_dir(cache_dir, key)} "
             f"in {time.perf_counter() - t0:.1f}s")
         return corpus, stats, key
+    if not build:
+        raise NotPrepared(f"{split}: not in the tokenized cache {cache_dir}")
     read = ReadStats()
     built = BuildStats()
     arrays = tokenize_pairs(iter_pairs(source, cfg.src_lang, cfg.tgt_lang, read), src_tok, tgt_tok,

@@ -90,6 +90,12 @@ def _is_current(directory: Path, params: dict) -> bool:
         return False
 
 
+def builtin_written(directory: Path, n_train: int, seed: int = 0) -> bool:
+    """Whether :func:`write_builtin` would find ``directory`` current (and write nothing)."""
+    return _is_current(Path(directory), {"generator": __name__, "source": _source_digest(), "n_train": n_train,
+                                         "seed": seed})
+
+
 def write_builtin(directory: Path, n_train: int, seed: int = 0) -> None:
     """Write ``train.json``, ``dev.json`` and ``test.json`` (arrays of ``{"en", "ch"}``) to
     ``directory``, unless its manifest says this code already wrote them with these parameters

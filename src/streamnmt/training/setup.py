@@ -143,7 +143,8 @@ class TrainerSetup:
         imports = import_in_background(compiled=self.job.engine.compile == "on" or flex, ddp=self.dist.active)
         try:
             self.data = distributed.prepare_once(self.dist, lambda: prepare_data(self.job.data, log=self.log),
-                                                 lambda bundle: bundle.fingerprint())
+                                                 lambda bundle: bundle.fingerprint(),
+                                                 lambda: prepare_data(self.job.data, log=self.log, build=False))
         finally:
             if imports is not None:
                 t0 = time.monotonic()

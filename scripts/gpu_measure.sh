@@ -403,7 +403,7 @@ case "$1" in
       echo "$(( ($(date +%s%N) - t0) / 1000000 )) ms wall (outside)" >> "$OUT/wall_$run.log"
       echo "== $run"; grep -E "set-up [0-9]|wall [0-9]+ s|graph mode|outside" "$OUT/wall_$run.log" | cut -c1-220
     done
-    if [ -d ${TTB:-/tmp/ttb}/corpus ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    if [ -d ${TTB:-/tmp/ttb}/corpus ] && [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
       timeout 200 python3 -m streamnmt train --data ${TTB:-/tmp/ttb}/corpus --nproc 2 --time-limit 60s \
         --project /tmp/runs --name split2 > "$OUT/split2.log" 2>&1
       echo "== 2 GPUs, 1M pairs"; grep -E "set-up [0-9]|graph mode|wall [0-9]+ s" "$OUT/split2.log" | cut -c1-220

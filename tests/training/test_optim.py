@@ -95,3 +95,42 @@ def test_only_torchs_own_wrappers_are_taken_off():
 
     assert optim._peel(other, optim._DISABLE + optim._STEP) is other
     assert optim._peel(torch._disable_dynamo(inner), optim._DISABLE) is inner
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine: pytest -m gpu)")
+def test_adam_equals_torch_adam_fused_capturable_inside_a_cuda_graph():
+    """The trainer's optimizer on CUDA: fused, capturable, the learning rate a device tensor, its step
+    captured in a CUDA graph and replayed; the same weights and moments as torch.optim.Adam's."""
+    def run(cls):
+        model, grads = _model_and_grads(0)
+        model = model.cuda()
+        params = list(model.parameters())
+        opt = cls(params, lr=torch.tensor(0.01, device="cuda"), betas=(0.9, 0.98), eps=1e-9, fused=True,
+                  capturable=True)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        static = [torch.zeros_like(p) for p in params]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            opt.step()  # warm-up: the state tensors exist before the capture
+        torch.cuda.current_stream().wait_stream(stream)  # (zero gradients: a step of zero, as for both)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for p, g in zip(params, static):
+                p.grad.copy_(g)
+            opt.step()
+        for step_grads in grads:
+            for g, new in zip(static, step_grads):
+                g.copy_(new)
+            graph.replay()
+        torch.cuda.synchronize()
+        return [p.detach().cpu() for p in params], opt.state_dict()
+
+    ours, ours_state = run(Adam)
+    ref, ref_state = run(torch.optim.Adam)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    for k, s in ref_state["state"].items():
+        assert all(torch.equal(s[n].cpu(), ours_state["state"][k][n].cpu()) for n in s)
+    assert not all(torch.equal(a, b.cpu()) for a, b in zip(ours, _model_and_grads(0)[0].parameters()))

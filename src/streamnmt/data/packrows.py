@@ -50,14 +50,15 @@ _POOL_JOB: Any = None  # pack_rows's arguments, for the forked workers (inherite
 
 def _pack_in_processes(src_len: np.ndarray, tgt_len: np.ndarray, order: np.ndarray, s_width: int, t_width: int,
                        window: int, ratio: float, workers: int) -> list[np.ndarray] | None:
-    """The windows packed by ``workers`` forked processes, in order; None where a process could not
-    be forked or died (killed, out of memory): the caller then packs in this process. The workers
-    run NumPy only, end with the trainer (:func:`streamnmt.data.workers.detach`) and keep SIGTERM's
-    default, so that shutting the pool down never waits on a worker."""
+    """The windows packed by ``workers`` forked processes, each a run of consecutive windows, in
+    order; None where a process could not be forked or died (killed, out of memory): the caller then
+    packs in this process. The workers run NumPy only, end with the trainer
+    (:func:`streamnmt.data.workers.detach`) and keep SIGTERM's default, so that shutting the pool
+    down never waits on a worker."""
     global _POOL_JOB
     starts = list(range(0, len(order), window))
     n = min(workers, len(starts))
-    chunks = [starts[i::n] for i in range(n)]  # worker i: windows i, i + n, ...
+    chunks = [starts[i * len(starts) // n:(i + 1) * len(starts) // n] for i in range(n)]
     _POOL_JOB = (src_len, tgt_len, order, s_width, t_width, window, ratio)
     try:
         with warnings.catch_warnings():  # the children run NumPy only: no CUDA, no other thread's locks
@@ -69,27 +70,24 @@ def _pack_in_processes(src_len: np.ndarray, tgt_len: np.ndarray, order: np.ndarr
         return None
     finally:
         _POOL_JOB = None
-    by_window: dict[int, list[np.ndarray]] = {}
-    for chunk, (flat, counts, per_window) in zip(chunks, parts):
-        rows = np.split(flat, np.cumsum(counts)[:-1]) if len(counts) else []
-        at = 0
-        for k, n_rows in zip(chunk, per_window):
-            by_window[k] = rows[at:at + n_rows]
-            at += n_rows
-    return [row for k in starts for row in by_window[k]]
+    return [row for flat, counts in parts for row in _unflatten(flat, counts)]
 
 
-def _pack_windows_of_job(chunk: list[int]) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """A worker's windows: their rows as one flat array, the rows' lengths and each window's row count."""
+def _pack_windows_of_job(chunk: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """A worker's windows, their rows flattened (:func:`_flatten`)."""
     src_len, tgt_len, order, s_width, t_width, window, ratio = _POOL_JOB
-    rows: list[np.ndarray] = []
-    per_window = []
-    for k in chunk:
-        packed = _pack_window(src_len, tgt_len, order[k:k + window], s_width, t_width, ratio)
-        rows.extend(packed)
-        per_window.append(len(packed))
+    return _flatten([row for k in chunk for row in _pack_window(src_len, tgt_len, order[k:k + window], s_width,
+                                                                  t_width, ratio)])
+
+
+def _flatten(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows as one array and their lengths: one buffer to send to another process, not one a row."""
     counts = np.fromiter((len(r) for r in rows), np.int64, len(rows))
-    return (np.concatenate(rows) if rows else np.zeros(0, np.int64)), counts, per_window
+    return (np.concatenate(rows) if rows else np.zeros(0, np.int64)), counts
+
+
+def _unflatten(flat: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+    return np.split(flat, np.cumsum(counts)[:-1]) if len(counts) else []
 
 
 def _pack_window(src_len: np.ndarray, tgt_len: np.ndarray, part: np.ndarray, s_width: int, t_width: int,
@@ -165,8 +163,7 @@ class _Planner:
         """The rows of ``key`` (waits for the planner); raises EOFError/OSError if it died."""
         if key not in self._answers:
             self._collect(until=key)
-        flat, counts = self._answers.pop(key)
-        return np.split(flat, np.cumsum(counts)[:-1]) if len(counts) else []
+        return _unflatten(*self._answers.pop(key))
 
     def _collect(self, until: tuple | None = None) -> None:
         while self._asked and (until is None or until not in self._answers):
@@ -190,8 +187,7 @@ def _planner_loop(conn: Any, parent_end: Any) -> None:
         except EOFError:  # the trainer closed its end or died
             return
         rows = epoch_rows(*args)
-        counts = np.fromiter((len(r) for r in rows), np.int64, len(rows))
-        conn.send((key, np.concatenate(rows) if rows else np.zeros(0, np.int64), counts))  # one buffer each
+        conn.send((key, *_flatten(rows)))
 
 
 def _planner() -> _Planner | None:

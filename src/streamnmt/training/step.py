@@ -324,7 +324,7 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
     # can put the step inside a CUDA graph (used by every strategy, so all compute the same).
     loss_model = LossModel(model, label_smoothing, compiled=compile) if loss_model is None else loss_model
     optimizer = Adam(loss_model.parameters(), lr=schedule.lr_t, betas=(0.9, 0.98), eps=1e-9,
-                                 fused=True, capturable=device.type == "cuda")
+                     fused=True, capturable=device.type == "cuda")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
     cache = None

@@ -54,11 +54,13 @@ def test_two_gpus_equal_one_gpu_double_budget_packed(tmp_path, home, strategy): 
     assert two.returncode == 0, two.stderr[-3000:]
     if strategy == "graph":
         assert "graph mode captured" in two.stdout and "graph mode unavailable" not in two.stdout + two.stderr
-    # Each tensor within 1e-4: at 1d988d6 (2 x H100) every step's loss agreed within 1e-5, but
-    # encoder.0.ln1.bias, a tensor of norm 0.017, differed by 8.6e-5 of its norm in full and
-    # graph alike: Adam (eps 1e-9) scales each element's step by its own gradient history, so
-    # summation-order rounding in the packed rows' sums grows most in the smallest tensors.
-    assert_same_training(tmp_path / "two", tmp_path / "one", steps=STEPS, tensor_tol=1e-4)
+    # Each tensor within 1e-3 of its norm (the losses and the whole model within 1e-5): Adam (eps
+    # 1e-9) scales each element's step by its own gradient history, so summation-order rounding in
+    # the packed rows' sums grows most in the smallest tensors, the layer-norm biases (norm ~0.02):
+    # 8.6e-5 on 2 x H100 (1d988d6), 1.9e-4 on 2 x H200 (b54be41, decoder.0.ln3.bias). A tensor
+    # whose gradient missed the all-reduce would differ by a share of its norm near its whole
+    # movement in 100 steps, far above 1e-3.
+    assert_same_training(tmp_path / "two", tmp_path / "one", steps=STEPS, tensor_tol=1e-3)
 
 
 def test_killed_rank_under_nccl_graph_then_resume_on_two_and_one_gpus(tmp_path, home):  # noqa: F811

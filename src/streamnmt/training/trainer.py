@@ -61,11 +61,19 @@ class Trainer(TrainerSetup):
         loop_s = self.clock() - loop_start
         self.times["training"] = loop_s - self.times["evaluation"] - self.times["checkpoints"]
         end_start = self.clock()
-        if self.sync_stats:  # the whole run's host waits once, instead of a table per epoch
-            self.log(f"training host syncs over {len(self.sync_stats)} epoch(s):\n"
-                     + format_table(merge_sync_stats([e["train"] for e in self.sync_stats])))
-        for log in (self.steps_log, self.results_log, self.evals_log, self.scalars):
-            log.close()
+        try:  # the logs and plots while the last last.pt is written (its write waited for below)
+            if self.sync_stats:  # the whole run's host waits once, instead of a table per epoch
+                self.log(f"training host syncs over {len(self.sync_stats)} epoch(s):\n"
+                         + format_table(merge_sync_stats([e["train"] for e in self.sync_stats])))
+            for log in (self.steps_log, self.results_log, self.evals_log, self.scalars):
+                log.close()
+            if self.dist.main and (self.save_dir / "steps.csv").stat().st_size > 0 and self.global_step > 0:
+                plot_results(self.save_dir)
+        finally:
+            te = self.clock()
+            self.checkpointer.close()  # every write on disk before the run says it saved
+            write_s = self.clock() - te
+            self.times["checkpoints"] += write_s
         result = {"save_dir": self.save_dir, "best_val": self.best_val, "steps": self.global_step, "last": row,
                   "stopped": self.stopped, "times": self.times}
         if not self.dist.main:
@@ -74,8 +82,6 @@ class Trainer(TrainerSetup):
         self._export_ema()
         ema_s = self.clock() - te
         self.times["checkpoints"] += ema_s
-        if (self.save_dir / "steps.csv").stat().st_size > 0 and self.global_step > 0:
-            plot_results(self.save_dir)
         if self.stopped:
             reason = self.stop_reason(self.global_step) if callable(self.stop_reason) else self.stop_reason
             if not reason:
@@ -83,7 +89,7 @@ class Trainer(TrainerSetup):
                           f"stopped after step {self.global_step}: another rank asked to (its time limit)")
             self.log(f"{reason}; "
                      f"saved {self.save_dir / 'weights' / 'last.pt'}")
-        self.times["other"] = self.clock() - end_start - ema_s  # the sync table, logs closed, plots
+        self.times["other"] = self.clock() - end_start - write_s - ema_s  # the sync table, logs closed, plots
         result["wall_s"] = time.monotonic() - self.t_command
         self.log(time_line(self.times, result["wall_s"]))
         return result
@@ -324,10 +330,7 @@ class Trainer(TrainerSetup):
         # save): the checkpoint must hold the evaluation's best metric, cadence and patience
         if self.last_save_step != self.global_step or not self.global_step or evaluated:
             losses += self._drain("stop")
-            self._save_last(wait=True)
-        te = self.clock()
-        self.checkpointer.close()
-        self.times["checkpoints"] += self.clock() - te
+            self._save_last()  # written while the run's logs and plots are made; train() waits for it
         self.evaluator.close()
 
     def _save_last(self, wait: bool = False, keep: int = 0) -> None:

@@ -409,3 +409,17 @@ case "$1" in
       echo "== 2 GPUs, 1M pairs"; grep -E "set-up [0-9]|graph mode|wall [0-9]+ s" "$OUT/split2.log" | cut -c1-220
     fi ;;
 esac
+case "$1" in
+  ab-120)  # the 120-s built-in run at the defaults: the tree in BASE (e.g. .base/src: `git archive COMMIT src | tar
+           # -x -C .base`, carried) against this one, after a 20-s run that makes the corpus and warms the caches;
+           # the set-up split and the end line of each
+    timeout 100 python3 -m streamnmt train --time-limit 20s --project /tmp/runs --name warm > "$OUT/wall_warm.log" 2>&1
+    for run in base new; do
+      src=src; [ $run = base ] && src=${BASE:-.base/src}
+      t0=$(date +%s%N); PYTHONPATH=$src timeout 200 python3 -m streamnmt train --time-limit 120s --project /tmp/runs \
+        --name $run 2>&1 | python3 -u scripts/stamp.py > "$OUT/wall_$run.log"
+      echo "$(( ($(date +%s%N) - t0) / 1000000 )) ms wall (outside)" >> "$OUT/wall_$run.log"
+      cp /tmp/runs/$run/evals.csv "$OUT/${run}_evals.csv" 2>/dev/null
+      echo "== $run"; grep -E "set-up [0-9]|wall [0-9]+ s|graph mode|outside|priming" "$OUT/wall_$run.log" | cut -c1-260
+    done ;;
+esac

@@ -33,7 +33,6 @@ from streamnmt.fsutil import atomic_write
 from streamnmt.inference.decoding import decode_dtype
 from streamnmt.models.attention import resolve_attention
 from streamnmt.models.transformer import ModelShape, Transformer
-from streamnmt.training import prime
 from streamnmt.training.checkpointer import Checkpointer, remove_stale_temporaries
 from streamnmt.training.evaluator import Cadence, Evaluation, Evaluator
 from streamnmt.training.recipe import resolve_compile_for_ranks, resolve_job_for_ranks
@@ -82,10 +81,6 @@ class TrainerSetup:
         with self._phase("model"):
             self._build_model(resume)
             self._build_engine()
-        if self._primer is not None:  # before the loaders fork their planner; said apart in the set-up line
-            self.setup_s["priming"] = self._primer.join()
-            if self._primer.error:
-                self.log(f"engine: CUDA priming stopped ({self._primer.error}); the warm-up pays for the rest")
         with self._phase("loaders"):
             self._build_loaders()
             self._build_state(resume)
@@ -112,7 +107,6 @@ class TrainerSetup:
         names = {"start-up": "start-up (interpreter and imports)",
                  "device": "device (CUDA context, process group)" if self.device.type == "cuda" else "device",
                  "imports": "waiting for TorchDynamo's import",
-                 "priming": f"waiting for CUDA's priming ({getattr(self._primer, 'took_s', 0.0):.1f} s on its thread)",
                  "engine": ("graph capture" if getattr(self.strategy, "name", "") == "graph" else "engine")
                  + (" and compile" if self.job.engine.compile == "on" else "")}
         parts = ", ".join(f"{names.get(k, k)} {v:.1f} s" for k, v in self.setup_s.items())
@@ -168,23 +162,17 @@ class TrainerSetup:
                                 m.n_layers, m.n_heads, m.d_ff, m.dropout,
                                 max_positions=max(1024, job.data.max_len + 8), tie_embeddings=m.tie_embeddings,
                                 attention_dropout=m.attention_dropout, activation_dropout=m.activation_dropout)
-        attention = resolve_attention(m.attention, self.device, self.log)
-        step_kwargs = dict(d_model=m.d_model, lr=job.optim.lr, warmup=job.optim.warmup, amp=job.optim.amp,
-                           clip=job.optim.clip_grad, label_smoothing=m.label_smoothing)
-        train_shapes = batch_plan(self.data.train, job.data)[1]
-        # CUDA's lazy loading paid on a thread while the model and its step are built (training.prime)
-        self._primer: prime.Primer | None = prime.start(self.shape, example_batch(train_shapes[0], self.shape, job.run.seed,
-                                                             packed=job.data.packs),
-                                   self.device, attention=attention, step_kwargs=step_kwargs)
         self.model = Transformer(self.shape).to(self.device)
-        self.model.set_attention(attention)
+        self.model.set_attention(resolve_attention(m.attention, self.device, self.log))
         if job.run.weights and resume is None:
             load_model_weights(self.model, load_checkpoint(job.run.weights), job.run.weights)
             self.log(f"weights: started from {job.run.weights}")
         if self.dist.rank > 0:  # same initial weights on every rank, its own dropout stream after
             torch.manual_seed(job.run.seed + 1_000_003 * self.dist.rank)
-        self.step_fn = make_step(self.model, self.device, **step_kwargs, compile=job.engine.compile == "on",
-                                 shapes=len({*train_shapes,  # validation's too
+        self.step_fn = make_step(self.model, self.device, d_model=m.d_model, lr=job.optim.lr,
+                                 warmup=job.optim.warmup, amp=job.optim.amp, clip=job.optim.clip_grad,
+                                 label_smoothing=m.label_smoothing, compile=job.engine.compile == "on",
+                                 shapes=len({*batch_plan(self.data.train, job.data)[1],  # validation's too
                                              *batch_plan(self.data.dev, job.data, train=False)[1]}), ema=job.run.ema,
                                  ddp=self.dist.active, bucket_cap_mb=job.engine.bucket_cap_mb)
         self.optimizer, self.schedule, self.scaler = (self.step_fn.optimizer, self.step_fn.schedule,

@@ -184,3 +184,36 @@ def test_evals_say_the_runs_wall_clock_at_each_evaluation_summed_over_resumes(tm
     older.train()
     evals = read_csv(tmp_path / "w" / "evals.csv")
     assert len(evals) == 4 and evals[-1]["wall_s"] == "" and evals[-2]["wall_s"] != ""
+
+
+def test_the_last_write_runs_while_the_plots_are_drawn_and_ends_before_the_run_does(tmp_path, monkeypatch):
+    """The end of the run draws its plots while the last last.pt is written, then waits for the
+    write: the plots start before the write ends, and the run returns with last.pt of its last step."""
+    import time as _time
+
+    from streamnmt.training import checkpointer, trainer
+
+    events: list[tuple[str, float]] = []
+    real_save, real_plot = checkpointer.save_checkpoint, trainer.plot_results
+
+    def slow_save(path, state):
+        events.append(("write", _time.monotonic()))
+        _time.sleep(0.5)
+        real_save(path, state)
+        events.append(("written", _time.monotonic()))
+
+    def plot(run_dir):
+        events.append(("plot", _time.monotonic()))
+        return real_plot(run_dir)
+
+    monkeypatch.setattr(checkpointer, "save_checkpoint", slow_save)
+    monkeypatch.setattr(trainer, "plot_results", plot)
+    t = make_trainer(tmp_path, "--name", "p", "--max-steps", "3", "--epochs", "50")
+    result = t.train()
+    last_write = max(ts for name, ts in events if name == "write")
+    plotted = max(ts for name, ts in events if name == "plot")
+    written = max(ts for name, ts in events if name == "written")
+    assert last_write < plotted < written  # drawn while the last write was in flight
+    ckpt = torch.load(tmp_path / "p" / "weights" / "last.pt", weights_only=True)
+    assert ckpt["step"] == result["steps"] == 3
+    assert result["times"]["checkpoints"] >= 0.3  # the wait for that write counted as checkpoints

@@ -58,22 +58,10 @@ class Trainer(TrainerSetup):
             while self.epoch < r.epochs and not self._done():
                 row = self.run_epoch(self.epoch) or row
             self._finish()
-        loop_s = self.clock() - loop_start
-        self.times["training"] = loop_s - self.times["evaluation"] - self.times["checkpoints"]
-        end_start = self.clock()
-        try:  # the logs and plots while the last last.pt is written (its write waited for below)
-            if self.sync_stats:  # the whole run's host waits once, instead of a table per epoch
-                self.log(f"training host syncs over {len(self.sync_stats)} epoch(s):\n"
-                         + format_table(merge_sync_stats([e["train"] for e in self.sync_stats])))
-            for log in (self.steps_log, self.results_log, self.evals_log, self.scalars):
-                log.close()
-            if self.dist.main and (self.save_dir / "steps.csv").stat().st_size > 0 and self.global_step > 0:
-                plot_results(self.save_dir)
-        finally:
-            te = self.clock()
-            self.checkpointer.close()  # every write on disk before the run says it saved
-            write_s = self.clock() - te
-            self.times["checkpoints"] += write_s
+            loop_s = self.clock() - loop_start
+            self.times["training"] = loop_s - self.times["evaluation"] - self.times["checkpoints"]
+            end_start = self.clock()
+            write_s = self._close_logs()  # inside: a SIGTERM meanwhile is caught as in the loop
         result = {"save_dir": self.save_dir, "best_val": self.best_val, "steps": self.global_step, "last": row,
                   "stopped": self.stopped, "times": self.times}
         if not self.dist.main:
@@ -93,6 +81,24 @@ class Trainer(TrainerSetup):
         result["wall_s"] = time.monotonic() - self.t_command
         self.log(time_line(self.times, result["wall_s"]))
         return result
+
+    def _close_logs(self) -> float:
+        """The sync table, the logs closed and the plots drawn while the last last.pt is written;
+        then the wait for that write (returned, in seconds), so it ends before the run says it saved."""
+        try:
+            if self.sync_stats:  # the whole run's host waits once, instead of a table per epoch
+                self.log(f"training host syncs over {len(self.sync_stats)} epoch(s):\n"
+                         + format_table(merge_sync_stats([e["train"] for e in self.sync_stats])))
+            for log in (self.steps_log, self.results_log, self.evals_log, self.scalars):
+                log.close()
+            if self.dist.main and (self.save_dir / "steps.csv").stat().st_size > 0 and self.global_step > 0:
+                plot_results(self.save_dir)
+        finally:
+            te = self.clock()
+            self.checkpointer.close()
+            write_s = self.clock() - te
+            self.times["checkpoints"] += write_s
+        return write_s
 
     def _done(self) -> bool:
         r = self.job.run
@@ -209,7 +215,7 @@ class Trainer(TrainerSetup):
         train_nll = sum(v.values["nll"] for v in finite) / max(len(finite), 1)
         # 6. checkpoint: the next epoch starts from its first batch (when due: see _save_due)
         if ending or self._save_due():
-            self._save_last(wait=ending)
+            self._save_last()  # the end of the run waits for it (Trainer._close_logs)
         row = {"epoch": epoch + 1, "train_loss": train_loss, "train_nll": train_nll,
                "train_ppl": math.exp(min(train_nll, 700.0)), "val_loss": "" if result is None else result.val_loss,
                "bleu": "" if result is None or result.bleu is None else round(result.bleu, 2),

@@ -416,3 +416,23 @@ def test_lockstep_exchanges_wait_dist_timeout_and_long_waits_the_control_group(m
                  "Operation timed out!", "Timed out waiting 10000ms for recv operation to complete"):
         assert is_collective_error(RuntimeError(text)), text
     assert not is_collective_error(RuntimeError("shape mismatch"))
+
+
+def test_agree_any_takes_each_flag_from_any_rank_in_one_all_reduce(monkeypatch):
+    """Several flags in one host all-reduce (MAX): each True wherever any rank's is; the other
+    rank here says (stop, not due), this one (no stop, due)."""
+    import torch.distributed as tdist
+
+    from streamnmt.dist import Dist
+
+    calls: list[list[int]] = []
+
+    def all_reduce(t, op=None, group=None):
+        calls.append(t.tolist())
+        t.copy_(torch.maximum(t, torch.tensor([1, 0], dtype=t.dtype)))  # the other rank's flags
+
+    monkeypatch.setattr(tdist, "all_reduce", all_reduce)
+    d = Dist(rank=0, world=2, backend="gloo", control="CONTROL", lockstep="LOCKSTEP")
+    assert d.agree_any((False, True), "dist.step") == (True, True)
+    assert calls == [[0, 1]]  # one collective for both
+    assert Dist().agree_any((False, True)) == (False, True)  # one process: its own

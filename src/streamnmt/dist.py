@@ -89,17 +89,22 @@ class Dist:
     def agree(self, flag: bool, site: str = "dist.stop", long_wait: bool = False) -> bool:
         """True on every rank if ``flag`` is True on any (e.g. a signal reached one rank). The ranks
         come together within --dist-timeout, unless ``long_wait`` (some rank works alone first)."""
+        return self.agree_any((flag,), site, long_wait)[0]
+
+    def agree_any(self, flags: tuple[bool, ...], site: str = "dist.stop", long_wait: bool = False) -> tuple[bool, ...]:
+        """:meth:`agree` for several flags in one host-side all-reduce: each True on every rank if
+        it is True on any. A flag only rank 0 sets (others pass False) gives rank 0's answer."""
         if not self.active:
-            return flag
+            return tuple(flags)
         import torch
         import torch.distributed as dist
 
         from streamnmt.engine.syncstats import host_sync
-        t = torch.tensor([int(flag)], dtype=torch.int32)
-        # Needed: all ranks must stop after the same step; host-side (gloo), not a GPU wait.
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        # Needed: all ranks must stop (and evaluate) after the same step; host-side (gloo), not a GPU wait.
         group = self.control if long_wait or self.lockstep is None else self.lockstep
         host_sync(site, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
-        return bool(t[0])
+        return tuple(bool(v) for v in t.tolist())
 
     def broadcast(self, obj: Any, site: str = "dist.broadcast") -> Any:
         """Rank 0's ``obj`` on every rank (the others wait for rank 0 to get there)."""

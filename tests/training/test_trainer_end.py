@@ -130,10 +130,15 @@ def test_agreements_after_rank0s_own_work_wait_on_the_long_group(tmp_path):
             calls.append((site, long_wait))
             return flag
 
+        def agree_any(self, flags, site="dist.stop", long_wait=False):
+            calls.append((site, long_wait))
+            return tuple(flags)
+
     t.dist = Ranks()
     t._done()  # between epochs
-    t._stop_agreed(every=1)  # in the loop, after a step
-    assert calls == [("dist.stop", True), ("dist.stop", False)]
+    t.global_step = t.job.engine.sync_interval
+    t._after_step()  # in the loop, after a step
+    assert calls == [("dist.stop", True), ("dist.step", False)]
 
 
 def test_the_trainer_and_its_graphs_are_gone_before_the_process_group_is(tmp_path, monkeypatch):
@@ -217,3 +222,30 @@ def test_the_last_write_runs_while_the_plots_are_drawn_and_ends_before_the_run_d
     ckpt = torch.load(tmp_path / "p" / "weights" / "last.pt", weights_only=True)
     assert ckpt["step"] == result["steps"] == 3
     assert result["times"]["checkpoints"] >= 0.3  # the wait for that write counted as checkpoints
+
+
+@pytest.mark.parametrize("main", [True, False])
+def test_after_a_step_one_agreement_carries_the_stop_and_rank0s_evaluation(tmp_path, main):
+    """Several ranks, the time rule: every --sync-interval steps one all-reduce of (stop, rank 0's
+    due); a rank other than 0 contributes no due of its own; between those steps nothing is asked."""
+    t = make_trainer(tmp_path, "--name", "s", "--max-steps", "2")
+    k = t.job.engine.sync_interval
+    sent: list[tuple] = []
+
+    class Ranks:
+        active, world = True, 2
+        rank = 0 if main else 1
+
+        def agree_any(self, flags, site="dist.stop", long_wait=False):
+            sent.append(tuple(flags))
+            return (flags[0] or not main, True)  # the other rank asked to stop; rank 0's rule: due
+
+    Ranks.main = main
+    t.dist = Ranks()
+    t.evaluator.cadence.due = lambda step, epoch_end: True  # this rank's own clock says due
+    t.global_step = k + 1
+    assert t._after_step() is False and sent == [] and t.stopped is False  # not an agreement step
+    t.global_step = 2 * k
+    assert t._after_step() is True  # rank 0's answer, on every rank
+    assert sent == [(False, main)]  # only rank 0 puts its rule in
+    assert t.stopped is (not main)  # any rank's stop request stops all

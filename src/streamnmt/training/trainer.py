@@ -102,9 +102,13 @@ class Trainer(TrainerSetup):
 
     def _done(self) -> bool:
         r = self.job.run
-        if not self.stop_requested and self.budget.expired(self._reserve()):  # e.g. after an evaluation
+        self._check_budget()  # e.g. after an evaluation
+        return self._stop_agreed() or bool(r.max_steps and self.global_step >= r.max_steps)
+
+    def _check_budget(self) -> None:
+        """Ask to stop once --time-limit leaves only what the end of the run needs (_reserve)."""
+        if not self.stop_requested and self.budget.expired(self._reserve()):
             self._request_stop(self.budget.reason)
-        return self._stop_agreed(long_wait=True) or bool(r.max_steps and self.global_step >= r.max_steps)
 
     def _reserve(self, evaluation: bool = True) -> float:
         """Seconds the end of the run will take after the last step: its evaluation (unless not
@@ -119,15 +123,15 @@ class Trainer(TrainerSetup):
             if self.dist.active else 0.0
         return ev + writes + agreeing + min(END_SHARE * (self.budget.limit_s or 0.0), 5.0)
 
-    def _stop_agreed(self, every: int = 1, long_wait: bool = False) -> bool:
-        """Stop after this step? One process: a signal, --time-limit or --patience asked for it.
-        Several: the ranks agree, every ``every`` steps (one host-side all-reduce), so that they all
-        stop after the same step; ``long_wait`` where rank 0 may still be busy alone (an epoch end's
-        evaluation and checkpoint wait), else a rank missing for --dist-timeout is lost."""
+    def _stop_agreed(self) -> bool:
+        """Between epochs: stop now? One process: a signal, --time-limit or --patience asked for it.
+        Several: the ranks agree (one host-side all-reduce) on the long control group, since rank 0
+        may still be busy alone (an epoch end's evaluation and checkpoint wait). In the loop the
+        agreement is :meth:`_after_step`'s."""
         if not self.dist.active:
             self.stopped = self.stop_requested
-        elif self.global_step % every == 0:
-            self.stopped = self.dist.agree(self.stop_requested, long_wait=long_wait)
+        else:
+            self.stopped = self.dist.agree(self.stop_requested, long_wait=True)
         return self.stopped
 
     def run_epoch(self, epoch: int) -> dict[str, Any]:
@@ -170,20 +174,27 @@ class Trainer(TrainerSetup):
                 bar.set_postfix_str(f"loss {self.last_loss:.4f} (as of last extraction)", refresh=False)
             now = self.clock()
             self._trained(now - mark)
-            # 3. evaluation when due (before a save of the same step, so that the checkpoint holds
-            # its early-stopping state), mid-epoch checkpoint, kill test hook, signals (host flags)
-            if self.epoch_pos < end_pos and self._eval_due(epoch_end=False):  # the epoch's end has its own
+            # 3. the time budget; then whether to stop and whether to evaluate (host flags; several
+            # ranks: one agreement); evaluation before a save of the same step, so that the
+            # checkpoint holds its early-stopping state; mid-epoch checkpoint; kill test hook
+            self._check_budget()
+            due = self._after_step()
+            if self.stopped:  # the end of the run (_finish) evaluates and saves this step
+                break
+            if due and self.epoch_pos < end_pos:  # the epoch's end has its own
                 losses += self._evaluate(epoch)
+                # --patience, or the time the evaluation took: stop after this step (every rank
+                # evaluated here, so every rank takes part in this agreement)
+                self._check_budget()
+                self.stopped = self.dist.agree(self.stop_requested) if self.dist.active else self.stop_requested
             if r.save_every and self.global_step % r.save_every == 0:
                 losses += self._save_mid_epoch("save", keep=r.keep_last)
-            if not self.stop_requested and self.budget.expired(self._reserve()):
-                self._request_stop(self.budget.reason)
             if self.global_step == int(os.environ.get("STREAMNMT_TEST_KILL_AT_STEP", "0")):
                 if self.dist.active:
                     self.dist.kill_launcher()
                 os.kill(os.getpid(), signal.SIGKILL)
             mark = self.clock()
-            if self._stop_agreed(self.job.engine.sync_interval):
+            if self.stopped:
                 break
         if self.stopped:  # the end of the run (_finish) drains, evaluates and saves where we are
             self.pending_losses = losses
@@ -252,10 +263,26 @@ class Trainer(TrainerSetup):
         if not self.dist.active or cadence.every is not None:
             return cadence.due(self.global_step, epoch_end)
         # Several ranks and the time rule: rank 0's clock decides (the ranks' clocks differ a little
-        # and they must agree), asked mid-epoch only every --sync-interval steps (a host collective).
-        if not epoch_end and self.global_step % self.job.engine.sync_interval:
-            return False
+        # and they must agree). Mid-epoch the loop asks through _after_step.
         return self.dist.broadcast(cadence.due(self.global_step, epoch_end), "dist.cadence")
+
+    def _after_step(self) -> bool:
+        """Mid-epoch, after a step: sets ``self.stopped`` (every rank stops now) and returns whether
+        to evaluate this step. One process decides alone. Several ranks: every --sync-interval
+        steps one host-side all-reduce carries both answers, any rank's stop request and rank 0's
+        time rule (its clock decides: the ranks' clocks differ a little); between those steps no
+        rank stops, and only --eval-every N (the same step count everywhere) evaluates."""
+        cadence, step = self.evaluator.cadence, self.global_step
+        if not self.dist.active:
+            self.stopped = self.stop_requested
+            return cadence.due(step, epoch_end=False)
+        counted = cadence.every is not None
+        due = counted and cadence.due(step, epoch_end=False)
+        if step % self.job.engine.sync_interval == 0:
+            ask = self.dist.main and not counted and cadence.due(step, epoch_end=False)
+            self.stopped, agreed = self.dist.agree_any((self.stop_requested, ask), "dist.step")
+            due = due or agreed
+        return due
 
     def _save_due(self) -> bool:
         """An epoch end's last.pt, by the evaluation's rule (its cost: the last write's time on the

@@ -366,11 +366,10 @@ class Trainer(TrainerSetup):
             self._save_last()  # written while the run's logs and plots are made; train() waits for it
         self.evaluator.close()
 
-    def _save_last(self, wait: bool = False, keep: int = 0) -> None:
+    def _save_last(self, keep: int = 0) -> None:
+        """last.pt of this step; with --async-save (the default) the caller waits for its staging only."""
         ts = self.clock()
         self._save("last.pt", keep=keep)
-        if wait:
-            self.checkpointer.wait()
         waited = self.clock() - ts
         self.waits["save_s"] += waited
         self.times["checkpoints"] += waited

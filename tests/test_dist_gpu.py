@@ -56,10 +56,9 @@ def test_two_gpus_equal_one_gpu_double_budget_packed(tmp_path, home, strategy): 
         assert "graph mode captured" in two.stdout and "graph mode unavailable" not in two.stdout + two.stderr
     # Each tensor within 1e-3 of its norm (the losses and the whole model within 1e-5): Adam (eps
     # 1e-9) scales each element's step by its own gradient history, so summation-order rounding in
-    # the packed rows' sums grows most in the smallest tensors, the layer-norm biases (norm ~0.02):
-    # 8.6e-5 on 2 x H100 (1d988d6), 1.9e-4 on 2 x H200 (b54be41, decoder.0.ln3.bias). A tensor
-    # whose gradient missed the all-reduce would differ by a share of its norm near its whole
-    # movement in 100 steps, far above 1e-3.
+    # the packed rows' sums grows most in the smallest tensors, the layer-norm biases (what the
+    # GPUs gave: docs/PERFORMANCE.md, "Two H100s"). A tensor whose gradient missed the all-reduce
+    # would differ by a share of its norm near its whole movement in 100 steps, far above 1e-3.
     assert_same_training(tmp_path / "two", tmp_path / "one", steps=STEPS, tensor_tol=1e-3)
 
 

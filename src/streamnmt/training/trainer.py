@@ -218,7 +218,7 @@ class Trainer(TrainerSetup):
             self.epoch, self.epoch_pos = epoch + 1, 0
         ending = self.epoch >= r.epochs or bool(r.max_steps and self.global_step >= r.max_steps)
         result = None
-        if self.last_eval_step != self.global_step and (ending or self._eval_due(epoch_end=True)):
+        if self.last_eval_step != self.global_step and (ending or self._epoch_end_eval_due()):
             self._evaluate(epoch)
             result = self.last_eval
         finite = [v for v in losses if math.isfinite(v[1])]  # a skipped step's loss is left out
@@ -258,13 +258,13 @@ class Trainer(TrainerSetup):
         self.evaluator.cadence.trained(seconds)
         self.save_cadence.trained(seconds)
 
-    def _eval_due(self, epoch_end: bool) -> bool:
+    def _epoch_end_eval_due(self) -> bool:
+        """Evaluate at this epoch end? Several ranks and the time rule: rank 0's clock decides (the
+        ranks' clocks differ a little and they must agree). Mid-epoch the loop asks :meth:`_after_step`."""
         cadence = self.evaluator.cadence
         if not self.dist.active or cadence.every is not None:
-            return cadence.due(self.global_step, epoch_end)
-        # Several ranks and the time rule: rank 0's clock decides (the ranks' clocks differ a little
-        # and they must agree). Mid-epoch the loop asks through _after_step.
-        return self.dist.broadcast(cadence.due(self.global_step, epoch_end), "dist.cadence")
+            return cadence.due(self.global_step, epoch_end=True)
+        return self.dist.broadcast(cadence.due(self.global_step, epoch_end=True), "dist.cadence")
 
     def _after_step(self) -> bool:
         """Mid-epoch, after a step: sets ``self.stopped`` (every rank stops now) and returns whether

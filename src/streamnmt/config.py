@@ -173,6 +173,9 @@ class RunConfig:
     beam_size: int = opt(3, "beam size of the epoch-end BLEU decoding")
     eval_dtype: str = opt("auto", "weights' dtype of the BLEU decoding: auto (bf16 on a GPU that has it natively, "
                                   "else fp32), bf16, fp16 (CUDA only) or fp32", choices=("auto", "bf16", "fp16", "fp32"))
+    async_eval: str = opt("auto", "decode the dev BLEU pass on a thread beside training (its weights copied at the "
+                                  "evaluated step; validation stays on the loop): auto = on a GPU with one process, "
+                                  "on = also on the CPU, off = the loop waits for it", choices=("auto", "on", "off"))
     eval_every: str = opt("auto", "when to evaluate (val loss, BLEU, best.pt, patience): auto = once the training "
                                   "since the last evaluation is 9x what that evaluation cost (evaluation stays "
                                   "under ~10 % of the run), and at the end of the run; N = every N optimizer steps "
@@ -207,6 +210,7 @@ class RunConfig:
         check(self.bleu_samples >= 0, "bleu_samples", f"must be 0 or more; got {self.bleu_samples}")
         check(self.beam_size >= 1, "beam_size", f"must be at least 1; got {self.beam_size}")
         check_choice(self.eval_dtype, "eval_dtype", ("auto", "bf16", "fp16", "fp32"))
+        check_choice(self.async_eval, "async_eval", ("auto", "on", "off"))
         check_recipe(self)
         if self.device is not None:
             import torch

@@ -11,8 +11,10 @@ carries a comment at the call site saying why the wait is needed there.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -43,9 +45,21 @@ class SyncStats:
 
     def __init__(self) -> None:
         self.sites: dict[str, SiteStats] = {}
+        self._local = threading.local()  # a thread's own counters (:meth:`own`)
 
     def record(self, site: str, ms: float) -> None:
-        self.sites.setdefault(site, SiteStats()).add(ms)
+        own = getattr(self._local, "sites", None)
+        (self.sites if own is None else own).setdefault(site, SiteStats()).add(ms)
+
+    @contextlib.contextmanager
+    def own(self) -> Iterator[dict[str, SiteStats]]:
+        """This thread's waits into a dict of their own for the body of the ``with`` (a BLEU pass
+        beside training: its waits are not the training loop's)."""
+        self._local.sites = sites = {}
+        try:
+            yield sites
+        finally:
+            self._local.sites = None
 
     def reset(self) -> dict[str, dict[str, float]]:
         """Return the counters as a dict and start afresh (called at each epoch end)."""

@@ -59,13 +59,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in _DTYPE.items()}.get(dtype, str(dtype))
 
 
-def decoding_copy(model: Transformer, dtype: torch.dtype, copy: Transformer | None = None) -> Transformer:
-    """``model`` itself for its own dtype, else ``copy`` (a cast copy made on the first call) with
-    ``model``'s current weights copied in: the trainer decodes its BLEU pass in bf16 while it trains
-    in fp32, and the copy's weights stay at the same addresses, so captured decoding graphs stay valid."""
-    if next(model.parameters()).dtype == dtype:
+def decoding_copy(model: Transformer, dtype: torch.dtype, copy: Transformer | None = None, *,
+                  separate: bool = False) -> Transformer:
+    """``model`` itself for its own dtype (unless ``separate``), else ``copy`` (a cast copy made on
+    the first call) with ``model``'s current weights copied in: the trainer decodes its BLEU pass in
+    bf16 while it trains in fp32, and the copy's weights stay at the same addresses, so captured
+    decoding graphs stay valid. ``separate``: a copy even in the model's dtype (a pass that decodes
+    while the model trains on)."""
+    if next(model.parameters()).dtype == dtype and not separate:
         return model
-    if copy is None:
+    if copy is None or copy is model:
         copy = copy_module.deepcopy(model).to(dtype)
     with torch.no_grad():
         for dst, src in zip(copy.parameters(), model.parameters()):

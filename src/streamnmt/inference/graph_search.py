@@ -32,9 +32,11 @@ there). A failed capture is reported in one line and that batch shape decoded ea
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +52,27 @@ from streamnmt.inference.staticcache import StaticCache
 from streamnmt.engine.syncstats import host_sync
 from streamnmt.models.transformer import Transformer
 
-__all__ = ["BucketKey", "GraphDecoder", "SPAN", "StaticCache", "shared_decoder", "source_bucket", "translate_ids"]
+__all__ = ["BucketKey", "GraphDecoder", "SPAN", "StaticCache", "replays_only", "shared_decoder", "source_bucket",
+           "translate_ids"]
 WARMUP_STEPS = 2  # eager steps on a side stream before a capture (lazy initialisations); even: see _capture
 MAX_SHARED = 4  # decoders kept by shared_decoder (models x search settings)
+
+
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def replays_only() -> Iterator[None]:
+    """On this thread, for the body of the ``with``: decode through buckets already captured only; a
+    batch that no kept bucket covers is decoded eagerly. For decoding beside another thread's graph
+    replays (the trainer's BLEU pass beside training): a capture puts the process in capture mode
+    (the default CUDA generator's capture flag is process-wide in torch 2.11), which the other
+    thread's replays would meet."""
+    _LOCAL.replays_only = True
+    try:
+        yield
+    finally:
+        _LOCAL.replays_only = False
 
 
 def source_bucket(s: int, max_positions: int) -> int:
@@ -138,7 +158,7 @@ class GraphDecoder:
         src_mask = masks.src_mask(wide)  # (B, 1, 1, S')
         mem = model.encode(wide, src_mask)  # (B, S', D)
         bucket = self._bucket(key, cover, mem.dtype, src.device)
-        if bucket is None:  # capture failed: this batch takes the eager path
+        if bucket is None:  # capture failed (or replays only): this batch takes the eager path
             return search_scored(model, src, opts, k, greedy=k == 1)
         bucket.load(mem, src_mask, limits)
         # 3. replay until every sentence has finished
@@ -159,7 +179,7 @@ class GraphDecoder:
         if cover is not None:
             self.buckets.move_to_end(cover)
             return self.buckets[cover]
-        if key in self.failed:
+        if key in self.failed or (device.type == "cuda" and getattr(_LOCAL, "replays_only", False)):
             return None
         bucket = _Bucket(self.model, key, self.opts, dtype, device)
         if device.type == "cuda":

@@ -14,6 +14,10 @@ and checkpoints in a run"). Three things keep evaluation a bounded share of the 
 * Dev BLEU decodes through the graph decoder (:mod:`streamnmt.inference.graph_search`) on a
   decoding copy of the model in ``--eval-dtype`` (bf16 where the GPU has it) whose weights stay at
   fixed addresses, so its buckets are captured once per run and replayed at every evaluation.
+* ``--async-eval`` (on a GPU with one process): after the first evaluation, which captures the
+  decoding graphs on the loop, the BLEU pass runs on a thread beside training
+  (:mod:`streamnmt.training.beside`): :meth:`Evaluator.launch` starts it, :meth:`Evaluator.collect`
+  decides with its result at a later step.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ import torch
 from streamnmt.data import read_pairs
 from streamnmt.engine.base import tensors
 from streamnmt.engine.syncstats import host_sync
+from streamnmt.inference.decoding import SearchOptions, decoding_copy
 from streamnmt.inference.scoring import ScorePool, bleu_on_pairs
 from streamnmt.models import masks
-from streamnmt.inference.decoding import SearchOptions, decoding_copy
+from streamnmt.training.beside import Beside, Snapshot
 from streamnmt.training.step import LossModel
 from streamnmt.training.stopping import EarlyStopping, best_metric, parse_duration
 
@@ -66,8 +71,16 @@ class Cadence:
         wait = self.ratio * self.cost_s
         return self.since_s >= (wait if epoch_end else max(wait, self.min_interval_s))
 
-    def done(self, cost_s: float) -> None:
-        self.since_s, self.cost_s = 0.0, cost_s
+    def done(self, cost_s: float, restart: bool = True) -> None:
+        """An evaluation cost ``cost_s``; ``restart``: count the training since from now (a pass
+        beside training restarted the count when it started: :meth:`started`)."""
+        self.cost_s = cost_s
+        if restart:
+            self.since_s = 0.0
+
+    def started(self) -> None:
+        """An evaluation started beside training: its cost is known when it ends (:meth:`done`)."""
+        self.since_s = 0.0
 
     def state_dict(self) -> dict[str, Any]:
         return {"since_s": self.since_s, "cost_s": self.cost_s}
@@ -85,6 +98,8 @@ class Evaluation:
     better: bool
     bleu_n: int = 0  # dev sentences scored: fewer than --bleu-samples when the time limit cut the pass
     val_s: float = 0.0  # seconds of the validation loss (the first: its graph's capture included)
+    step: int = 0  # the step whose weights were evaluated
+    pending: bool = False  # its BLEU pass still runs beside training (bleu None until collected)
 
 
 class CapturedLoss:
@@ -164,6 +179,14 @@ class Evaluator:
         # scoring workers for the run's BLEU passes, started now (they start while the run sets up)
         self.pool = ScorePool(job.data.tgt_lang) if run.bleu_samples and dist.main else None
         self._captured = CapturedLoss(self._nll, device, log) if device.type == "cuda" else None
+        # --async-eval: the BLEU pass on a thread beside training (one process: with several ranks
+        # rank 0's evaluation is agreed on at once, see Trainer._after_step)
+        wanted = run.async_eval == "on" or (run.async_eval == "auto" and device.type == "cuda")
+        self.beside = wanted and not dist.active and bool(run.bleu_samples)
+        self._side = torch.cuda.Stream(device) if self.beside and device.type == "cuda" else None
+        self._snapshot = Snapshot()  # the evaluated step's weights, for best.pt (device buffers)
+        self.pending: tuple[Evaluation, dict[str, torch.Tensor], Beside] | None = None
+        self.passes = 0  # BLEU passes made
 
     # -- what the loop calls ------------------------------------------------------------------
     def evaluate(self, step: int, ema: Any = None, on_better: Callable[[], None] | None = None,
@@ -186,31 +209,79 @@ class Evaluator:
             val_loss, bleu, bleu_s, bleu_n, asked = self.dist.broadcast((val_loss, bleu, bleu_s, bleu_n, asked),
                                                                         "dist.evaluate")
             self.best_val = min(self.best_val, val_loss)
-            cut = bleu is not None and bleu_n < asked
-            if cut and self.stopper.metric == "bleu":
-                # Not comparable with a full pass's BLEU: best.pt takes these weights only while no
-                # full pass has set a best, and --patience does not count this evaluation.
-                better = self.stopper.best is None
-                self.log(f"eval: the time limit cut the BLEU pass at {bleu_n} of {asked} dev sentences (the "
-                         f"longest first): BLEU {bleu:.2f} on those, "
-                         + ("best.pt until a full pass sets a best" if better else "not compared for best.pt"))
-            else:
-                if cut:
-                    self.log(f"eval: the time limit cut the BLEU pass at {bleu_n} of {asked} dev sentences "
-                             f"(the longest first): BLEU {bleu:.2f} on those")
-                better = self.stopper.update(bleu if self.stopper.metric == "bleu" else val_loss, step)
+            better = self._decide(step, val_loss, bleu, bleu_n, asked)
             if better and on_better is not None:
                 on_better()
-        return Evaluation(val_loss, bleu, bleu_s, better, bleu_n, val_s)
+        return Evaluation(val_loss, bleu, bleu_s, better, bleu_n, val_s, step)
+
+    def launch(self, step: int, ema: Any = None, stop: Callable[[], bool] | None = None) -> Evaluation:
+        """``--async-eval``: validate now and start the BLEU pass of these weights beside training
+        (the caller drained the streams first); :meth:`collect` decides with its result."""
+        if self.pending is not None:
+            raise RuntimeError("a BLEU pass is still beside training: collect it first")
+        with ema.swapped() if ema is not None else contextlib.nullcontext():
+            weights = self._snapshot.take(self.model.state_dict())
+            self.bleu_model = decoding_copy(self.model, self.bleu_dtype, self.bleu_model, separate=True)
+            t0 = time.perf_counter()
+            val_loss = self.validate()  # its host sync waits for the copies above too (queued before it)
+            val_s = time.perf_counter() - t0
+        self.best_val = min(self.best_val, val_loss)
+        if self._side is not None:
+            self._side.wait_stream(torch.cuda.current_stream(self.device))  # the copies (done already)
+        result = Evaluation(val_loss, None, 0.0, False, 0, val_s, step, pending=True)
+        self.pending = (result, weights, Beside(lambda: self._decode(stop), self.device, self._side))
+        return result
+
+    @property
+    def running(self) -> bool:
+        """A BLEU pass beside training that has not finished yet."""
+        return self.pending is not None and not self.pending[2].done
+
+    def collect(self, on_better: Callable[[dict[str, torch.Tensor]], None] | None = None,
+                wait: bool = False) -> tuple[Evaluation, dict[str, dict[str, float]]] | None:
+        """The evaluation whose BLEU pass ran beside training, once the pass has finished (``wait``:
+        wait for it), decided as :meth:`evaluate` decides; ``on_better`` gets the evaluated step's
+        weights (the snapshot). Returns it and the pass's host waits; None where none is ready."""
+        if self.pending is None or (not wait and self.running):
+            return None
+        launched, weights, task = self.pending
+        self.pending = None
+        bleu, bleu_s, bleu_n = task.join()
+        better = self._decide(launched.step, launched.val_loss, bleu, bleu_n, len(self._pairs or ()))
+        if better and on_better is not None:
+            on_better(weights)
+        done = dataclasses.replace(launched, bleu=bleu, bleu_s=bleu_s, bleu_n=bleu_n, better=better, pending=False)
+        return done, task.stats
+
+    def _decide(self, step: int, val_loss: float, bleu: float | None, bleu_n: int, asked: int) -> bool:
+        """best.pt and --patience: True where ``step``'s weights are the best so far."""
+        cut = bleu is not None and bleu_n < asked
+        if cut and self.stopper.metric == "bleu":
+            # Not comparable with a full pass's BLEU: best.pt takes these weights only while no
+            # full pass has set a best, and --patience does not count this evaluation.
+            better = self.stopper.best is None
+            self.log(f"eval: the time limit cut the BLEU pass at {bleu_n} of {asked} dev sentences (the "
+                     f"longest first): BLEU {bleu:.2f} on those, "
+                     + ("best.pt until a full pass sets a best" if better else "not compared for best.pt"))
+            return better
+        if cut:
+            self.log(f"eval: the time limit cut the BLEU pass at {bleu_n} of {asked} dev sentences "
+                     f"(the longest first): BLEU {bleu:.2f} on those")
+        return self.stopper.update(bleu if self.stopper.metric == "bleu" else val_loss, step)
 
     def start_line(self) -> str:
         """What evaluation runs on, and the decoding copy's memory (made now, kept for the run)."""
         run = self.job.run
         if run.bleu_samples and self.device.type == "cuda":
-            self.bleu_model = decoding_copy(self.model, self.bleu_dtype, self.bleu_model)
+            self.bleu_model = decoding_copy(self.model, self.bleu_dtype, self.bleu_model, separate=self.beside)
         copy_mb = 0.0
         if self.bleu_model is not None and self.bleu_model is not self.model:
             copy_mb = sum(p.numel() * p.element_size() for p in self.bleu_model.parameters()) / 2 ** 20
+        snap_mb = sum(t.numel() * t.element_size() for t in self.model.state_dict().values()) / 2 ** 20
+        beside = (f"; after the first, BLEU passes beside training (--async-eval; best.pt's weights copied at "
+                  f"the evaluated step, {snap_mb:.0f} MiB)" if self.beside else
+                  "; BLEU on the loop (--async-eval: several ranks)" if run.async_eval == "on" and run.bleu_samples
+                  else "")
         every = self.job.run.eval_every
         when = ("auto: when the training since the last evaluation reaches "
                 f"{COST_RATIO:g}x its cost, and at the end" if every == "auto" else
@@ -219,7 +290,7 @@ class Evaluator:
                 f"BLEU of {run.bleu_samples} dev sentences, beam {run.beam_size}, "
                 f"{str(self.bleu_dtype).removeprefix('torch.')} "
                 + (f"CUDA graphs (decoding copy {copy_mb:.0f} MiB)" if self.options.graph else "eager"))
-        return f"eval: {when}; validation {'CUDA graphs' if self._captured else 'eager'}; {bleu}"
+        return f"eval: {when}; validation {'CUDA graphs' if self._captured else 'eager'}; {bleu}{beside}"
 
     # -- the parts ----------------------------------------------------------------------------
     def _nll(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,17 +319,24 @@ class Evaluator:
         n = self.job.run.bleu_samples
         if n == 0:
             return None, 0.0, 0
-        if self._pairs is None:
-            self._pairs = read_pairs(self.job.data, "dev")[:n]
         t0 = time.perf_counter()
-        self.bleu_model = model = decoding_copy(self.model, self.bleu_dtype, self.bleu_model)
-        res = bleu_on_pairs(model, self.data.src_tok, self.data.tgt_tok, self._pairs, device=self.device,
+        self.bleu_model = decoding_copy(self.model, self.bleu_dtype, self.bleu_model, separate=self.beside)
+        bleu, _, bleu_n = self._decode(stop)
+        return bleu, time.perf_counter() - t0, bleu_n
+
+    def _decode(self, stop: Callable[[], bool] | None) -> tuple[float | None, float, int]:
+        """The BLEU pass of the decoding copy as it is (on the loop or beside it)."""
+        if self._pairs is None:
+            self._pairs = read_pairs(self.job.data, "dev")[:self.job.run.bleu_samples]
+        t0 = time.perf_counter()
+        res = bleu_on_pairs(self.bleu_model, self.data.src_tok, self.data.tgt_tok, self._pairs, device=self.device,
                             beam_size=self.job.run.beam_size, batch_size=EVAL_BATCH,
                             tgt_lang=self.job.data.tgt_lang, options=self.options, pool=self.pool, stop=stop)
+        self.passes += 1
         return res["bleu"], time.perf_counter() - t0, res["n"]
 
     def close(self) -> None:
-        """The end of the run: the scoring workers exit."""
+        """The end of the run: the scoring workers exit (the caller collected any pass beside training)."""
         if self.pool is not None:
             self.pool.close()
             self.pool = None

@@ -226,6 +226,8 @@ class TrainerSetup:
         self.times = dict.fromkeys(("training", "evaluation", "checkpoints", "set-up", "other"), 0.0)
         self.waits: dict[str, Any] = {"eval_s": 0.0, "save_s": 0.0, "stats": []}
         self.last_eval: Evaluation | None = None
+        self.launched: dict[str, Any] | None = None  # the evaluation whose BLEU pass runs beside training
+        self.fresh_bleu: float | None = None  # a pass beside training's BLEU, for the next epoch line
         self.best_on_disk: float | None = None  # the --best-metric value of the model best.pt holds
         self.last_eval_step = self.last_save_step = -1
         # The wall clock of the run's earlier processes up to the state a resume starts from, so that

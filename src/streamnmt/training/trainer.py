@@ -4,7 +4,8 @@ The engine (``streamnmt.engine``) knows nothing of translation; it drives the st
 ``streamnmt.training.step`` (loss, backward, clipped Adam on the Noam schedule, without a host
 sync). The parts around the loop are built by :class:`streamnmt.training.setup.TrainerSetup`;
 the Trainer runs the loop and calls them at named points: the evaluator (validation, BLEU,
-best.pt, patience, when to evaluate), the checkpointer (background writes), the time budget. The
+best.pt, patience, when to evaluate; the loop's side in :mod:`streamnmt.training.evaluating`), the
+checkpointer (background writes), the time budget. The
 loop reads top to bottom in :meth:`Trainer.run_epoch`; the end of a run, however it ends, in
 :meth:`Trainer._finish`. Every second of the wall clock is accounted to training, evaluation,
 checkpoints, set-up or the rest, and said in the run's last line. On several processes
@@ -30,6 +31,7 @@ from streamnmt.engine.losses import StepLoss
 from streamnmt.engine.syncstats import format_table
 from streamnmt.errors import NonFiniteLoss
 from streamnmt.training.checkpointer import safetensors_beside, weights_only
+from streamnmt.training.evaluating import EvaluationPoints
 from streamnmt.training.monitor import CpuSampler, NvmlSampler
 from streamnmt.training.plots import plot_results
 from streamnmt.training.reporting import epoch_line, merge_sync_stats, progress, time_line
@@ -41,7 +43,7 @@ from streamnmt.training.stopping import stop_signals
 END_SHARE = 0.02  # of --time-limit, kept for the run's end (exports, plots), at most 5 s
 
 
-class Trainer(TrainerSetup):
+class Trainer(EvaluationPoints, TrainerSetup):
     """Trains: epochs of steps through the engine's strategy, evaluations and checkpoints when due,
     and the end of the run. What it trains is built by :class:`TrainerSetup` from a :class:`TrainJob`;
     ``resume``, a loaded checkpoint, continues a run exactly (see there)."""
@@ -116,7 +118,9 @@ class Trainer(TrainerSetup):
         one of its kind took; a write still in flight counts once more) and the exports and plots
         (a small share)."""
         w = self.checkpointer.write_s
-        ev = (self.evaluator.cadence.cost_s or 0.0) + w.get("best", 0.0) if evaluation else 0.0
+        cost = self.evaluator.cadence.cost_s or 0.0
+        ev = cost + w.get("best", 0.0) if evaluation else 0.0
+        ev += cost if self.evaluator.running else 0.0  # a pass beside training: the end waits for it
         writes = w.get("last", 0.0) + (max(w.values(), default=0.0) if self.checkpointer.busy else 0.0)
         # several ranks agree to stop every --sync-interval steps: up to that many more steps run
         agreeing = (self.job.engine.sync_interval - 1) * self._loop_s / max(self._loop_steps, 1) \
@@ -174,6 +178,9 @@ class Trainer(TrainerSetup):
                 bar.set_postfix_str(f"loss {self.last_loss:.4f} (as of last extraction)", refresh=False)
             now = self.clock()
             self._trained(now - mark)
+            ev = self.evaluator
+            if ev.pending is not None and not ev.running and not self.checkpointer.busy:
+                self._collect_eval()  # a BLEU pass beside training has ended (its best.pt: no write to wait for)
             # 3. the time budget; then whether to stop and whether to evaluate (host flags; several
             # ranks: one agreement); evaluation before a save of the same step, so that the
             # checkpoint holds its early-stopping state; mid-epoch checkpoint; kill test hook
@@ -219,7 +226,7 @@ class Trainer(TrainerSetup):
         ending = self.epoch >= r.epochs or bool(r.max_steps and self.global_step >= r.max_steps)
         result = None
         if self.last_eval_step != self.global_step and (ending or self._epoch_end_eval_due()):
-            self._evaluate(epoch)
+            self._evaluate(epoch, beside=not ending)
             result = self.last_eval
         finite = [v for v in losses if math.isfinite(v[1])]  # a skipped step's loss is left out
         train_loss = sum(v[1] for v in finite) / max(len(finite), 1)
@@ -247,7 +254,9 @@ class Trainer(TrainerSetup):
         self.scalars.add(self.global_step, {"epoch/train_loss": row["train_loss"], "epoch/train_nll": train_nll,
                                             "epoch/tokens_per_s": row["tokens_per_s"],
                                             "sync/count": row["sync_count"], "sync/ms": row["sync_ms"]})
-        self.log(epoch_line(row, r.epochs))
+        # the console shows the newest BLEU: a pass beside training reports at a later epoch
+        shown, self.fresh_bleu = self.fresh_bleu, None
+        self.log(epoch_line(row if row["bleu"] != "" or shown is None else {**row, "bleu": round(shown, 2)}, r.epochs))
         if r.verbose:
             self.log(format_table(train_stats))
         return row
@@ -257,14 +266,6 @@ class Trainer(TrainerSetup):
         self._loop_s, self._loop_steps = self._loop_s + seconds, self._loop_steps + 1
         self.evaluator.cadence.trained(seconds)
         self.save_cadence.trained(seconds)
-
-    def _epoch_end_eval_due(self) -> bool:
-        """Evaluate at this epoch end? Several ranks and the time rule: rank 0's clock decides (the
-        ranks' clocks differ a little and they must agree). Mid-epoch the loop asks :meth:`_after_step`."""
-        cadence = self.evaluator.cadence
-        if not self.dist.active or cadence.every is not None:
-            return cadence.due(self.global_step, epoch_end=True)
-        return self.dist.broadcast(cadence.due(self.global_step, epoch_end=True), "dist.cadence")
 
     def _after_step(self) -> bool:
         """Mid-epoch, after a step: sets ``self.stopped`` (every rank stops now) and returns whether
@@ -290,62 +291,6 @@ class Trainer(TrainerSetup):
         due = not self.checkpointer.busy and self.save_cadence.due(self.global_step, epoch_end=True)
         return self.dist.broadcast(due, "dist.cadence") if self.dist.active else due
 
-    def _evaluate(self, epoch: int) -> list[StepLoss]:
-        """Drain, then validation loss and BLEU (with the EMA weights under --eval-ema); best.pt when
-        --best-metric improved; a stop request when --patience ran out. Returns the drained losses."""
-        te = self.clock()
-        losses = self._drain("eval")
-        wall_s = self.run_wall_s()  # when the run reached the evaluated weights (the drain: the GPU too)
-        held, STATS.sites = STATS.sites, {}  # the evaluation's host waits are not training's
-        best_save = [0.0]
-
-        def write_best() -> None:
-            value, metric = self.evaluator.stopper.best, self.evaluator.stopper.metric
-            on_disk = self.best_on_disk  # a resume's best.pt may hold a better model than last.pt knew of
-            if on_disk is not None and value is not None and not (value > on_disk if metric == "bleu"
-                                                                   else value < on_disk):
-                return
-            ts = self.clock()
-            self._save("best.pt", kind="best")
-            self.best_on_disk = value
-            best_save[0] = self.clock() - ts
-
-        ema = self.step_fn.ema if self.job.run.eval_ema else None
-        first = self.last_eval is None and self.device.type == "cuda"
-        before = torch.cuda.memory_reserved(self.device) if first else 0  # host-side counters: no sync
-        # Under --time-limit the BLEU pass stops decoding where the run's end (its last write and
-        # exports) would no longer fit: a half-trained model can decode several times longer than
-        # the last evaluation did, which the reserve had counted on.
-        stop = (lambda: self.budget.expired(self._reserve(evaluation=False))) if self.budget.limit_s else None
-        result = self.evaluator.evaluate(self.global_step, ema, on_better=write_best, stop=stop)
-        if first:  # what the evaluation's graphs (validation, decoding buckets) hold for the rest of the run
-            grown = (torch.cuda.memory_reserved(self.device) - before) / 2 ** 20
-            took = self.clock() - te
-            self.log(f"eval: the first evaluation took {took:.1f} s (validation {result.val_s:.1f} s, BLEU "
-                     f"{result.bleu_s:.1f} s, captures included; the rest {took - result.val_s - result.bleu_s:.1f} s); "
-                     f"its graphs and buffers reserved {grown:+.0f} MiB on the GPU")
-        self.waits["stats"].append(STATS.reset())
-        STATS.sites = held
-        cost = self.clock() - te - best_save[0]
-        self.evaluator.cadence.done(cost)
-        self.waits["eval_s"] += cost
-        self.waits["save_s"] += best_save[0]
-        self.times["evaluation"] += cost
-        self.times["checkpoints"] += best_save[0]
-        self.last_eval, self.last_eval_step = result, self.global_step
-        self.evals_log.write({"step": self.global_step, "epoch": epoch + 1,
-                              "wall_s": "" if wall_s is None else round(wall_s, 1),
-                              "val_loss": result.val_loss,
-                              "bleu": "" if result.bleu is None else round(result.bleu, 2),
-                              "bleu_n": "" if result.bleu is None else result.bleu_n,
-                              "bleu_s": round(result.bleu_s, 3), "val_s": round(result.val_s, 3),
-                              "best": int(result.better),
-                              "eval_s": round(cost, 3), "save_s": round(best_save[0], 3)})
-        self.scalars.add(self.global_step, {"dev/val_loss": result.val_loss, "dev/bleu": result.bleu})
-        if self.evaluator.stopper.should_stop:
-            self._request_stop(self.evaluator.stopper.reason())
-        return losses
-
     def _finish(self) -> None:
         """The end of the run, however it ends: every loss logged, the last step evaluated (not after
         a signal: the job is being stopped) and saved, and every write on disk."""
@@ -353,9 +298,10 @@ class Trainer(TrainerSetup):
         # one rank's signal; rank 0 may still be waiting for a write alone
         signalled = self.dist.agree(self.signalled, "dist.stop", long_wait=True) if self.dist.active else self.signalled
         self.signalled = signalled  # any rank's: what the last line says
+        self._collect_eval(wait=True)  # a BLEU pass beside training ends first
         evaluated = False
         if self.global_step and self.last_eval_step != self.global_step and not signalled:
-            losses += self._evaluate(self.epoch)
+            losses += self._evaluate(self.epoch, beside=False)
             evaluated = True
         if 0 < len(self.train_loader) <= self.epoch_pos:  # stopped at an epoch's last batch: a resume starts the next
             self.epoch, self.epoch_pos = self.epoch + 1, 0
@@ -423,15 +369,19 @@ class Trainer(TrainerSetup):
         self._save_last(keep=keep)
         return losses
 
-    def _save(self, name: str, kind: str = "last", keep: int = 0) -> float:
+    def _save(self, name: str, kind: str = "last", keep: int = 0, weights: dict[str, torch.Tensor] | None = None,
+              step: int | None = None) -> float:
         """weights/``name`` of this step (every rank calls it; rank 0 writes); ``kind`` best: the
-        weights only (:data:`WEIGHTS_KEYS`), with best.safetensors beside it. Returns the seconds
-        the loop waited (the staging copy; a write still in flight before it)."""
+        weights only (:data:`WEIGHTS_KEYS`), with best.safetensors beside it, the model's or
+        ``weights`` of ``step``. Returns the seconds the loop waited (the staging copy; a write
+        still in flight before it)."""
         rngs = self.dist.gather(rng_state()) if self.dist.active else None
         if not self.dist.main:
             return 0.0
         path = self.save_dir / "weights" / name
         state = {**self.checkpoint_state(), "rng_ranks": rngs}
+        if weights is not None:
+            state.update(model=weights, step=step)
         then = None
         if kind == "best":
             stopper = self.evaluator.stopper

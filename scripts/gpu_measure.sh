@@ -415,20 +415,14 @@ case "$1" in
     data=""; if [ "${CORPUS:-builtin}" = lt40 ]; then
       python3 scripts/make_longtail.py --out /tmp/lt40 --pairs 40000 > /dev/null; data="--data /tmp/lt40"; fi
     timeout 100 python3 -m streamnmt train $data --time-limit 20s --project /tmp/runs --name warm > "$OUT/wall_warm.log" 2>&1
+    runs=$(mktemp -d /tmp/ab_XXXX)  # a fresh project: run names are not taken by an earlier call's
     for mode in ${MODES:-off auto}; do
       t0=$(date +%s%N); timeout 200 python3 -m streamnmt train $data --time-limit 120s --async-eval $mode \
-        --project /tmp/runs --name $mode 2>&1 | python3 -u scripts/stamp.py > "$OUT/wall_$mode.log"
+        --project $runs --name $mode 2>&1 | python3 -u scripts/stamp.py > "$OUT/wall_$mode.log"
       echo "$(( ($(date +%s%N) - t0) / 1000000 )) ms wall (outside)" >> "$OUT/wall_$mode.log"
-      cp /tmp/runs/$mode/evals.csv "$OUT/${mode}_evals.csv"; cp /tmp/runs/$mode/results.csv "$OUT/${mode}_results.csv"
+      cp $runs/$mode/evals.csv "$OUT/${mode}_evals.csv"; cp $runs/$mode/results.csv "$OUT/${mode}_results.csv"
       echo "== $mode"; grep -E "set-up [0-9]|wall [0-9]+ s|outside|first evaluation|Traceback|Error" "$OUT/wall_$mode.log" | cut -c1-260
-      python3 - "$OUT/${mode}_evals.csv" "$OUT/${mode}_results.csv" <<'PY'
-import csv, sys
-ev = list(csv.DictReader(open(sys.argv[1]))); res = list(csv.DictReader(open(sys.argv[2])))
-b = [float(r["bleu"]) for r in ev if r["bleu"]]
-ep = sum(float(r["epoch_s"]) for r in res)
-print(f"evals {len(ev)}, best dev BLEU {max(b):.2f}, last {b[-1]:.2f}; steps {res[-1]['steps']}, epoch_s sum {ep:.1f} s,"
-      f" loop waits eval {sum(float(r['eval_s']) for r in ev):.1f} s, pass {sum(float(r['bleu_s']) for r in ev):.1f} s")
-PY
+      python3 scripts/ab_summary.py "$OUT/${mode}_evals.csv" "$OUT/${mode}_results.csv"
     done ;;
   ab-120)  # the 120-s built-in run at the defaults: the tree in BASE (e.g. .base/src: `git archive COMMIT src | tar
            # -x -C .base`, carried) against this one, after a 20-s run that makes the corpus and warms the caches;

@@ -17,7 +17,7 @@ from streamnmt.training.trainer import Trainer
 pytestmark = pytest.mark.gpu
 
 FLAGS = ["--device", "cuda", "--model", "tiny", "--builtin-size", "400", "--bleu-samples", "64", "--batch-size", "16",
-         "--max-len", "32", "--dropout", "0.1", "--epochs", "3", "--eval-every", "10"]
+         "--max-len", "32", "--no-pack", "--dropout", "0.1", "--epochs", "6", "--eval-every", "2"]
 
 
 def _train(tmp_path, mode: str, lines: list[str]) -> tuple[Trainer, list[dict[str, str]], list[float]]:

@@ -115,3 +115,25 @@ def test_a_thread_counts_its_host_waits_apart_and_the_snapshot_keeps_ties():
     shared.add_(1.0)
     again = snap.take({"a": shared, "b": shared, "c": torch.ones(2)})
     assert again["a"] is first["a"] and torch.equal(again["a"], shared)  # the same buffers, refilled
+
+
+@pytest.mark.parametrize("flags", [("--ema", "0.99", "--eval-ema"), ("--patience", "1", "--best-metric", "val_loss",
+                                                                    "--epochs", "6", "--lr", "20")])
+def test_ema_and_patience_decide_beside_training_as_on_the_loop(tmp_path, flags):
+    """--eval-ema: the passes decode the averaged weights of their step; --patience: a run whose
+    evaluations stop improving ends (a pass's verdict comes in later, at the next evaluation at
+    the latest), with the evaluations up to its stop those of the run that waits."""
+    lines: list[str] = []
+    for mode in ("off", "on"):
+        make_trainer(tmp_path, "--name", mode, *EVALS, *flags, "--async-eval", mode,
+                     lines=lines if mode == "on" else None).train()
+    cols = ("step", "val_loss", "bleu", "best")
+    off, on = ([{c: r[c] for c in cols} for r in read_csv(tmp_path / m / "evals.csv")] for m in ("off", "on"))
+    assert len(on) >= 3 and on[:-1] == off[:len(on) - 1]
+    if "--patience" in flags:
+        assert any(line.startswith("early stop: validation loss has not improved") for line in lines)
+        assert len(on) <= len(off) + 1
+    else:
+        assert on == off
+        best_off, best_on = (torch.load(tmp_path / m / "weights" / "best.pt", weights_only=True) for m in ("off", "on"))
+        assert all(torch.equal(w, best_on["model"][k]) for k, w in best_off["model"].items())

@@ -137,3 +137,25 @@ def test_ema_and_patience_decide_beside_training_as_on_the_loop(tmp_path, flags)
         assert on == off
         best_off, best_on = (torch.load(tmp_path / m / "weights" / "best.pt", weights_only=True) for m in ("off", "on"))
         assert all(torch.equal(w, best_on["model"][k]) for k, w in best_off["model"].items())
+
+
+def test_last_pt_holds_a_pass_that_ends_after_the_last_step(tmp_path):
+    """An epoch end launches a pass, saves last.pt, and the run stops there (as a time limit or
+    --patience would ask): the end of the run collects the pass, then writes last.pt again with
+    its early-stopping state."""
+    t = make_trainer(tmp_path, "--name", "end", *EVALS, "--async-eval", "on", "--best-metric", "val_loss")
+    real_save = t._save_last
+
+    def save_then_stop(keep=0):
+        real_save(keep)
+        if t.launched is not None and t.launched["step"] == t.global_step:  # the pass still runs
+            t._request_stop("stopped by the test after an epoch end's save")
+
+    t._save_last = save_then_stop
+    t.train()
+    rows = read_csv(tmp_path / "end" / "evals.csv")
+    assert rows[-1]["step"] == str(t.global_step) and rows[-1]["bleu"] != "" and len(rows) >= 2
+    last = torch.load(tmp_path / "end" / "weights" / "last.pt", weights_only=True)
+    assert last["step"] == t.global_step and last["last_eval_step"] == t.global_step
+    stopper = t.evaluator.stopper.state_dict()
+    assert {k: last["stopping"][k] for k in stopper} == stopper and stopper["best_step"] == t.global_step

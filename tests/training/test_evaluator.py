@@ -161,7 +161,7 @@ def test_the_time_limit_cuts_a_bleu_pass_that_would_overrun(tmp_path, monkeypatc
     assert len(rows) == 2 and int(rows[-1]["step"]) == result["steps"]
     assert rows[0]["bleu_n"] == "12" and rows[0]["best"] == "1"  # the first pass fitted
     assert rows[1]["bleu_n"] == "8" and rows[1]["best"] == "0"  # cut after its second batch
-    assert any(line.startswith("eval: the time limit cut the BLEU pass at 8 of 12 dev sentences")
+    assert any(line.startswith("eval: the end of the run (time limit or signal) cut the BLEU pass at 8 of 12 dev")
                and line.endswith("not compared for best.pt") for line in lines)
     assert result["wall_s"] >= 0 and t.clock() < 100 + 25 + 5  # at most one batch past the limit
 

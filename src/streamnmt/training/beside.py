@@ -78,11 +78,13 @@ class Beside:
                 if stream is not None:
                     on.enter_context(torch.cuda.device(device))
                     on.enter_context(torch.cuda.stream(stream))
-                self.result = fn()
-                if stream is not None:
-                    # Needed: the loop rewrites the decoding copy at its next evaluation once this
-                    # thread has ended; every kernel that reads it must have run by then.
-                    host_sync("eval.beside", stream)
+                try:
+                    self.result = fn()
+                finally:
+                    if stream is not None:
+                        # Needed: the loop rewrites the decoding copy at its next evaluation once
+                        # this thread has ended; every kernel that reads it must have run by then.
+                        host_sync("eval.beside", stream)
             self.stats = {site: s.as_dict() for site, s in sorted(sites.items())}
         except BaseException as e:  # noqa: BLE001 - raised on the loop's thread by join()
             self.error = e

@@ -42,10 +42,14 @@ class EvaluationPoints:
         wall_s = self.run_wall_s()  # when the run reached the evaluated weights (the drain: the GPU too)
         held, STATS.sites = STATS.sites, {}  # the evaluation's host waits are not training's
         ema = self.step_fn.ema if self.job.run.eval_ema else None
-        # Under --time-limit the BLEU pass stops decoding where the run's end (its last write and
-        # exports) would no longer fit: a half-trained model can decode several times longer than
-        # the last evaluation did, which the reserve had counted on.
-        stop = (lambda: self.budget.expired(self._reserve(evaluation=False))) if self.budget.limit_s else None
+        # The BLEU pass stops decoding on a signal (a grace period is short), and under --time-limit
+        # where the run's end (its last write and exports) would no longer fit: a half-trained
+        # model can decode several times longer than the last evaluation did, which the reserve
+        # had counted on.
+        def stop() -> bool:
+            return self.signalled or (self.budget.limit_s is not None
+                                      and self.budget.expired(self._reserve(evaluation=False)))
+
         if beside and ev.beside and ev.passes:
             result = ev.launch(self.global_step, ema, stop)
             self.waits["stats"].append(STATS.reset())
@@ -75,19 +79,20 @@ class EvaluationPoints:
         ev.cadence.done(cost)
         self._account(evaluation=cost, checkpoints=sum(best_s))
         self.last_eval, self.last_eval_step = result, self.global_step
+        self.decided_eval_step = self.global_step
         self._log_eval(result, epoch + 1, wall_s, cost, sum(best_s))
         return losses
 
-    def _collect_eval(self, wait: bool = False) -> None:
+    def _collect_eval(self, wait: bool = False) -> bool:
         """A BLEU pass beside training that has ended (``wait``: wait for it): best.pt from the
-        evaluated step's weights, --patience, its evals.csv row."""
+        evaluated step's weights, --patience, its evals.csv row. Returns whether one was collected."""
         tc = self.clock()
         best_s: list[float] = []
         launched = self.launched
         got = self.evaluator.collect(lambda weights: best_s.append(self._write_best(weights, launched["step"])),
                                      wait=wait) if launched else None
         if got is None:
-            return
+            return False
         result, stats = got
         waited = self.clock() - tc - sum(best_s)
         self._account(evaluation=waited, checkpoints=sum(best_s))
@@ -96,6 +101,8 @@ class EvaluationPoints:
         self.fresh_bleu = result.bleu
         self._log_eval(result, launched["epoch"], launched["wall_s"], launched["eval_s"] + waited, sum(best_s))
         self.launched = None
+        self.decided_eval_step = result.step
+        return True
 
     def _account(self, evaluation: float = 0.0, checkpoints: float = 0.0) -> None:
         """Seconds the loop waited for an evaluation and for checkpoint writes."""

@@ -181,7 +181,10 @@ class Evaluator:
         self._captured = CapturedLoss(self._nll, device, log) if device.type == "cuda" else None
         # --async-eval: the BLEU pass on a thread beside training (one process: with several ranks
         # rank 0's evaluation is agreed on at once, see Trainer._after_step)
-        wanted = run.async_eval == "on" or (run.async_eval == "auto" and device.type == "cuda")
+        # auto: where the training step is captured (graph mode), since the pass's sdpa_kernel
+        # settings are process-wide and would steer an eager step's attention while it runs
+        captured = job.engine.sync_strategy == "graph"
+        wanted = run.async_eval == "on" or (run.async_eval == "auto" and device.type == "cuda" and captured)
         self.beside = wanted and not dist.active and bool(run.bleu_samples)
         self._side = torch.cuda.Stream(device) if self.beside and device.type == "cuda" else None
         self._snapshot = Snapshot()  # the evaluated step's weights, for best.pt (device buffers)
@@ -234,8 +237,9 @@ class Evaluator:
 
     @property
     def running(self) -> bool:
-        """A BLEU pass beside training that has not finished yet."""
-        return self.pending is not None and not self.pending[2].done
+        """A BLEU pass beside training that has not finished yet (asked from either thread)."""
+        pending = self.pending  # read once: the loop may clear it meanwhile
+        return pending is not None and not pending[2].done
 
     def collect(self, on_better: Callable[[dict[str, torch.Tensor]], None] | None = None,
                 wait: bool = False) -> tuple[Evaluation, dict[str, dict[str, float]]] | None:
@@ -245,8 +249,10 @@ class Evaluator:
         if self.pending is None or (not wait and self.running):
             return None
         launched, weights, task = self.pending
-        self.pending = None
-        bleu, bleu_s, bleu_n = task.join()
+        try:
+            bleu, bleu_s, bleu_n = task.join()
+        finally:
+            self.pending = None  # after the join: the pass asks `running` while it decodes
         better = self._decide(launched.step, launched.val_loss, bleu, bleu_n, len(self._pairs or ()))
         if better and on_better is not None:
             on_better(weights)
@@ -260,13 +266,13 @@ class Evaluator:
             # Not comparable with a full pass's BLEU: best.pt takes these weights only while no
             # full pass has set a best, and --patience does not count this evaluation.
             better = self.stopper.best is None
-            self.log(f"eval: the time limit cut the BLEU pass at {bleu_n} of {asked} dev sentences (the "
-                     f"longest first): BLEU {bleu:.2f} on those, "
+            self.log(f"eval: the end of the run (time limit or signal) cut the BLEU pass at {bleu_n} of {asked} dev "
+                     f"sentences (the longest first): BLEU {bleu:.2f} on those, "
                      + ("best.pt until a full pass sets a best" if better else "not compared for best.pt"))
             return better
         if cut:
-            self.log(f"eval: the time limit cut the BLEU pass at {bleu_n} of {asked} dev sentences "
-                     f"(the longest first): BLEU {bleu:.2f} on those")
+            self.log(f"eval: the end of the run (time limit or signal) cut the BLEU pass at {bleu_n} of {asked} "
+                     f"dev sentences (the longest first): BLEU {bleu:.2f} on those")
         return self.stopper.update(bleu if self.stopper.metric == "bleu" else val_loss, step)
 
     def start_line(self) -> str:
@@ -281,6 +287,8 @@ class Evaluator:
         beside = (f"; after the first, BLEU passes beside training (--async-eval; best.pt's weights copied at "
                   f"the evaluated step, {snap_mb:.0f} MiB)" if self.beside else
                   "; BLEU on the loop (--async-eval: several ranks)" if run.async_eval == "on" and run.bleu_samples
+                  else "; BLEU on the loop (--async-eval auto: the training step is not captured)"
+                  if run.async_eval == "auto" and run.bleu_samples and self.device.type == "cuda" and not self.dist.active
                   else "")
         every = self.job.run.eval_every
         when = ("auto: when the training since the last evaluation reaches "

@@ -227,6 +227,7 @@ class TrainerSetup:
         self.waits: dict[str, Any] = {"eval_s": 0.0, "save_s": 0.0, "stats": []}
         self.last_eval: Evaluation | None = None
         self.launched: dict[str, Any] | None = None  # the evaluation whose BLEU pass runs beside training
+        self.decided_eval_step = -1  # the last evaluation whose results are in (last.pt keeps it)
         self.fresh_bleu: float | None = None  # a pass beside training's BLEU, for the next epoch line
         self.best_on_disk: float | None = None  # the --best-metric value of the model best.pt holds
         self.last_eval_step = self.last_save_step = -1
@@ -377,6 +378,7 @@ class TrainerSetup:
         self.last_save_step = self.global_step
         # a checkpoint of a step that was not evaluated (a signal, --save-every) gets its evaluation
         self.last_eval_step = ckpt.get("last_eval_step", self.global_step)
+        self.decided_eval_step = self.last_eval_step
         self.epoch, self.epoch_pos = ckpt["sampler"]["epoch"], ckpt["sampler"]["position"]
         self.train_loader.load_state_dict(ckpt["sampler"])
         # the loader converts a position saved at another world size; the trainer counts in its units
@@ -438,7 +440,9 @@ class TrainerSetup:
             "tokenizers": {side: tokenizer_entry(tok) for side, tok in (("src", self.data.src_tok),
                                                                           ("tgt", self.data.tgt_tok))},
             "config": self.job.to_dict(),
-            "step": self.global_step, "best_val": self.best_val, "last_eval_step": self.last_eval_step,
+            # the last evaluation decided (a pass still beside training is not in this state: a
+            # resume evaluates that step again where its rule says)
+            "step": self.global_step, "best_val": self.best_val, "last_eval_step": self.decided_eval_step,
             "wall_s": self.run_wall_s(),
             "recipe_device": dataclasses.asdict(self.recipe_device),
             "sampler": {**self.train_loader.state_dict(), "epoch": self.epoch, "position": self.epoch_pos},

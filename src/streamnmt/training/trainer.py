@@ -120,7 +120,8 @@ class Trainer(EvaluationPoints, TrainerSetup):
         w = self.checkpointer.write_s
         cost = self.evaluator.cadence.cost_s or 0.0
         ev = cost + w.get("best", 0.0) if evaluation else 0.0
-        ev += cost if self.evaluator.running else 0.0  # a pass beside training: the end waits for it
+        # a pass beside training: the end waits for it (not counted where the pass itself asks)
+        ev += cost if evaluation and self.evaluator.running else 0.0
         writes = w.get("last", 0.0) + (max(w.values(), default=0.0) if self.checkpointer.busy else 0.0)
         # several ranks agree to stop every --sync-interval steps: up to that many more steps run
         agreeing = (self.job.engine.sync_interval - 1) * self._loop_s / max(self._loop_steps, 1) \
@@ -298,8 +299,8 @@ class Trainer(EvaluationPoints, TrainerSetup):
         # one rank's signal; rank 0 may still be waiting for a write alone
         signalled = self.dist.agree(self.signalled, "dist.stop", long_wait=True) if self.dist.active else self.signalled
         self.signalled = signalled  # any rank's: what the last line says
-        self._collect_eval(wait=True)  # a BLEU pass beside training ends first
-        evaluated = False
+        # a BLEU pass beside training ends first; it changed the early-stopping state that last.pt keeps
+        evaluated = self._collect_eval(wait=True)
         if self.global_step and self.last_eval_step != self.global_step and not signalled:
             losses += self._evaluate(self.epoch, beside=False)
             evaluated = True

@@ -174,7 +174,8 @@ class RunConfig:
     eval_dtype: str = opt("auto", "weights' dtype of the BLEU decoding: auto (bf16 on a GPU that has it natively, "
                                   "else fp32), bf16, fp16 (CUDA only) or fp32", choices=("auto", "bf16", "fp16", "fp32"))
     async_eval: str = opt("auto", "decode the dev BLEU pass on a thread beside training (its weights copied at the "
-                                  "evaluated step; validation stays on the loop): auto = on a GPU with one process, "
+                                  "evaluated step; validation stays on the loop): auto = on a GPU with one process in "
+                                  "graph mode, "
                                   "on = also on the CPU, off = the loop waits for it", choices=("auto", "on", "off"))
     eval_every: str = opt("auto", "when to evaluate (val loss, BLEU, best.pt, patience): auto = once the training "
                                   "since the last evaluation is 9x what that evaluation cost (evaluation stays "

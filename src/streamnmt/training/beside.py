@@ -1,4 +1,5 @@
-"""The dev BLEU pass beside training (``--async-eval``, on by default on a GPU with one process).
+"""The dev BLEU pass beside training (``--async-eval``, on by default on a GPU with one process in
+graph mode).
 
 On a small corpus the step is fast and a BLEU pass costs several epochs' worth of decoding; with
 ``--eval-every auto`` evaluation takes its rule's ~8-10 % of the run's wall clock on the loop

@@ -410,6 +410,28 @@ case "$1" in
     fi ;;
 esac
 case "$1" in
+  ttb-budgets)  # #31: time to BLEU per token budget, each BUDGETS entry on its own GPU at once (nvidia-h100-x4 for
+                # four), `--time-limit ${TIME:-8m}` (a call lasts 10 minutes at most); PART=2 resumes each run for
+                # another TIME (evals.csv's wall_s counts across the resume; the corpus stays in /tmp while the
+                # machine is held); then the curves. PAIRS=40000 TIME=120s for the short-corpus comparison.
+    # (a CPU smoke test: PAIRS=3000 TIME=20s BUDGETS="256 512" EXTRA="--device cpu --model tiny" TTB=/tmp/ttbb_cpu)
+    T=${TIME:-8m}; D=${TTB:-/tmp/ttbb}_${PAIRS:-1000000}; C=$D/corpus; B=(${BUDGETS:-4096 8192 16384 32768})
+    [ -d $C ] || python3 scripts/make_longtail.py --out $C --pairs ${PAIRS:-1000000} > "$OUT/ttb_corpus.txt"
+    python3 -c "import sys; from streamnmt.data import DataConfig, prepare_data
+prepare_data(DataConfig(data=sys.argv[1]), log=print)" $C > "$OUT/ttb_prepare.log" 2>&1
+    for i in "${!B[@]}"; do
+      run=b${B[$i]}; flags=(--data $C --max-tokens ${B[$i]} --project $D --name $run ${EXTRA:-})
+      [ "${PART:-1}" = 2 ] && flags=(--resume $D/$run/weights/last.pt)
+      CUDA_VISIBLE_DEVICES=$i timeout 590 python3 -m streamnmt train "${flags[@]}" --time-limit "$T" \
+        >> "$OUT/ttb_$run.log" 2>&1 &
+    done
+    wait
+    runs=()
+    for b in "${B[@]}"; do
+      cp $D/b$b/evals.csv "$OUT/ttb_b${b}_evals.csv" 2>/dev/null && runs+=("$D/b$b=--max-tokens $b")
+      echo "== b$b"; grep -E "^recipe:|wall [0-9]+ s|^done|rror" "$OUT/ttb_b$b.log" | cut -c1-200
+    done
+    python3 scripts/plot_time_to_bleu.py "${runs[@]}" --out "$OUT/time_to_bleu_budgets.png" ;;
   ab-async)  # #29: the 120-s run at the defaults with the BLEU pass on the loop (--async-eval off) and beside
              # training (the default), after a 20-s warm run; CORPUS=lt40 for the long-tailed 40k corpus
     data=""; if [ "${CORPUS:-builtin}" = lt40 ]; then

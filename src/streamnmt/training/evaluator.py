@@ -98,8 +98,7 @@ class Evaluation:
     better: bool
     bleu_n: int = 0  # dev sentences scored: fewer than --bleu-samples when the time limit cut the pass
     val_s: float = 0.0  # seconds of the validation loss (the first: its graph's capture included)
-    step: int = 0  # the step whose weights were evaluated
-    pending: bool = False  # its BLEU pass still runs beside training (bleu None until collected)
+    step: int = 0  # the step whose weights were evaluated (its BLEU None while its pass runs beside training)
 
 
 class CapturedLoss:
@@ -231,7 +230,7 @@ class Evaluator:
         self.best_val = min(self.best_val, val_loss)
         if self._side is not None:
             self._side.wait_stream(torch.cuda.current_stream(self.device))  # the copies (done already)
-        result = Evaluation(val_loss, None, 0.0, False, 0, val_s, step, pending=True)
+        result = Evaluation(val_loss, None, 0.0, False, 0, val_s, step)
         self.pending = (result, weights, Beside(lambda: self._decode(stop), self.device, self._side))
         return result
 
@@ -256,7 +255,7 @@ class Evaluator:
         better = self._decide(launched.step, launched.val_loss, bleu, bleu_n, len(self._pairs or ()))
         if better and on_better is not None:
             on_better(weights)
-        done = dataclasses.replace(launched, bleu=bleu, bleu_s=bleu_s, bleu_n=bleu_n, better=better, pending=False)
+        done = dataclasses.replace(launched, bleu=bleu, bleu_s=bleu_s, bleu_n=bleu_n, better=better)
         return done, task.stats
 
     def _decide(self, step: int, val_loss: float, bleu: float | None, bleu_n: int, asked: int) -> bool:
@@ -284,12 +283,13 @@ class Evaluator:
         if self.bleu_model is not None and self.bleu_model is not self.model:
             copy_mb = sum(p.numel() * p.element_size() for p in self.bleu_model.parameters()) / 2 ** 20
         snap_mb = sum(t.numel() * t.element_size() for t in self.model.state_dict().values()) / 2 ** 20
-        beside = (f"; after the first, BLEU passes beside training (--async-eval; best.pt's weights copied at "
-                  f"the evaluated step, {snap_mb:.0f} MiB)" if self.beside else
-                  "; BLEU on the loop (--async-eval: several ranks)" if run.async_eval == "on" and run.bleu_samples
-                  else "; BLEU on the loop (--async-eval auto: the training step is not captured)"
-                  if run.async_eval == "auto" and run.bleu_samples and self.device.type == "cuda" and not self.dist.active
-                  else "")
+        beside = ""
+        if self.beside:
+            beside = (f"; after the first, BLEU passes beside training (--async-eval; best.pt's weights copied at "
+                      f"the evaluated step, {snap_mb:.0f} MiB)")
+        elif run.bleu_samples and run.async_eval != "off" and (self.dist.active or self.device.type == "cuda"):
+            why = "several ranks" if self.dist.active else "the training step is not captured"
+            beside = f"; BLEU on the loop (--async-eval {run.async_eval}: {why})"
         every = self.job.run.eval_every
         when = ("auto: when the training since the last evaluation reaches "
                 f"{COST_RATIO:g}x its cost, and at the end" if every == "auto" else

@@ -3,11 +3,14 @@
 Each row of ``evals.csv`` holds ``wall_s``, the run's seconds from the command's start (summed over
 resumes) to the evaluated weights, and the dev BLEU of that evaluation. A pass the time limit cut
 short (``bleu_n`` under the largest count of the run, taken as the whole pass) is drawn hollow and
-not counted as the run's best. Rows without ``wall_s`` (a run resumed from a checkpoint older than
+not counted as the run's best. Dev BLEU can move by many points from one evaluation to the next, so
+the plot draws each evaluation faintly and, solid, the best whole pass so far: what the run's
+best.pt holds at that moment. Rows without ``wall_s`` (a run resumed from a checkpoint older than
 that column: its earlier seconds are unknown) are left out, and the line says how many.
 
-Usage: python3 scripts/plot_time_to_bleu.py RUN_DIR[=LABEL] ... [--out ttb.png] [--target BLEU]
-Prints one line per run (evaluations, best BLEU and when, time to --target) and writes the plot.
+Usage: python3 scripts/plot_time_to_bleu.py RUN_DIR[=LABEL] ... [--out ttb.png] [--target BLEU] [--at MIN,...]
+Prints one line per run (evaluations, best BLEU and when, time to --target, the best so far at each
+--at minute) and writes the plot.
 """
 
 from __future__ import annotations
@@ -31,6 +34,19 @@ class Curve:
         """(BLEU, wall_s) of the best whole pass, or None."""
         points = [(b, w) for b, w, f in zip(self.bleu, self.wall_s, self.full) if f]
         return max(points, key=lambda p: (p[0], -p[1])) if points else None
+
+    def best_so_far(self) -> list[float | None]:
+        """After each evaluation, the best whole pass up to it (None before the first whole pass)."""
+        out: list[float | None] = []
+        for b, f in zip(self.bleu, self.full):
+            prev = out[-1] if out else None
+            out.append(max(b, prev) if f and prev is not None else (b if f else prev))
+        return out
+
+    def best_at(self, seconds: float) -> float | None:
+        """The best whole pass evaluated at or before ``seconds`` of wall clock."""
+        seen = [b for b, w in zip(self.best_so_far(), self.wall_s) if w <= seconds and b is not None]
+        return seen[-1] if seen else None
 
     def time_to(self, target: float) -> float | None:
         """wall_s of the first whole pass at or above ``target``, or None."""
@@ -68,9 +84,10 @@ def read_curve(spec: str) -> Curve:
         raise InputError(f"{evals}: {e}") from None
 
 
-def summary(curves: list[Curve], target: float | None) -> str:
+def summary(curves: list[Curve], target: float | None, at_min: list[float] = ()) -> str:
     head = f"{'run':<24} {'evals':>5} {'last s':>8} {'best BLEU':>9} {'at s':>8}"
-    head += f" {'to ' + format(target, 'g'):>9}" if target is not None else ""
+    head += f" {'to ' + format(target, 'g'):>11}" if target is not None else ""
+    head += "".join(f" {'best@' + format(m, 'g') + 'm':>9}" for m in at_min)
     lines = [head]
     for c in curves:
         best = c.best()
@@ -78,14 +95,17 @@ def summary(curves: list[Curve], target: float | None) -> str:
                 + (f"{best[0]:>9.2f} {best[1]:>8.1f}" if best else f"{'-':>9} {'-':>8}"))
         if target is not None:
             t = c.time_to(target)
-            line += f" {'not reached' if t is None else format(t, '.1f') + ' s':>9}"
+            line += f" {'not reached' if t is None else format(t, '.1f') + ' s':>11}"
+        for m in at_min:
+            b = c.best_at(60 * m)
+            line += f" {'-' if b is None else format(b, '.2f'):>9}"
         if c.untimed:
             line += f"  ({c.untimed} evaluation(s) without wall_s left out)"
         lines.append(line)
     return "\n".join(lines)
 
 
-def plot(curves: list[Curve], out: Path, target: float | None) -> None:
+def plot(curves: list[Curve], out: Path, target: float | None, ylim: float | None = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -93,16 +113,21 @@ def plot(curves: list[Curve], out: Path, target: float | None) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for c in curves:
         minutes = [w / 60 for w in c.wall_s]
-        (line,) = ax.plot(minutes, c.bleu, label=c.label)
-        ax.scatter([m for m, f in zip(minutes, c.full) if f], [b for b, f in zip(c.bleu, c.full) if f], s=14,
-                   color=line.get_color())
+        best = [(m, b) for m, b in zip(minutes, c.best_so_far()) if b is not None]
+        (line,) = ax.step(*zip(*best), where="post", lw=1.8, label=c.label) if best else ax.plot([], [], label=c.label)
+        color = line.get_color()
+        ax.plot(minutes, c.bleu, color=color, lw=0.6, alpha=0.3)
+        ax.scatter([m for m, f in zip(minutes, c.full) if f], [b for b, f in zip(c.bleu, c.full) if f], s=8,
+                   color=color, alpha=0.4)
         cut = [(m, b) for m, b, f in zip(minutes, c.bleu, c.full) if not f]
         if cut:
-            ax.scatter(*zip(*cut), s=14, facecolors="none", edgecolors=line.get_color())
+            ax.scatter(*zip(*cut), s=8, facecolors="none", edgecolors=color, alpha=0.4)
     if target is not None:
         ax.axhline(target, color="grey", lw=0.8, ls="--")
+    if ylim is not None:
+        ax.set_ylim(bottom=ylim)
     ax.set_xlabel("wall clock from the command's start (min)")
-    ax.set_ylabel("dev BLEU")
+    ax.set_ylabel("dev BLEU (line: best so far; dots: each pass)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -117,14 +142,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", metavar="RUN_DIR[=LABEL]", help="run directories (or evals.csv files)")
     p.add_argument("--out", default="time_to_bleu.png", help="the plot (PNG)")
     p.add_argument("--target", type=float, default=None, help="a dev BLEU: print when each run first reached it")
+    p.add_argument("--at", default="", metavar="MIN,...", help="minutes of wall clock: print each run's best so far there")
+    p.add_argument("--ylim", type=float, default=None, help="lowest dev BLEU drawn (default: all)")
     args = p.parse_args(argv)
+    try:
+        at_min = [float(m) for m in args.at.split(",") if m.strip()]
+    except ValueError:
+        print(f"plot_time_to_bleu: error: --at: not a list of minutes: {args.at!r}", file=sys.stderr)
+        return 2
     try:
         curves = [read_curve(spec) for spec in args.runs]
     except InputError as e:
         print(f"plot_time_to_bleu: error: {e}", file=sys.stderr)
         return 2
-    print(summary(curves, args.target))
-    plot(curves, Path(args.out), args.target)
+    print(summary(curves, args.target, at_min))
+    plot(curves, Path(args.out), args.target, args.ylim)
     print(f"plot: {args.out}")
     return 0
 

@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from streamnmt.config import ModelConfig, OptimConfig, recipe_max_tokens, recipe_warmup
+from streamnmt.config import TIME_TO_BLEU_TOKENS, ModelConfig, OptimConfig, recipe_budget, recipe_max_tokens, recipe_warmup
 from streamnmt.data.config import DataConfig
 from streamnmt.training.step import noam_lr
 from streamnmt.training.recipe import resolve_recipe
@@ -18,6 +18,13 @@ def test_token_budget_follows_gpu_memory_and_width():
     assert recipe_max_tokens(80, 512) == 4096 and recipe_max_tokens(24, 512) == 1024
     assert recipe_max_tokens(139.8, 1024) == 4096  # twice as wide: half the tokens
     assert recipe_max_tokens(139.8, 64) == 16384 and recipe_max_tokens(4, 512) == 1024  # clamped
+
+
+def test_default_budget_is_the_time_to_bleu_one_where_memory_allows():
+    assert TIME_TO_BLEU_TOKENS == 4096  # the measured winner (docs/PERFORMANCE.md); the cases below follow it
+    assert recipe_budget(139.8, 512) == 4096 and recipe_budget(80, 512) == 4096  # H200 and H100, base
+    assert recipe_budget(24, 512) == 1024 and recipe_budget(80, 1024) == 2048  # memory decides below it
+    assert recipe_budget(139.8, 64) == 4096  # a narrow model on a large GPU: still the time-to-BLEU budget
 
 
 def test_warmup_spans_the_reference_tokens_and_the_peak_grows_with_the_root_of_the_batch():
@@ -40,8 +47,17 @@ def test_gpu_defaults_are_a_device_sized_budget_with_its_warmup(monkeypatch):
     resolve, lines = _resolver("cuda:0", world=2)
     model = ModelConfig().resolve("base")
     data, optim = resolve(DataConfig(), OptimConfig(), model, accum=2)
-    assert data.max_tokens == 8192 and optim.warmup == recipe_warmup(8192 * 4)  # 2 ranks x 2 micro-batches
-    assert len(lines) == 1 and lines[0].startswith("recipe: --max-tokens 8192 (auto:") and "--warmup" in lines[0]
+    assert data.max_tokens == 4096 and optim.warmup == recipe_warmup(4096 * 4)  # 2 ranks x 2 micro-batches
+    assert len(lines) == 1 and lines[0].startswith("recipe: --max-tokens 4096 (auto: the best time to BLEU measured, "
+                                                   "within the 8192 that 64 per GiB of the GPU's 140 GiB")
+    assert "--warmup" in lines[0]
+    # a GPU whose memory holds less: the memory rule, and the line says the cap it stays under
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: types.SimpleNamespace(total_memory=24 * 2 ** 30))
+    resolve, lines = _resolver("cuda:0")
+    data, _ = resolve(DataConfig(), OptimConfig(), ModelConfig().resolve("base"))
+    assert data.max_tokens == 1024 and "GPU's 24 GiB" in lines[0] and "at most 4096, the best time to BLEU" in lines[0]
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: types.SimpleNamespace(total_memory=int(139.8 * 2 ** 30)))
     # explicit flags are kept; the warm-up still follows the given budget
     resolve, lines = _resolver("cuda:0")
     data, optim = resolve(DataConfig(max_tokens=6144), OptimConfig(), model)
@@ -64,14 +80,15 @@ def test_the_real_gpu_gets_its_budget_in_one_start_line():
     resolve, lines = _resolver("cuda:0")
     data, optim = resolve(DataConfig(), OptimConfig(), ModelConfig().resolve("base"))
     gib = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
-    assert data.max_tokens == recipe_max_tokens(gib, 512) and optim.warmup == recipe_warmup(data.max_tokens)
-    if "H200" in torch.cuda.get_device_name(0):
-        assert (data.max_tokens, optim.warmup) == (8192, 600)
+    assert data.max_tokens == recipe_budget(gib, 512) and optim.warmup == recipe_warmup(data.max_tokens)
+    if "H100" in torch.cuda.get_device_name(0) or "H200" in torch.cuda.get_device_name(0):
+        assert (data.max_tokens, optim.warmup) == (4096, 1200)
     assert len(lines) == 1 and f"--max-tokens {data.max_tokens}" in lines[0] and f"--warmup {optim.warmup}" in lines[0]
 
 
 def test_big_model_gets_half_the_budget_and_the_warmup_of_its_tokens(monkeypatch):
-    """--model big (d_model 1024) on one H200: 4096 tokens (half base's 8192, as the width doubles),
+    """--model big (d_model 1024) on one H200: 4096 tokens (the memory rule's half of base's 8192, as
+    the width doubles; base stays at the time-to-BLEU budget, 4096 too),
     and the warm-up spans the same tokens: 1200 steps, twice base's 600 (not scaled by d_model)."""
     from streamnmt.training import recipe
     monkeypatch.setattr(recipe, "device_memory_gib", lambda device: 139.8)

@@ -68,3 +68,15 @@ def test_bad_runs_exit_2_naming_the_file(tmp_path, capsys, content, says):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"plot_time_to_bleu: error: {run / 'evals.csv'}") and says in err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_best_so_far_skips_cut_passes_and_at_prints_it_per_minute(tmp_path, capsys):
+    run = write_run(tmp_path / "a", [(30.0, 20.0, 500), (60.0, 45.0, 120), (90.0, 41.0, 500), (150.0, 30.0, 500)])
+    c = ttb.read_curve(str(run))
+    assert c.best_so_far() == [20.0, 20.0, 41.0, 41.0]  # the cut pass is no best; a later drop keeps the best
+    assert c.best_at(29.0) is None and c.best_at(60.0) == 20.0 and c.best_at(1e9) == 41.0
+    assert ttb.main([str(run), "--out", str(tmp_path / "p.png"), "--at", "0.25,1,3"]) == 0
+    head, line = capsys.readouterr().out.splitlines()[:2]
+    assert head.split()[-3:] == ["best@0.25m", "best@1m", "best@3m"] and line.split()[-3:] == ["-", "20.00", "41.00"]
+    assert ttb.main([str(run), "--out", str(tmp_path / "q.png"), "--at", "1,x"]) == 2
+    assert "--at" in capsys.readouterr().err and not (tmp_path / "q.png").exists()

@@ -120,13 +120,26 @@ WARMUP_TOKENS = 6144 * 800     # tokens the warm-up spans, whatever the batch
 WARMUP_RANGE = (100, 4000)
 
 
+# The budget with the best time to BLEU: on one H100 (base, 2026-11-26, docs/PERFORMANCE.md "Token
+# budgets by time to BLEU"), 4096 tokens reached the best dev BLEU first of 4096-32768 on a 40k-pair
+# corpus in 2 minutes and on 1M pairs in 20: larger batches train more tokens per second, but fewer
+# updates. The default budget is this or what the GPU's memory holds, the smaller.
+TIME_TO_BLEU_TOKENS = 4096
+
+
 def recipe_max_tokens(gpu_mem_gib: float, d_model: int) -> int:
-    """Default token budget per batch on a GPU: ``TOKENS_PER_GIB`` per GiB of its memory, scaled by
+    """The token budget a GPU's memory holds: ``TOKENS_PER_GIB`` per GiB of its memory, scaled by
     512 / d_model, rounded down to a power of two within ``MAX_TOKENS_RANGE`` (one H200, base: 8192).
     Wider models need more memory per token; a power of two keeps batch shapes few and aligned."""
     raw = TOKENS_PER_GIB * gpu_mem_gib * 512 / d_model
     lo, hi = MAX_TOKENS_RANGE
     return int(min(max(2 ** int(math.log2(max(raw, 1))), lo), hi))
+
+
+def recipe_budget(gpu_mem_gib: float, d_model: int) -> int:
+    """Default token budget per batch on a GPU: ``TIME_TO_BLEU_TOKENS``, or less where the memory
+    rule (``recipe_max_tokens``) says so (base: 4096 on an H100 or H200, 1024 on a 24-GiB GPU)."""
+    return min(TIME_TO_BLEU_TOKENS, recipe_max_tokens(gpu_mem_gib, d_model))
 
 
 def recipe_warmup(tokens_per_update: int) -> int:

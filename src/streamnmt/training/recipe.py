@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from streamnmt.config import (EPOCHS_UNLIMITED, TOKENS_PER_GIB, WARMUP_TOKENS, ModelConfig, OptimConfig, TrainJob,
-                              job_from_dict, recipe_max_tokens, recipe_warmup)
+from streamnmt.config import (EPOCHS_UNLIMITED, TIME_TO_BLEU_TOKENS, TOKENS_PER_GIB, WARMUP_TOKENS, ModelConfig,
+                              OptimConfig, TrainJob, job_from_dict, recipe_budget, recipe_max_tokens, recipe_warmup)
 from streamnmt.data import TokenizedCorpus, batch_plan
 from streamnmt.data.config import DataConfig
 from streamnmt.dist import Dist
@@ -74,9 +74,13 @@ def resolve_recipe(data: DataConfig, optim: OptimConfig, model: ModelConfig, acc
     if data.max_tokens is None:
         gib = device_memory_gib(device)
         if gib is not None:
-            tokens = max(recipe_max_tokens(gib, d_model), data.max_len)
-            notes.append(f"--max-tokens {tokens} (auto: {TOKENS_PER_GIB} per GiB of the GPU's {gib:.0f} GiB at "
-                         f"d_model 512, x 512/{d_model}, a power of two)")
+            tokens = max(recipe_budget(gib, d_model), data.max_len)
+            held = recipe_max_tokens(gib, d_model)
+            memory = (f"{TOKENS_PER_GIB} per GiB of the GPU's {gib:.0f} GiB at d_model 512, x 512/{d_model}, "
+                      f"a power of two")
+            why = (f"the best time to BLEU measured, within the {held} that {memory} allows"
+                   if held > TIME_TO_BLEU_TOKENS else f"{memory}; at most {TIME_TO_BLEU_TOKENS}, the best time to BLEU")
+            notes.append(f"--max-tokens {tokens} (auto: {why})")
         else:
             tokens = 0  # CPU: small batches of --batch-size sentences keep a CPU run short
         data = dataclasses.replace(data, max_tokens=tokens)

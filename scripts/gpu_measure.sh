@@ -3,6 +3,17 @@
 export PYTHONUNBUFFERED=1 PYTHONPATH=src STREAMNMT_HOME=/tmp/snhome
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+# The GPU machine runs Python with PYTHONDONTWRITEBYTECODE=1 over a torch installed without bytecode, so
+# each process compiled torch's sources as it imported them (torch._dynamo and Inductor's compiler: 7-8 s
+# against 2-3 s). pip writes the bytecode when a user installs torch: compile it once, as pip would, so
+# start-up figures are a user's (PYC=0 keeps the machine as it is). docs/PERFORMANCE.md, "The warm compile cache".
+if [ "${PYC:-1}" = 1 ]; then
+  unset PYTHONDONTWRITEBYTECODE
+  site=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+  for pkg in torch sympy mpmath networkx triton numpy sentencepiece sacrebleu jinja2 yaml; do
+    [ -d "$site/$pkg" ] && python3 -m compileall -q -j 0 "$site/$pkg" > /dev/null 2>&1
+  done
+fi
 case "$1" in
   table)
     python3 -m streamnmt bench --batch-size 32 --max-len 32 --pad-multiple 32 --repeats 3 --profile \
@@ -432,6 +443,10 @@ prepare_data(DataConfig(data=sys.argv[1]), log=print)" $C > "$OUT/ttb_prepare.lo
       echo "== b$b"; grep -E "^recipe:|wall [0-9]+ s|^done|rror" "$OUT/ttb_b$b.log" | cut -c1-200
     done
     python3 scripts/plot_time_to_bleu.py "${runs[@]}" --out "$OUT/time_to_bleu_budgets.png" ;;
+  warm-compile)  # #31: the same --compile on run three times with one fresh STREAMNMT_HOME (cold, then warm):
+                 # ready after the data, and the first step (scripts/bench_compile_cache.py)
+    timeout 500 python3 scripts/bench_compile_cache.py --out "$OUT" --runs ${RUNS:-3} > "$OUT/bcc.log" 2>&1
+    tail -8 "$OUT/bcc.log" ;;
   ab-async)  # #29: the 120-s run at the defaults with the BLEU pass on the loop (--async-eval off) and beside
              # training (the default), after a 20-s warm run; CORPUS=lt40 for the long-tailed 40k corpus
     data=""; if [ "${CORPUS:-builtin}" = lt40 ]; then

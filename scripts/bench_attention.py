@@ -1,5 +1,6 @@
 """Attention alone at the packed training shape, on CUDA: SDPA with additive dense masks (the model's
-path) against FlexAttention block masks at block sizes 128, 64 and 32.
+default path) against FlexAttention block masks at block sizes 128, 64 and 32 and against the Triton
+segment kernels (``--attention triton``, variant ``triton``).
 
 Forward + backward of 6 layers x (encoder self, causal decoder self, cross) on the segment ids of
 real packed batches (base-model heads, bf16, ``--max-tokens 16384 --max-len 128``, the bench's
@@ -7,7 +8,10 @@ real packed batches (base-model heads, bf16, ``--max-tokens 16384 --max-len 128`
 variant (an error string where a variant did not compile), the mask build times, and flex's
 largest difference from SDPA on real positions.
 
-Usage: python3 scripts/bench_attention.py builtin|DATA_DIR [VARIANT,...] [BATCHES]   (PERFORMANCE.md, "Attention")
+Usage: python3 scripts/bench_attention.py builtin|DATA_DIR [VARIANT,...] [BATCHES] [MAX_TOKENS]
+(PERFORMANCE.md, "Attention"; MAX_TOKENS default 16384). The triton variant also prints the share of
+the tiles its forward visits per attention (``triton_visited``) and its largest difference from SDPA
+on real positions over the three attentions' outputs.
 VARIANT ``widths`` alone: SDPA at the same positions in rows of 32-128 (:func:`width_sweep`).
 """
 
@@ -21,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from streamnmt.models.attention import dense_masks, flex_masks
+from streamnmt.models.attention import dense_masks, flex_masks, segment_masks, visited_fraction
 from streamnmt.bench.synthvocab import random_tokens
 from streamnmt.data import DataConfig, prepare_data
 from streamnmt.data.loader import make_loader
@@ -85,6 +89,8 @@ def measure(src_seg: torch.Tensor, tgt_seg: torch.Tensor, plain_flex, tuned_flex
     row = {"shape": [b, s, t], "sdpa": cuda_ms(lambda: step(sdpa, dense)),
            "sdpa_masks": cuda_ms(lambda: dense_masks(src_seg, tgt_seg, torch.bfloat16))}
 
+    if not only or "triton" in only:
+        row.update(measure_triton(src_seg, tgt_seg, step, sdpa, dense, calls))
     for name, size, options, tuned in FLEX_VARIANTS:
         if only and name not in only:
             continue
@@ -110,6 +116,34 @@ def measure(src_seg: torch.Tensor, tgt_seg: torch.Tensor, plain_flex, tuned_flex
         except Exception as e:  # a variant Inductor cannot compile: say so, measure the others
             row[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
     return row
+
+
+def measure_triton(src_seg, tgt_seg, step, sdpa, dense, calls) -> dict:
+    """The Triton segment kernels in the same step: ms, the ranges' build ms, the share of tiles
+    visited, the first call's seconds (Triton compiling), and the largest difference from SDPA."""
+    try:
+        from streamnmt.models.segattn_triton import BLOCK, segment_attention
+
+        def ranges():
+            m = segment_masks("triton", src_seg, tgt_seg, src_seg, tgt_seg)
+            return m.enc, m.dec, m.cross
+
+        masks = ranges()
+        attend = lambda inputs, r: segment_attention(*inputs, r)  # noqa: E731
+        began = time.time()
+        step(attend, masks)
+        wait("compile")  # needed: the first call's wall time (Triton compiling) includes its kernels
+        first_s = time.time() - began
+        real = {"enc": (src_seg > 0), "dec": (tgt_seg > 0), "cross": (tgt_seg > 0)}
+        diffs = [((attend(inputs, r) - sdpa(inputs, d)).abs() * real[n][:, None, :, None]).max()
+                 for n, (inputs, _), r, d in zip(real, calls, masks, dense)]
+        # needed: the largest difference and the visited shares are printed from the host
+        max_diff, visited = host_sync("bench_attention.check", lambda: (
+            torch.stack(diffs).max().item(), [round(visited_fraction(r, BLOCK).item(), 4) for r in masks]))
+        return {"triton": cuda_ms(lambda: step(attend, masks)), "triton_masks": cuda_ms(ranges),
+                "triton_visited": dict(zip(real, visited)), "triton_max_diff": max_diff, "triton_first_s": first_s}
+    except Exception as e:  # a kernel that does not compile here: say so, measure the others
+        return {"triton": f"error: {type(e).__name__}: {str(e)[:300]}"}
 
 
 def width_sweep(src_seg: torch.Tensor, tgt_seg: torch.Tensor, widths=(32, 48, 64, 96, 128)) -> dict:
@@ -158,7 +192,8 @@ def main() -> None:
     data = None if sys.argv[1] == "builtin" else sys.argv[1]
     only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else set()  # variant names (default: all)
     batches = int(sys.argv[3]) if len(sys.argv) > 3 else 2
-    cfg = DataConfig(data=data, max_tokens=16384, max_len=128, builtin_size=40000)
+    max_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 16384
+    cfg = DataConfig(data=data, max_tokens=max_tokens, max_len=128, builtin_size=40000)
     bundle = prepare_data(cfg, log=lambda line: None)
     loader = make_loader(random_tokens(bundle.train, 32000, 0), cfg, train=True, seed=0, pin_memory=False)
     plain = torch.compile(flex_attention, dynamic=False)

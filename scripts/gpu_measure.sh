@@ -205,7 +205,7 @@ PY
     done
     timeout 170 $B --data /tmp/lt --out /tmp/kn_lt > "$OUT/knob_lt.log" 2>&1
     echo "== long-tailed"; grep -E "ready in|^graph " "$OUT/knob_lt.log" | cut -c1-140 ;;
-  budgets)  # graph --compile at each token budget in BUDGETS (the trainer's default on an H200 is 8192), the
+  budgets)  # graph --compile at each token budget in BUDGETS (the trainer's default is 4096 since f5f05bd), the
             # built-in then the long-tailed corpus; each row its own process, ~80 s a row
     B="python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 --max-len 128"
     B="$B --no-references --repeats 3 --compile --strategies graph"
@@ -216,6 +216,21 @@ PY
       echo "== $corpus $t: $(grep -o 'ready in [0-9.]* s' "$OUT/budget_${corpus}_$t.log" | tail -1)"
       grep -E "^graph " "$OUT/budget_${corpus}_$t.log" | cut -c1-90
     done; done ;;
+  attn-triton)  # #31: the Triton segment kernels (--attention triton): their GPU tests, attention alone against
+                # SDPA (scripts/bench_attention.py at 16384 and at the default 4096), then the packed base model
+                # with each attention at the default budget, built-in corpus (graph --compile, 32k vocabulary)
+    timeout 240 python3 -m pytest -q -m gpu tests/test_segattn_triton.py -p no:cacheprovider > "$OUT/attn_tests.log" 2>&1
+    tail -3 "$OUT/attn_tests.log"
+    for t in 16384 4096; do
+      timeout 200 python3 scripts/bench_attention.py builtin triton 2 $t > "$OUT/attn_bench_$t.log" 2>&1
+      echo "== attention alone, $t"; cut -c1-400 "$OUT/attn_bench_$t.log" | tail -2
+    done
+    B="python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 --max-len 128 --max-tokens ${TOKENS:-4096}"
+    B="$B --no-references --repeats 3 --compile --strategies graph"
+    for a in ${ATTNS:-sdpa triton}; do
+      timeout 200 $B --attention $a --out /tmp/at_$a > "$OUT/attn_model_$a.log" 2>&1
+      echo "== model, --attention $a"; grep -E "^graph |MFU|rror" "$OUT/attn_model_$a.log" | cut -c1-140 | tail -4
+    done ;;
   recipe-defaults)  # time-to-BLEU: the defaults vs --max-tokens 6144 --warmup 800, the same --time-limit each
     # (the two runs of a corpus share the GPU concurrently: the same share each), built-in then long-tail
     # corpus (CORPORA=longtail: that one only); then dev BLEU of last.pt with streamnmt eval. TIME=100s each;

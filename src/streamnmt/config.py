@@ -60,12 +60,13 @@ class ModelConfig:
                                       "all = the source embedding too (needs --shared-vocab)",
                               choices=("none", "decoder", "all"))
     attention: str = opt("auto", "attention of packed batches: sdpa = dense segment masks, flex = "
-                                 "FlexAttention block masks (no attention dropout); auto = sdpa",
-                         choices=("auto", "sdpa", "flex"))
+                                 "FlexAttention block masks, triton = Triton kernels that skip the other pairs' "
+                                 "tiles (flex and triton: CUDA, no attention dropout); auto = sdpa",
+                         choices=("auto", "sdpa", "flex", "triton"))
 
     def __post_init__(self) -> None:
         check_choice(self.model, "model", ("auto", *PRESETS))
-        check_choice(self.attention, "attention", ("auto", "sdpa", "flex"))
+        check_choice(self.attention, "attention", ("auto", "sdpa", "flex", "triton"))
         for key in ("d_model", "n_layers", "n_heads", "d_ff"):
             v = getattr(self, key)
             check(v is None or v > 0, key, f"must be a positive integer; got {v}")

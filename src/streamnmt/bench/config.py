@@ -48,7 +48,8 @@ class BenchConfig:
     pack_width: int | None = opt(None, "target positions of a packed row, as the trainer's --pack-width "
                                        "(default --max-len)")
     attention: str = opt("auto", "attention of packed batches: sdpa (dense segment masks), flex "
-                                 "(FlexAttention block masks); auto = sdpa", choices=("auto", "sdpa", "flex"))
+                                 "(FlexAttention block masks), triton (Triton kernels that skip the other "
+                                 "pairs' tiles); auto = sdpa", choices=("auto", "sdpa", "flex", "triton"))
     vocab: int | None = opt(None, "source and target vocabulary: the corpus's pairs keep their lengths but "
                                   "get random token ids over this many pieces, as a real corpus's output layer "
                                   "costs; 0 = the corpus's own tokenizers; default 32000 on CUDA, 0 on CPU")
@@ -94,7 +95,7 @@ class BenchConfig:
         check(self.max_tokens == 0 or self.max_tokens >= self.max_len, "max_tokens",
               f"must be 0 (off) or at least --max-len ({self.max_len}); got {self.max_tokens}")
         check(self.max_len >= 4, "max_len", f"must be at least 4; got {self.max_len}")
-        check_choice(self.attention, "attention", ("auto", "sdpa", "flex"))
+        check_choice(self.attention, "attention", ("auto", "sdpa", "flex", "triton"))
         check(self.vocab is None or self.vocab == 0 or self.vocab >= 16, "vocab",
               f"must be 0 (the corpus's) or at least 16; got {self.vocab}")
         check(0.0 <= self.label_smoothing < 1.0, "label_smoothing", f"must be in [0, 1); got {self.label_smoothing}")

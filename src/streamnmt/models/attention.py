@@ -11,14 +11,17 @@ Padding positions (segment 0) see the other padding positions (themselves at lea
 attention, every source position: no query row is ever fully masked, which would make SDPA return
 NaN and poison the gradients of the real rows (see :mod:`streamnmt.models.masks`).
 
-Two implementations, chosen by ``--attention``:
+Three implementations, chosen by ``--attention``:
 
 * ``sdpa``: dense boolean masks ``(B, 1, Tq, Tk)`` built on the device from the segment ids (a few
   elementwise kernels, no host sync, capturable), fed to ``F.scaled_dot_product_attention``
   (the memory-efficient kernel on the GPU; attention dropout as for unpacked batches);
 * ``flex``: ``torch.nn.attention.flex_attention`` with block masks (blocks of fully masked keys
   are skipped). Needs torch >= 2.5 and a compiled kernel; it has no attention-probability dropout,
-  so training with it drops only the other dropouts. Falls back to ``sdpa`` where it is missing.
+  so training with it drops only the other dropouts. Falls back to ``sdpa`` where it is missing;
+* ``triton``: :mod:`streamnmt.models.segattn_triton`, Triton kernels that visit only the tiles of
+  positions near each pair's own (:class:`SegmentRanges`); CUDA, head dims a power of two from 16,
+  no attention dropout either. Falls back to ``sdpa`` where it cannot run.
 
 ``auto`` is ``sdpa``: it keeps the training recipe's attention dropout; ``streamnmt bench
 --attention`` measures both at the packed shape.
@@ -32,7 +35,7 @@ from typing import Any
 
 import torch
 
-ATTENTION_CHOICES = ("auto", "sdpa", "flex")
+ATTENTION_CHOICES = ("auto", "sdpa", "flex", "triton")
 
 
 @dataclass
@@ -63,6 +66,76 @@ def dense_masks(src_seg: torch.Tensor, tgt_seg: torch.Tensor, dtype: torch.dtype
                  for m in masks)  # type: ignore[return-value]
 
 
+@dataclass
+class SegmentRanges:
+    """One attention's segment ids and, per position, the ranges of positions it may meet.
+
+    ``q_seg`` (B, Tq), ``k_seg`` (B, Tk): int32 segment ids. ``lo``/``hi`` (B, Tq): the key positions
+    a query may attend lie in [lo, hi). ``qlo``/``qhi`` (B, Tk): the queries that may attend a key
+    lie in [qlo, qhi), and, for cross-attention, also in [elo, ehi) (the padding queries)."""
+
+    q_seg: torch.Tensor
+    k_seg: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    qlo: torch.Tensor
+    qhi: torch.Tensor
+    elo: torch.Tensor
+    ehi: torch.Tensor
+    causal: bool
+    cross: bool
+
+
+def _min_max_by_id(seg: torch.Tensor, n_ids: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, last) position of each segment id 0..n_ids-1 in each row: (B, n_ids) int64; an id
+    absent from a row gets (length, -1), an empty range."""
+    b, t = seg.shape
+    ids = seg.long().clamp(0, n_ids - 1)
+    pos = torch.arange(t, device=seg.device).expand(b, t)
+    first = torch.full((b, n_ids), t, dtype=torch.long, device=seg.device).scatter_reduce(1, ids, pos, "amin")
+    last = torch.full((b, n_ids), -1, dtype=torch.long, device=seg.device).scatter_reduce(1, ids, pos, "amax")
+    return first, last
+
+
+def segment_ranges(q_seg: torch.Tensor, k_seg: torch.Tensor, causal: bool, cross: bool) -> SegmentRanges:
+    """The ranges of one attention (encoder: ``src, src``; decoder: ``tgt, tgt, causal``; cross:
+    ``tgt, src, cross``) under the rules of :func:`dense_masks`."""
+    tq, tk = q_seg.size(1), k_seg.size(1)
+    n_ids = max(tq, tk) + 1  # a row of T positions holds at most T segments
+    k_first, k_last = _min_max_by_id(k_seg, n_ids)
+    q_first, q_last = _min_max_by_id(q_seg, n_ids)
+    qid, kid = q_seg.long().clamp(0, n_ids - 1), k_seg.long().clamp(0, n_ids - 1)
+    lo, hi = k_first.gather(1, qid), k_last.gather(1, qid) + 1
+    qlo, qhi = q_first.gather(1, kid), q_last.gather(1, kid) + 1
+    if causal:  # a query sees keys up to itself; a key is seen by queries from itself on
+        hi = torch.minimum(hi, torch.arange(1, tq + 1, device=q_seg.device))
+        qlo = torch.maximum(qlo, torch.arange(tk, device=k_seg.device))
+    elo = torch.zeros_like(qlo)
+    ehi = torch.zeros_like(qhi)
+    if cross:  # padding queries see every source position
+        pad_q = q_seg == 0
+        lo, hi = lo.masked_fill(pad_q, 0), hi.masked_fill(pad_q, tk)
+        real_k = k_seg != 0  # a padding key is seen by the padding queries through its own range
+        elo = torch.where(real_k, q_first[:, :1], elo)
+        ehi = torch.where(real_k, q_last[:, :1] + 1, ehi)
+    i32 = torch.int32
+    return SegmentRanges(q_seg.to(i32), k_seg.to(i32), lo.to(i32), hi.to(i32), qlo.to(i32), qhi.to(i32),
+                         elo.to(i32), ehi.to(i32), causal, cross)
+
+
+def visited_fraction(r: SegmentRanges, block: int) -> torch.Tensor:
+    """The share of the position pairs of the rows (query tiles x key tiles of ``block`` positions)
+    whose tiles the Triton kernels' forward visits, as a 0-dim tensor on the ranges' device."""
+    b, tq = r.lo.shape
+    tk = r.k_seg.size(1)
+    n_q, n_k = -(-tq // block), -(-tk // block)
+    pad = n_q * block - tq
+    lo = torch.nn.functional.pad(r.lo.long(), (0, pad), value=tk).view(b, n_q, block).amin(-1)
+    hi = torch.nn.functional.pad(r.hi.long(), (0, pad), value=0).view(b, n_q, block).amax(-1)
+    tiles = (torch.div(hi + block - 1, block, rounding_mode="floor") - torch.div(lo, block, rounding_mode="floor"))
+    return tiles.clamp(min=0).sum() / (b * n_q * n_k)
+
+
 def sdpa_mask_dtype(device: torch.device) -> torch.dtype | None:
     """The dtype of the packed masks fed to SDPA: autocast's where it is on, so that the attention
     kernels read an additive mask of their own dtype (a boolean one is turned into that on every
@@ -88,16 +161,28 @@ def flex_available(device: torch.device) -> str | None:
     return why
 
 
-def resolve_attention(choice: str, device: torch.device, log=print) -> str:
-    """``auto`` -> ``sdpa``; ``flex`` where FlexAttention is missing -> ``sdpa`` with one log line."""
+def triton_available(device: torch.device, head_dim: int | None = None) -> str | None:
+    """None if the Triton segment kernels can train on ``device`` at ``head_dim``, else why not."""
+    if device.type != "cuda":
+        return f"the Triton kernels train on CUDA only (not on {device.type})"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    if head_dim is not None and (head_dim < 16 or head_dim & (head_dim - 1)):
+        return f"head dim {head_dim} is not a power of two from 16"
+    return None
+
+
+def resolve_attention(choice: str, device: torch.device, log=print, head_dim: int | None = None) -> str:
+    """``auto`` -> ``sdpa``; ``flex`` or ``triton`` where it cannot run -> ``sdpa`` with one log line."""
     if choice not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}; got {choice!r}")
-    if choice == "flex":
-        why = flex_available(device)
+    if choice in ("flex", "triton"):
+        why = flex_available(device) if choice == "flex" else triton_available(device, head_dim)
         if why is None:
-            return "flex"
-        log(f"model: --attention flex unavailable ({why}); using sdpa")
-        return "sdpa"
+            return choice
+        log(f"model: --attention {choice} unavailable ({why}); using sdpa")
     return "sdpa"
 
 
@@ -129,12 +214,16 @@ def segment_masks(kind: str, src_seg: torch.Tensor, tgt_seg: torch.Tensor, src_p
                   tgt_pos: torch.Tensor) -> SegmentMasks:
     if kind == "flex":
         return SegmentMasks(*flex_masks(src_seg, tgt_seg), src_pos=src_pos, tgt_pos=tgt_pos)
+    if kind == "triton":
+        return SegmentMasks(segment_ranges(src_seg, src_seg, causal=False, cross=False),
+                            segment_ranges(tgt_seg, tgt_seg, causal=True, cross=False),
+                            segment_ranges(tgt_seg, src_seg, causal=False, cross=True), src_pos=src_pos, tgt_pos=tgt_pos)
     return SegmentMasks(*dense_masks(src_seg, tgt_seg, sdpa_mask_dtype(src_seg.device)), src_pos=src_pos,
                         tgt_pos=tgt_pos)
 
 
 def is_block_mask(mask: Any) -> bool:
-    return mask is not None and not isinstance(mask, torch.Tensor)
+    return mask is not None and not isinstance(mask, (torch.Tensor, SegmentRanges))
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,7 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from streamnmt.models import masks
-from streamnmt.models.attention import SegmentMasks, is_block_mask, flex, segment_masks
+from streamnmt.models.attention import (
+    SegmentMasks,
+    SegmentRanges,
+    flex,
+    is_block_mask,
+    segment_masks,
+)
 
 
 @dataclass(frozen=True)
@@ -101,7 +107,11 @@ class MultiHeadAttention(nn.Module):
         return self._attention(self.split(self._project_q(x)), k, v, mask, causal)  # (B, T, D)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, causal: bool) -> torch.Tensor:
-        if is_block_mask(mask):  # FlexAttention (packed batches); it has no attention dropout
+        if isinstance(mask, SegmentRanges):  # the Triton segment kernels (packed batches); no attention dropout
+            from streamnmt.models.segattn_triton import segment_attention
+
+            y = segment_attention(q, k, v, mask)
+        elif is_block_mask(mask):  # FlexAttention (packed batches); it has no attention dropout
             y = flex(q, k, v, mask)
         else:
             y = F.scaled_dot_product_attention(
@@ -288,9 +298,10 @@ class Transformer(nn.Module):
                 emb.weight[masks.PAD].zero_()
 
     def set_attention(self, kind: str) -> None:
-        """``sdpa`` or ``flex``: how packed batches' segment masks are applied (see streamnmt.models.attention)."""
-        if kind not in ("sdpa", "flex"):
-            raise ValueError(f"attention must be sdpa or flex; got {kind!r}")
+        """``sdpa``, ``flex`` or ``triton``: how packed batches' segment masks are applied (see
+        streamnmt.models.attention)."""
+        if kind not in ("sdpa", "flex", "triton"):
+            raise ValueError(f"attention must be sdpa, flex or triton; got {kind!r}")
         self.attention = kind
 
     def tie_weights(self) -> None:

@@ -48,7 +48,11 @@ def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[
             log(f"no GPU: using the 'small' model preset{corpus} so a CPU run finishes in minutes "
                      "(--model base for the original size)")
     model = job.model.resolve(preset)
-    model = dataclasses.replace(model, attention=resolve_attention(model.attention, device, log))
+    model = dataclasses.replace(model, attention=resolve_attention(model.attention, device, log,
+                                                                   head_dim=model.d_model // model.n_heads))
+    if model.attention in ("flex", "triton") and model.attention_dropout:
+        log(f"model: --attention {model.attention} has no attention dropout: --attention-dropout "
+            f"{model.attention_dropout} is not applied")
     optim, run, data = job.optim, job.run, job.data
     data, optim = resolve_recipe(data, optim, model, job.engine.accum_steps, device, world, log)
     if optim.amp == "auto":  # bf16 where the GPU has it natively, else fp16 with the grad scaler

@@ -163,7 +163,7 @@ class TrainerSetup:
                                 max_positions=max(1024, job.data.max_len + 8), tie_embeddings=m.tie_embeddings,
                                 attention_dropout=m.attention_dropout, activation_dropout=m.activation_dropout)
         self.model = Transformer(self.shape).to(self.device)
-        self.model.set_attention(resolve_attention(m.attention, self.device, self.log))
+        self.model.set_attention(resolve_attention(m.attention, self.device, self.log, head_dim=m.d_model // m.n_heads))
         if job.run.weights and resume is None:
             load_model_weights(self.model, load_checkpoint(job.run.weights), job.run.weights)
             self.log(f"weights: started from {job.run.weights}")

@@ -1,0 +1,297 @@
+"""Attention of packed rows in Triton that computes only the position pairs near each pair's own.
+
+A packed row holds several pairs (segment ids 1, 2, ..., 0 on padding; the mask rules are those of
+:mod:`streamnmt.models.attention`). Dense-mask SDPA computes every position pair of the row, of which
+about a tenth belong to one pair. Here the row is cut into tiles of ``BLOCK`` positions, and a
+query tile visits only the key tiles that hold keys of its queries' segments; within a visited tile
+the segment ids mask exactly as the dense masks do. Forward and backward (FlashAttention-2's
+recomputation: the forward keeps the log-sum-exp of each query row), bf16/fp16/fp32, no attention
+dropout, no host synchronization (the key ranges are device tensors the kernels read), so a CUDA
+graph captures it.
+
+The ranges (:class:`streamnmt.models.attention.SegmentRanges`, built once per batch and shared by
+the layers and heads) are the smallest and largest position of each segment id on the other side,
+so they hold whatever the segment layout; a packer that keeps segments contiguous makes them tight.
+The key tiles of padding queries in cross-attention (which see every source position) are the whole
+row; on the key side, a key tile of real source positions also visits the padding queries' tiles
+(``extra``), tiles its own range did not visit.
+
+The kernels run on CUDA, and on the CPU under Triton's interpreter (``TRITON_INTERPRET=1`` set
+before Triton is imported; the tests use it). :func:`segment_attention` is a ``torch.library``
+custom op with its own backward, so ``torch.compile`` keeps it opaque. (No ``from __future__ import
+annotations`` here: the custom ops' schemas are read from their annotations.)
+"""
+
+import math
+
+import torch
+
+from streamnmt.models.attention import SegmentRanges
+
+BLOCK = 32  # positions per tile: a tile spans one to three short pairs (docs/PERFORMANCE.md, "Attention")
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build of torch comes without Triton
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _allowed(seg_q, seg_k, offs_m, offs_n, n_k, CAUSAL: tl.constexpr, CROSS: tl.constexpr):
+        """May query ``offs_m`` attend key ``offs_n``: the rules of dense_masks, (BM, BN)."""
+        ok = (seg_q[:, None] == seg_k[None, :]) & (offs_n[None, :] < n_k)
+        if CROSS:
+            ok = ok | ((seg_q[:, None] == 0) & (offs_n[None, :] < n_k))
+        if CAUSAL:
+            ok = ok & (offs_n[None, :] <= offs_m[:, None])
+        return ok
+
+    @triton.jit
+    def _allowed_t(seg_q, seg_k, offs_m, offs_n, n_k, CAUSAL: tl.constexpr, CROSS: tl.constexpr):
+        """:func:`_allowed` transposed, (BN, BM), built so (no transpose of a boolean tile)."""
+        ok = (seg_k[:, None] == seg_q[None, :]) & (offs_n[:, None] < n_k)
+        if CROSS:
+            ok = ok | ((seg_q[None, :] == 0) & (offs_n[:, None] < n_k))
+        if CAUSAL:
+            ok = ok & (offs_n[:, None] <= offs_m[None, :])
+        return ok
+
+    @triton.jit
+    def _fwd(Q, K, V, O, LSE, QSEG, KSEG, LO, HI, sm_scale, n_q, n_k, n_heads,
+             sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
+             D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, CROSS: tl.constexpr,
+             PREC: tl.constexpr):
+        pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+        b, h = pid_bh // n_heads, pid_bh % n_heads
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        in_q = offs_m < n_q
+        seg_q = tl.load(QSEG + b * n_q + offs_m, mask=in_q, other=-1)
+        lo = tl.min(tl.load(LO + b * n_q + offs_m, mask=in_q, other=n_k), axis=0)
+        hi = tl.max(tl.load(HI + b * n_q + offs_m, mask=in_q, other=0), axis=0)
+        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :], mask=in_q[:, None], other=0.0)
+        qk_scale = sm_scale * 1.4426950408889634  # exp2 in place of exp
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, D], tl.float32)
+        for start_n in range((lo // BN) * BN, hi, BN):
+            offs_n = start_n + tl.arange(0, BN)
+            in_k = offs_n < n_k
+            seg_k = tl.load(KSEG + b * n_k + offs_n, mask=in_k, other=-2)
+            k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :], mask=in_k[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            s = tl.where(_allowed(seg_q, seg_k, offs_m, offs_n, n_k, CAUSAL, CROSS), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :], mask=in_k[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        o = acc / l_safe[:, None]
+        tl.store(O + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :], o.to(O.dtype.element_ty),
+                 mask=in_q[:, None])
+        tl.store(LSE + pid_bh * n_q + offs_m, m_safe + tl.math.log2(l_safe), mask=in_q)  # base 2
+
+    @triton.jit
+    def _dkdv_tiles(dk, dv, k, v, seg_k, offs_n, start, stop, Q, DO, LSE, DELTA, QSEG, b, h, pid_bh, n_q, n_k,
+                    qk_scale, sqb, sqh, sqt, sdb, sdh, sdt,
+                    D: tl.constexpr, BM: tl.constexpr, CAUSAL: tl.constexpr, CROSS: tl.constexpr,
+                    PREC: tl.constexpr):
+        offs_d = tl.arange(0, D)
+        for start_m in range(start, stop, BM):
+            offs_m = start_m + tl.arange(0, BM)
+            in_q = offs_m < n_q
+            seg_q = tl.load(QSEG + b * n_q + offs_m, mask=in_q, other=-1)
+            q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :], mask=in_q[:, None],
+                        other=0.0)
+            do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdt + offs_d[None, :], mask=in_q[:, None],
+                         other=0.0)
+            lse = tl.load(LSE + pid_bh * n_q + offs_m, mask=in_q, other=0.0)
+            delta = tl.load(DELTA + pid_bh * n_q + offs_m, mask=in_q, other=0.0)
+            st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # (BN, BM): scores, transposed
+            ok = _allowed_t(seg_q, seg_k, offs_m, offs_n, n_k, CAUSAL, CROSS) & in_q[None, :]
+            pt = tl.where(ok, tl.math.exp2(st - lse[None, :]), 0.0)
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+            dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+            dst = pt * (dpt - delta[None, :])
+            dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+        return dk, dv
+
+    @triton.jit
+    def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, QSEG, KSEG, QLO, QHI, ELO, EHI, sm_scale, n_q, n_k, n_heads,
+                  sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sgb, sgh, sgt,
+                  D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, CROSS: tl.constexpr,
+                  PREC: tl.constexpr):
+        pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
+        b, h = pid_bh // n_heads, pid_bh % n_heads
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        in_k = offs_n < n_k
+        seg_k = tl.load(KSEG + b * n_k + offs_n, mask=in_k, other=-2)
+        k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :], mask=in_k[:, None], other=0.0)
+        v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :], mask=in_k[:, None], other=0.0)
+        qk_scale = sm_scale * 1.4426950408889634
+        dk = tl.zeros([BN, D], tl.float32)
+        dv = tl.zeros([BN, D], tl.float32)
+        # the tiles of the queries of these keys' segments: [a, c) in whole tiles
+        a = (tl.min(tl.load(QLO + b * n_k + offs_n, mask=in_k, other=n_q), axis=0) // BM) * BM
+        c = tl.max(tl.load(QHI + b * n_k + offs_n, mask=in_k, other=0), axis=0)
+        c = tl.where(c > a, ((c + BM - 1) // BM) * BM, a)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, seg_k, offs_n, a, c, Q, DO, LSE, DELTA, QSEG, b, h, pid_bh, n_q, n_k,
+                             qk_scale, sqb, sqh, sqt, sdb, sdh, sdt, D, BM, CAUSAL, CROSS, PREC)
+        if CROSS:  # the padding queries' tiles, those [a, c) did not visit: before a, and from c on
+            e0 = (tl.min(tl.load(ELO + b * n_k + offs_n, mask=in_k, other=n_q), axis=0) // BM) * BM
+            e1 = tl.max(tl.load(EHI + b * n_k + offs_n, mask=in_k, other=0), axis=0)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, seg_k, offs_n, e0, tl.minimum(e1, a), Q, DO, LSE, DELTA, QSEG, b, h,
+                                 pid_bh, n_q, n_k, qk_scale, sqb, sqh, sqt, sdb, sdh, sdt, D, BM, CAUSAL, CROSS, PREC)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, seg_k, offs_n, tl.maximum(e0, c), e1, Q, DO, LSE, DELTA, QSEG, b, h,
+                                 pid_bh, n_q, n_k, qk_scale, sqb, sqh, sqt, sdb, sdh, sdt, D, BM, CAUSAL, CROSS, PREC)
+        tl.store(DK + b * sgb + h * sgh + offs_n[:, None] * sgt + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+                 mask=in_k[:, None])
+        tl.store(DV + b * sgb + h * sgh + offs_n[:, None] * sgt + offs_d[None, :], dv.to(DV.dtype.element_ty),
+                 mask=in_k[:, None])
+
+    @triton.jit
+    def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, QSEG, KSEG, LO, HI, sm_scale, n_q, n_k, n_heads,
+                sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sgb, sgh, sgt,
+                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, CROSS: tl.constexpr,
+                PREC: tl.constexpr):
+        pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+        b, h = pid_bh // n_heads, pid_bh % n_heads
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        in_q = offs_m < n_q
+        seg_q = tl.load(QSEG + b * n_q + offs_m, mask=in_q, other=-1)
+        lo = tl.min(tl.load(LO + b * n_q + offs_m, mask=in_q, other=n_k), axis=0)
+        hi = tl.max(tl.load(HI + b * n_q + offs_m, mask=in_q, other=0), axis=0)
+        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :], mask=in_q[:, None], other=0.0)
+        do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdt + offs_d[None, :], mask=in_q[:, None], other=0.0)
+        lse = tl.load(LSE + pid_bh * n_q + offs_m, mask=in_q, other=0.0)
+        delta = tl.load(DELTA + pid_bh * n_q + offs_m, mask=in_q, other=0.0)
+        qk_scale = sm_scale * 1.4426950408889634
+        dq = tl.zeros([BM, D], tl.float32)
+        for start_n in range((lo // BN) * BN, hi, BN):
+            offs_n = start_n + tl.arange(0, BN)
+            in_k = offs_n < n_k
+            seg_k = tl.load(KSEG + b * n_k + offs_n, mask=in_k, other=-2)
+            k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :], mask=in_k[:, None], other=0.0)
+            v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :], mask=in_k[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            ok = _allowed(seg_q, seg_k, offs_m, offs_n, n_k, CAUSAL, CROSS) & in_q[:, None]
+            p = tl.where(ok, tl.math.exp2(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        tl.store(DQ + b * sgb + h * sgh + offs_m[:, None] * sgt + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+                 mask=in_q[:, None])
+
+
+def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, head, position) strides of a (B, h, T, D) tensor whose last dimension is contiguous."""
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _bhtd_like(x: torch.Tensor) -> torch.Tensor:
+    """An empty (B, h, T, D) tensor laid out (B, T, h, D): the heads' outputs merge without a copy."""
+    b, h, t, d = x.shape
+    return torch.empty(b, t, h, d, dtype=x.dtype, device=x.device).transpose(1, 2)
+
+
+def _precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 exactly; bf16/fp16 multiply natively
+
+
+def _last_dim_contiguous(*xs: torch.Tensor) -> list[torch.Tensor]:
+    return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
+
+
+def _forward(q, k, v, q_seg, k_seg, lo, hi, causal: bool, cross: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = _last_dim_contiguous(q, k, v)
+    b, h, n_q, d = q.shape
+    n_k = k.size(2)
+    o = _bhtd_like(q)
+    lse = torch.empty(b, h, n_q, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(n_q, BLOCK), b * h)
+    _fwd[grid](q, k, v, o, lse, q_seg, k_seg, lo, hi, 1.0 / math.sqrt(d), n_q, n_k, h,
+               *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+               D=d, BM=BLOCK, BN=BLOCK, CAUSAL=causal, CROSS=cross, PREC=_precision(q))
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, q_seg, k_seg, lo, hi, qlo, qhi, elo, ehi, causal: bool, cross: bool):
+    do, q, k, v = _last_dim_contiguous(do, q, k, v)
+    b, h, n_q, d = q.shape
+    n_k = k.size(2)
+    delta = (o.float() * do.float()).sum(-1).contiguous()  # (B, h, Tq): rowsum(dO * O)
+    dq, dk, dv = _bhtd_like(q), _bhtd_like(k), _bhtd_like(v)
+    scale, prec = 1.0 / math.sqrt(d), _precision(q)
+    _bwd_dkdv[(triton.cdiv(n_k, BLOCK), b * h)](
+        q, k, v, do, dk, dv, lse, delta, q_seg, k_seg, qlo, qhi, elo, ehi, scale, n_q, n_k, h,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
+        D=d, BM=BLOCK, BN=BLOCK, CAUSAL=causal, CROSS=cross, PREC=prec)
+    _bwd_dq[(triton.cdiv(n_q, BLOCK), b * h)](
+        q, k, v, do, dq, lse, delta, q_seg, k_seg, lo, hi, scale, n_q, n_k, h,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+        D=d, BM=BLOCK, BN=BLOCK, CAUSAL=causal, CROSS=cross, PREC=prec)
+    return dq, dk, dv
+
+
+@torch.library.custom_op("streamnmt::segment_attention", mutates_args=())
+def _segment_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seg: torch.Tensor,
+                          k_seg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qlo: torch.Tensor,
+                          qhi: torch.Tensor, elo: torch.Tensor, ehi: torch.Tensor, causal: bool,
+                          cross: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, q_seg, k_seg, lo, hi, causal, cross)
+
+
+@_segment_attention_op.register_fake
+def _(q, k, v, q_seg, k_seg, lo, hi, qlo, qhi, elo, ehi, causal, cross):
+    b, h, n_q, _ = q.shape
+    return _bhtd_like(q), q.new_empty(b, h, n_q, dtype=torch.float32)
+
+
+@torch.library.custom_op("streamnmt::segment_attention_backward", mutates_args=())
+def _segment_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   o: torch.Tensor, lse: torch.Tensor, q_seg: torch.Tensor, k_seg: torch.Tensor,
+                                   lo: torch.Tensor, hi: torch.Tensor, qlo: torch.Tensor, qhi: torch.Tensor,
+                                   elo: torch.Tensor, ehi: torch.Tensor, causal: bool, cross: bool
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(do, q, k, v, o, lse, q_seg, k_seg, lo, hi, qlo, qhi, elo, ehi, causal, cross)
+
+
+@_segment_attention_backward_op.register_fake
+def _(do, q, k, v, o, lse, q_seg, k_seg, lo, hi, qlo, qhi, elo, ehi, causal, cross):
+    return _bhtd_like(q), _bhtd_like(k), _bhtd_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, q_seg, k_seg, lo, hi, qlo, qhi, elo, ehi, causal, cross = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, q_seg, k_seg, lo, hi, qlo, qhi, elo, ehi)
+    ctx.causal, ctx.cross = causal, cross
+
+
+def _backward_rule(ctx, do, _dlse):
+    q, k, v, o, lse, q_seg, k_seg, lo, hi, qlo, qhi, elo, ehi = ctx.saved_tensors
+    dq, dk, dv = _segment_attention_backward_op(do, q, k, v, o, lse, q_seg, k_seg, lo, hi, qlo, qhi, elo, ehi,
+                                                ctx.causal, ctx.cross)
+    return dq, dk, dv, *([None] * 10)
+
+
+_segment_attention_op.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: SegmentRanges) -> torch.Tensor:
+    """Attention of (B, h, T, D) tensors under the segment rules of ``r``: (B, h, Tq, D), laid out
+    (B, Tq, h, D). D a power of two >= 16; CUDA (or the CPU under Triton's interpreter)."""
+    if triton is None:
+        raise RuntimeError("--attention triton needs Triton (it comes with torch's CUDA builds)")
+    o, _ = _segment_attention_op(q, k, v, r.q_seg, r.k_seg, r.lo, r.hi, r.qlo, r.qhi, r.elo, r.ehi,
+                                 r.causal, r.cross)
+    return o

@@ -1,0 +1,190 @@
+"""--attention triton: the segment ranges cover exactly the masks' pairs, the kernels equal dense-mask
+attention (outputs and gradients) on packed batches, and a packed model trains alike with them.
+
+The kernels run on the CPU under Triton's interpreter (a subprocess with ``TRITON_INTERPRET=1``,
+which Triton reads when the kernels are defined); skipped where Triton is not installed. The GPU
+tests (bf16 and fp32, CUDA graph capture, torch.compile) carry the ``gpu`` marker.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from streamnmt.data.packbatch import collate_packed
+from streamnmt.data.packing import PackSampler
+from streamnmt.models.attention import dense_masks, segment_masks, segment_ranges, visited_fraction
+from tests.data.test_packing import corpus_of
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+
+
+def packed_segments(rows: int = 3, width: tuple[int, int] = (96, 64), longest: int = 24, seed: int = 0):
+    """(src_seg, tgt_seg) of one packed batch of the packer's own making (pairs of 1..longest-1 tokens)."""
+    rng = np.random.default_rng(seed)
+    pairs = [(list(rng.integers(4, 50, rng.integers(1, longest))), list(rng.integers(4, 50, rng.integers(1, longest))))
+             for _ in range(12 * rows)]
+    corpus = corpus_of(pairs)
+    (plan,) = PackSampler(corpus.src_lengths, corpus.tgt_lengths, (rows, *width), shuffle=False).plan(0)[:1]
+    b = collate_packed(corpus, plan).to_batch()
+    return b.src_seg, b.tgt_seg
+
+
+def attentions(src_seg, tgt_seg):
+    """name -> (ranges, the dense boolean mask (B, Tq, Tk)) of the model's three attentions."""
+    enc, dec, cross = dense_masks(src_seg, tgt_seg)
+    m = segment_masks("triton", src_seg, tgt_seg, src_seg, tgt_seg)
+    return {"enc": (m.enc, enc[:, 0]), "dec": (m.dec, dec[:, 0]), "cross": (m.cross, cross[:, 0])}
+
+
+def test_ranges_cover_exactly_the_pairs_the_masks_allow():
+    src_seg, tgt_seg = packed_segments()
+    assert (tgt_seg == 0).any() and (src_seg == 0).any()  # padding on both sides: its rules are covered
+    for name, (r, allowed) in attentions(src_seg, tgt_seg).items():
+        b, tq, tk = allowed.shape
+        q = torch.arange(tq)[None, :, None]
+        k = torch.arange(tk)[None, None, :]
+        in_range = (k >= r.lo.long()[:, :, None]) & (k < r.hi.long()[:, :, None])
+        assert not (allowed & ~in_range).any(), name  # every allowed key lies in its query's range
+        key_side = ((q >= r.qlo.long()[:, None, :]) & (q < r.qhi.long()[:, None, :])) | (
+            (q >= r.elo.long()[:, None, :]) & (q < r.ehi.long()[:, None, :]))
+        assert not (allowed & ~key_side).any(), name  # and every allowed query in its key's ranges
+        main = (q >= r.qlo.long()[:, None, :]) & (q < r.qhi.long()[:, None, :])
+        extra = (q >= r.elo.long()[:, None, :]) & (q < r.ehi.long()[:, None, :])
+        assert not (allowed & main & extra).any(), name  # no allowed pair counted twice in the backward
+        assert r.causal == (name == "dec") and r.cross == (name == "cross")
+
+
+def test_the_kernels_visit_a_fraction_of_the_tiles_at_a_packed_shape():
+    """Rows of 256 source and 128 target positions holding pairs of 1-40 tokens: the forward visits
+    under half of the tiles of 32 x 32 positions (dense masks compute all of them)."""
+    src_seg, tgt_seg = packed_segments(rows=4, width=(256, 128), longest=40)
+    for name, (r, _) in attentions(src_seg, tgt_seg).items():
+        share = float(visited_fraction(r, 32))
+        assert 0.0 < share < 0.5, (name, share)
+
+
+def test_ranges_of_a_row_without_pairs_are_empty_for_real_ids():
+    seg = torch.zeros(1, 8, dtype=torch.long)
+    r = segment_ranges(seg, seg, causal=True, cross=False)
+    assert r.lo.tolist() == [[0] * 8] and r.hi.tolist() == [list(range(1, 9))]  # padding sees padding, causally
+
+
+def _check_attention_equals_dense_masks(dtype=torch.float32, device="cpu", tol=1e-5) -> None:
+    from streamnmt.models.segattn_triton import segment_attention
+
+    torch.manual_seed(0)
+    src_seg, tgt_seg = (s.to(device) for s in packed_segments())
+    for name, (r, allowed) in attentions(src_seg, tgt_seg).items():
+        b, tq, tk = allowed.shape
+        q, k, v = (torch.randn(b, 2, n, 16, device=device, dtype=dtype, requires_grad=True) for n in (tq, tk, tk))
+        out = segment_attention(q, k, v, r)
+        grad = torch.randn_like(out)
+        got = [out, *torch.autograd.grad(out, (q, k, v), grad)]
+        ref_out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+        ref = [ref_out, *torch.autograd.grad(ref_out, (q, k, v), grad)]
+        for what, x, y in zip(("out", "dq", "dk", "dv"), got, ref):
+            err = (x.float() - y.float()).abs().max().item()
+            assert err <= tol * max(1.0, y.float().abs().max().item()), (name, what, err)
+
+
+def _check_packed_model_equals_sdpa() -> None:
+    """A tiny packed model: the same loss and gradients with the Triton kernels as with SDPA."""
+    from streamnmt.models.transformer import make_model
+
+    src_seg, tgt_seg = packed_segments(rows=2, width=(64, 48))
+    src = torch.where(src_seg > 0, 7 + src_seg % 40, 0)
+    tgt = torch.where(tgt_seg > 0, 9 + tgt_seg % 40, 0)
+    pos = [torch.arange(s.size(1)).expand_as(s) for s in (src_seg, tgt_seg)]
+    grads = {}
+    for kind in ("sdpa", "triton"):
+        torch.manual_seed(0)
+        model = make_model(60, 60, d_model=32, n_layers=2, n_heads=2, d_ff=64, dropout=0.0, max_positions=64)
+        model.set_attention(kind)
+        logits = model(src, tgt, src != 0, segments=(src_seg, tgt_seg, *pos))
+        loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=0)
+        loss.backward()
+        grads[kind] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    (l1, g1), (l2, g2) = grads["sdpa"], grads["triton"]
+    assert torch.allclose(l1, l2, atol=1e-5), (l1, l2)
+    for n in g1:
+        assert torch.allclose(g1[n], g2[n], atol=1e-5, rtol=1e-4), n
+
+
+@needs_triton
+def test_kernels_equal_dense_masks_under_the_interpreter():
+    """Outputs and gradients (fp32 and fp16, packed batches) of the three attentions, and a tiny packed model's
+    loss and gradients, against dense-mask SDPA; the kernels run in Triton's interpreter on the CPU."""
+    # fp16 too (a half type's casts of p and dS); not bf16: the interpreter computes it wrongly (numpy has no
+    # bf16), which the GPU tests cover
+    code = ("import torch, tests.test_segattn_triton as t; t._check_attention_equals_dense_masks(); "
+            "t._check_attention_equals_dense_masks(torch.float16, tol=1e-2); "
+            "t._check_packed_model_equals_sdpa(); print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_kernels_equal_dense_masks_on_the_gpu(dtype, tol):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run on the GPU machine: pytest -m gpu)")
+    _check_attention_equals_dense_masks(dtype, "cuda", tol)
+
+
+@pytest.mark.gpu
+def test_kernels_capture_in_a_cuda_graph_and_compile():
+    """The forward and backward replay from a CUDA graph with the same results as eager calls, and a
+    compiled function calling them (fullgraph) gives those results too: no host sync, opaque to Inductor."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run on the GPU machine: pytest -m gpu)")
+    from streamnmt.models.segattn_triton import segment_attention
+
+    torch.manual_seed(0)
+    src_seg, tgt_seg = (s.cuda() for s in packed_segments(rows=4, width=(256, 128), longest=40))
+    r = segment_ranges(tgt_seg, src_seg, causal=False, cross=True)
+    q = torch.randn(4, 8, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(4, 8, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    grad = torch.randn(4, 8, 128, 64, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        out = segment_attention(q, k, v, r)
+        return [out, *torch.autograd.grad(out, (q, k, v), grad)]
+
+    eager = run()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # warm-up on the side stream, as graph capture asks
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    for x, y in zip(captured, eager):
+        assert torch.equal(x, y)
+    compiled = torch.compile(lambda q, k, v: segment_attention(q, k, v, r), fullgraph=True)
+    assert torch.allclose(compiled(q, k, v).float(), eager[0].float(), atol=1e-2)
+
+
+def test_triton_falls_back_to_sdpa_with_one_line_where_it_cannot_run(monkeypatch):
+    from streamnmt.models import attention
+
+    lines: list[str] = []
+    assert attention.resolve_attention("triton", torch.device("cpu"), lines.append, head_dim=64) == "sdpa"
+    assert lines == ["model: --attention triton unavailable (the Triton kernels train on CUDA only (not on cpu)); "
+                     "using sdpa"]
+    if importlib.util.find_spec("triton") is not None:
+        cuda = torch.device("cuda", 0)
+        assert attention.triton_available(cuda, 64) is None and attention.triton_available(cuda, 16) is None
+        assert "head dim 48" in attention.triton_available(cuda, 48) and "head dim 8" in attention.triton_available(cuda, 8)

@@ -110,7 +110,7 @@ def segment_ranges(q_seg: torch.Tensor, k_seg: torch.Tensor, causal: bool, cross
     if causal:  # a query sees keys up to itself; a key is seen by queries from itself on
         hi = torch.minimum(hi, torch.arange(1, tq + 1, device=q_seg.device))
         qlo = torch.maximum(qlo, torch.arange(tk, device=k_seg.device))
-    elo = torch.zeros_like(qlo)
+    elo = torch.full_like(qlo, tq)  # empty: a key tile takes the smallest elo of its keys
     ehi = torch.zeros_like(qhi)
     if cross:  # padding queries see every source position
         pad_q = q_seg == 0
@@ -118,9 +118,11 @@ def segment_ranges(q_seg: torch.Tensor, k_seg: torch.Tensor, causal: bool, cross
         real_k = k_seg != 0  # a padding key is seen by the padding queries through its own range
         elo = torch.where(real_k, q_first[:, :1], elo)
         ehi = torch.where(real_k, q_last[:, :1] + 1, ehi)
-    i32 = torch.int32
-    return SegmentRanges(q_seg.to(i32), k_seg.to(i32), lo.to(i32), hi.to(i32), qlo.to(i32), qhi.to(i32),
-                         elo.to(i32), ehi.to(i32), causal, cross)
+    def i32(t: torch.Tensor) -> torch.Tensor:  # the kernels index (B, T) rows without strides
+        return t.to(torch.int32).contiguous()
+
+    return SegmentRanges(i32(q_seg), i32(k_seg), i32(lo), i32(hi), i32(qlo), i32(qhi), i32(elo), i32(ehi), causal,
+                         cross)
 
 
 def visited_fraction(r: SegmentRanges, block: int) -> torch.Tensor:

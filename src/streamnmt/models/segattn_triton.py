@@ -29,6 +29,9 @@ import torch
 from streamnmt.models.attention import SegmentRanges
 
 BLOCK = 32  # positions per tile: a tile spans one to three short pairs (docs/PERFORMANCE.md, "Attention")
+# Triton's defaults, written out: to be tuned on the GPU (no autotuning: it would time kernels while a
+# CUDA graph captures)
+LAUNCH = {"num_warps": 4, "num_stages": 3}
 
 
 try:
@@ -59,28 +62,50 @@ if triton is not None:
         return ok
 
     @triton.jit
+    def _rows(X, b, h, offs, valid, sb, sh, st, D: tl.constexpr):
+        """The (len(offs), D) tile of rows ``offs`` of head ``h`` of batch row ``b`` (0 where not valid);
+        ``b`` is int64, so that the offsets of large batches do not wrap."""
+        return tl.load(X + b * sb + h * sh + offs[:, None] * st + tl.arange(0, D)[None, :], mask=valid[:, None],
+                       other=0.0)
+
+    @triton.jit
+    def _put_rows(X, tile, b, h, offs, valid, sb, sh, st, D: tl.constexpr):
+        tl.store(X + b * sb + h * sh + offs[:, None] * st + tl.arange(0, D)[None, :], tile.to(X.dtype.element_ty),
+                 mask=valid[:, None])
+
+    @triton.jit
+    def _program(n_heads, B: tl.constexpr):
+        """(tile index, batch row as int64, head, row x head, the tile's positions)."""
+        pid, pid_bh = tl.program_id(0), tl.program_id(1)
+        offs = pid * B + tl.arange(0, B)
+        return (pid_bh // n_heads).to(tl.int64), pid_bh % n_heads, pid_bh, offs
+
+    @triton.jit
+    def _span(LO, HI, b, offs, valid, n_rows, n_other, B: tl.constexpr):
+        """The union [lo, hi) of the tile's ranges, lo rounded down to a tile of ``B`` (hi <= lo: empty)."""
+        lo = tl.min(tl.load(LO + b * n_rows + offs, mask=valid, other=n_other), axis=0)
+        hi = tl.max(tl.load(HI + b * n_rows + offs, mask=valid, other=0), axis=0)
+        return (lo // B) * B, hi
+
+    @triton.jit
     def _fwd(Q, K, V, O, LSE, QSEG, KSEG, LO, HI, sm_scale, n_q, n_k, n_heads,
              sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, CROSS: tl.constexpr,
              PREC: tl.constexpr):
-        pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-        b, h = pid_bh // n_heads, pid_bh % n_heads
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_d = tl.arange(0, D)
+        b, h, pid_bh, offs_m = _program(n_heads, BM)
         in_q = offs_m < n_q
         seg_q = tl.load(QSEG + b * n_q + offs_m, mask=in_q, other=-1)
-        lo = tl.min(tl.load(LO + b * n_q + offs_m, mask=in_q, other=n_k), axis=0)
-        hi = tl.max(tl.load(HI + b * n_q + offs_m, mask=in_q, other=0), axis=0)
-        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :], mask=in_q[:, None], other=0.0)
+        lo, hi = _span(LO, HI, b, offs_m, in_q, n_q, n_k, BN)
+        q = _rows(Q, b, h, offs_m, in_q, sqb, sqh, sqt, D)
         qk_scale = sm_scale * 1.4426950408889634  # exp2 in place of exp
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
-        for start_n in range((lo // BN) * BN, hi, BN):
+        for start_n in range(lo, hi, BN):
             offs_n = start_n + tl.arange(0, BN)
             in_k = offs_n < n_k
             seg_k = tl.load(KSEG + b * n_k + offs_n, mask=in_k, other=-2)
-            k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :], mask=in_k[:, None], other=0.0)
+            k = _rows(K, b, h, offs_n, in_k, skb, skh, skt, D)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             s = tl.where(_allowed(seg_q, seg_k, offs_m, offs_n, n_k, CAUSAL, CROSS), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -88,30 +113,34 @@ if triton is not None:
             p = tl.math.exp2(s - m_safe[:, None])
             alpha = tl.math.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :], mask=in_k[:, None], other=0.0)
+            v = _rows(V, b, h, offs_n, in_k, svb, svh, svt, D)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-        o = acc / l_safe[:, None]
-        tl.store(O + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :], o.to(O.dtype.element_ty),
-                 mask=in_q[:, None])
+        _put_rows(O, acc / l_safe[:, None], b, h, offs_m, in_q, sob, soh, sot, D)
         tl.store(LSE + pid_bh * n_q + offs_m, m_safe + tl.math.log2(l_safe), mask=in_q)  # base 2
+
+    @triton.jit
+    def _delta(O, DO, DELTA, n_q, n_heads, sob, soh, sot, sdb, sdh, sdt, D: tl.constexpr, BM: tl.constexpr):
+        """rowsum(dO * O) in fp32, (B, h, Tq): the backward's correction term."""
+        b, h, pid_bh, offs_m = _program(n_heads, BM)
+        in_q = offs_m < n_q
+        o = _rows(O, b, h, offs_m, in_q, sob, soh, sot, D).to(tl.float32)
+        do = _rows(DO, b, h, offs_m, in_q, sdb, sdh, sdt, D).to(tl.float32)
+        tl.store(DELTA + pid_bh * n_q + offs_m, tl.sum(o * do, axis=1), mask=in_q)
 
     @triton.jit
     def _dkdv_tiles(dk, dv, k, v, seg_k, offs_n, start, stop, Q, DO, LSE, DELTA, QSEG, b, h, pid_bh, n_q, n_k,
                     qk_scale, sqb, sqh, sqt, sdb, sdh, sdt,
                     D: tl.constexpr, BM: tl.constexpr, CAUSAL: tl.constexpr, CROSS: tl.constexpr,
                     PREC: tl.constexpr):
-        offs_d = tl.arange(0, D)
         for start_m in range(start, stop, BM):
             offs_m = start_m + tl.arange(0, BM)
             in_q = offs_m < n_q
             seg_q = tl.load(QSEG + b * n_q + offs_m, mask=in_q, other=-1)
-            q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :], mask=in_q[:, None],
-                        other=0.0)
-            do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdt + offs_d[None, :], mask=in_q[:, None],
-                         other=0.0)
+            q = _rows(Q, b, h, offs_m, in_q, sqb, sqh, sqt, D)
+            do = _rows(DO, b, h, offs_m, in_q, sdb, sdh, sdt, D)
             lse = tl.load(LSE + pid_bh * n_q + offs_m, mask=in_q, other=0.0)
             delta = tl.load(DELTA + pid_bh * n_q + offs_m, mask=in_q, other=0.0)
             st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # (BN, BM): scores, transposed
@@ -128,68 +157,56 @@ if triton is not None:
                   sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sgb, sgh, sgt,
                   D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, CROSS: tl.constexpr,
                   PREC: tl.constexpr):
-        pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
-        b, h = pid_bh // n_heads, pid_bh % n_heads
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        offs_d = tl.arange(0, D)
+        b, h, pid_bh, offs_n = _program(n_heads, BN)
         in_k = offs_n < n_k
         seg_k = tl.load(KSEG + b * n_k + offs_n, mask=in_k, other=-2)
-        k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :], mask=in_k[:, None], other=0.0)
-        v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :], mask=in_k[:, None], other=0.0)
+        k = _rows(K, b, h, offs_n, in_k, skb, skh, skt, D)
+        v = _rows(V, b, h, offs_n, in_k, svb, svh, svt, D)
         qk_scale = sm_scale * 1.4426950408889634
         dk = tl.zeros([BN, D], tl.float32)
         dv = tl.zeros([BN, D], tl.float32)
         # the tiles of the queries of these keys' segments: [a, c) in whole tiles
-        a = (tl.min(tl.load(QLO + b * n_k + offs_n, mask=in_k, other=n_q), axis=0) // BM) * BM
-        c = tl.max(tl.load(QHI + b * n_k + offs_n, mask=in_k, other=0), axis=0)
+        a, c = _span(QLO, QHI, b, offs_n, in_k, n_k, n_q, BM)
         c = tl.where(c > a, ((c + BM - 1) // BM) * BM, a)
         dk, dv = _dkdv_tiles(dk, dv, k, v, seg_k, offs_n, a, c, Q, DO, LSE, DELTA, QSEG, b, h, pid_bh, n_q, n_k,
                              qk_scale, sqb, sqh, sqt, sdb, sdh, sdt, D, BM, CAUSAL, CROSS, PREC)
         if CROSS:  # the padding queries' tiles, those [a, c) did not visit: before a, and from c on
-            e0 = (tl.min(tl.load(ELO + b * n_k + offs_n, mask=in_k, other=n_q), axis=0) // BM) * BM
-            e1 = tl.max(tl.load(EHI + b * n_k + offs_n, mask=in_k, other=0), axis=0)
+            e0, e1 = _span(ELO, EHI, b, offs_n, in_k, n_k, n_q, BM)
             dk, dv = _dkdv_tiles(dk, dv, k, v, seg_k, offs_n, e0, tl.minimum(e1, a), Q, DO, LSE, DELTA, QSEG, b, h,
                                  pid_bh, n_q, n_k, qk_scale, sqb, sqh, sqt, sdb, sdh, sdt, D, BM, CAUSAL, CROSS, PREC)
             dk, dv = _dkdv_tiles(dk, dv, k, v, seg_k, offs_n, tl.maximum(e0, c), e1, Q, DO, LSE, DELTA, QSEG, b, h,
                                  pid_bh, n_q, n_k, qk_scale, sqb, sqh, sqt, sdb, sdh, sdt, D, BM, CAUSAL, CROSS, PREC)
-        tl.store(DK + b * sgb + h * sgh + offs_n[:, None] * sgt + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
-                 mask=in_k[:, None])
-        tl.store(DV + b * sgb + h * sgh + offs_n[:, None] * sgt + offs_d[None, :], dv.to(DV.dtype.element_ty),
-                 mask=in_k[:, None])
+        _put_rows(DK, dk * sm_scale, b, h, offs_n, in_k, sgb, sgh, sgt, D)
+        _put_rows(DV, dv, b, h, offs_n, in_k, sgb, sgh, sgt, D)
 
     @triton.jit
     def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, QSEG, KSEG, LO, HI, sm_scale, n_q, n_k, n_heads,
                 sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sgb, sgh, sgt,
                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, CROSS: tl.constexpr,
                 PREC: tl.constexpr):
-        pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-        b, h = pid_bh // n_heads, pid_bh % n_heads
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_d = tl.arange(0, D)
+        b, h, pid_bh, offs_m = _program(n_heads, BM)
         in_q = offs_m < n_q
         seg_q = tl.load(QSEG + b * n_q + offs_m, mask=in_q, other=-1)
-        lo = tl.min(tl.load(LO + b * n_q + offs_m, mask=in_q, other=n_k), axis=0)
-        hi = tl.max(tl.load(HI + b * n_q + offs_m, mask=in_q, other=0), axis=0)
-        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :], mask=in_q[:, None], other=0.0)
-        do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdt + offs_d[None, :], mask=in_q[:, None], other=0.0)
+        lo, hi = _span(LO, HI, b, offs_m, in_q, n_q, n_k, BN)
+        q = _rows(Q, b, h, offs_m, in_q, sqb, sqh, sqt, D)
+        do = _rows(DO, b, h, offs_m, in_q, sdb, sdh, sdt, D)
         lse = tl.load(LSE + pid_bh * n_q + offs_m, mask=in_q, other=0.0)
         delta = tl.load(DELTA + pid_bh * n_q + offs_m, mask=in_q, other=0.0)
         qk_scale = sm_scale * 1.4426950408889634
         dq = tl.zeros([BM, D], tl.float32)
-        for start_n in range((lo // BN) * BN, hi, BN):
+        for start_n in range(lo, hi, BN):
             offs_n = start_n + tl.arange(0, BN)
             in_k = offs_n < n_k
             seg_k = tl.load(KSEG + b * n_k + offs_n, mask=in_k, other=-2)
-            k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :], mask=in_k[:, None], other=0.0)
-            v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :], mask=in_k[:, None], other=0.0)
+            k = _rows(K, b, h, offs_n, in_k, skb, skh, skt, D)
+            v = _rows(V, b, h, offs_n, in_k, svb, svh, svt, D)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             ok = _allowed(seg_q, seg_k, offs_m, offs_n, n_k, CAUSAL, CROSS) & in_q[:, None]
             p = tl.where(ok, tl.math.exp2(s - lse[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-        tl.store(DQ + b * sgb + h * sgh + offs_m[:, None] * sgt + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-                 mask=in_q[:, None])
+        _put_rows(DQ, dq * sm_scale, b, h, offs_m, in_q, sgb, sgh, sgt, D)
 
 
 def _strides(x: torch.Tensor) -> tuple[int, int, int]:
@@ -204,7 +221,9 @@ def _bhtd_like(x: torch.Tensor) -> torch.Tensor:
 
 
 def _precision(x: torch.Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 exactly; bf16/fp16 multiply natively
+    """fp32 multiplies exactly (no tensor cores: a path for tests, training runs bf16 or fp16); bf16 and
+    fp16 natively (the setting is then ignored)."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def _last_dim_contiguous(*xs: torch.Tensor) -> list[torch.Tensor]:
@@ -212,6 +231,8 @@ def _last_dim_contiguous(*xs: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _forward(q, k, v, q_seg, k_seg, lo, hi, causal: bool, cross: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"segment_attention: q, k and v of one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     q, k, v = _last_dim_contiguous(q, k, v)
     b, h, n_q, d = q.shape
     n_k = k.size(2)
@@ -220,25 +241,27 @@ def _forward(q, k, v, q_seg, k_seg, lo, hi, causal: bool, cross: bool) -> tuple[
     grid = (triton.cdiv(n_q, BLOCK), b * h)
     _fwd[grid](q, k, v, o, lse, q_seg, k_seg, lo, hi, 1.0 / math.sqrt(d), n_q, n_k, h,
                *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-               D=d, BM=BLOCK, BN=BLOCK, CAUSAL=causal, CROSS=cross, PREC=_precision(q))
+               D=d, BM=BLOCK, BN=BLOCK, CAUSAL=causal, CROSS=cross, PREC=_precision(q), **LAUNCH)
     return o, lse
 
 
 def _backward(do, q, k, v, o, lse, q_seg, k_seg, lo, hi, qlo, qhi, elo, ehi, causal: bool, cross: bool):
-    do, q, k, v = _last_dim_contiguous(do, q, k, v)
+    do, q, k, v, o = _last_dim_contiguous(do, q, k, v, o)
+    lse = lse.contiguous()  # the kernels index it (B, h, Tq) without strides
     b, h, n_q, d = q.shape
     n_k = k.size(2)
-    delta = (o.float() * do.float()).sum(-1).contiguous()  # (B, h, Tq): rowsum(dO * O)
+    delta = torch.empty_like(lse)
+    _delta[(triton.cdiv(n_q, BLOCK), b * h)](o, do, delta, n_q, h, *_strides(o), *_strides(do), D=d, BM=BLOCK)
     dq, dk, dv = _bhtd_like(q), _bhtd_like(k), _bhtd_like(v)
     scale, prec = 1.0 / math.sqrt(d), _precision(q)
     _bwd_dkdv[(triton.cdiv(n_k, BLOCK), b * h)](
         q, k, v, do, dk, dv, lse, delta, q_seg, k_seg, qlo, qhi, elo, ehi, scale, n_q, n_k, h,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
-        D=d, BM=BLOCK, BN=BLOCK, CAUSAL=causal, CROSS=cross, PREC=prec)
+        D=d, BM=BLOCK, BN=BLOCK, CAUSAL=causal, CROSS=cross, PREC=prec, **LAUNCH)
     _bwd_dq[(triton.cdiv(n_q, BLOCK), b * h)](
         q, k, v, do, dq, lse, delta, q_seg, k_seg, lo, hi, scale, n_q, n_k, h,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-        D=d, BM=BLOCK, BN=BLOCK, CAUSAL=causal, CROSS=cross, PREC=prec)
+        D=d, BM=BLOCK, BN=BLOCK, CAUSAL=causal, CROSS=cross, PREC=prec, **LAUNCH)
     return dq, dk, dv
 
 

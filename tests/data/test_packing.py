@@ -307,6 +307,37 @@ def test_the_next_epoch_is_planned_in_the_background_with_the_same_rows(monkeypa
     assert packrows._PLANNER is False and packrows._planner() is None
 
 
+def test_a_resumed_epoch_planned_ahead_reaches_the_loaders_sampler_and_shapes_need_no_plan(monkeypatch):
+    """A resume asks the planner for its epoch before the model is built: another sampler of the same
+    corpus, shape and seed takes those rows from it, and the batch shapes come without planning."""
+    import multiprocessing
+
+    from streamnmt.data import DataConfig, batch_plan, batch_shapes, make_sampler, packing, packrows
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork start method here: epochs are planned when they start")
+    corpus = random_corpus(2000, seed=3, longest=20)
+    cfg = DataConfig(max_tokens=256, max_len=32)
+    monkeypatch.setattr(packing, "_ROWS_CACHE", {})
+    monkeypatch.setattr(packrows, "_PLANNER", None)
+    early = make_sampler(corpus, cfg, train=True, seed=7)
+    early.plan_ahead(3)
+    planner = packrows._PLANNER
+    assert planner and planner._asked == [early._key(3)]
+    want = packrows.epoch_rows(early.src_len, early.tgt_len, early.shape, True, 7, 3, packrows.WINDOW)
+
+    def no_planning_here(*args, **kwargs):
+        raise AssertionError("planned in the trainer's process")
+
+    monkeypatch.setattr(packing, "epoch_rows", no_planning_here)
+    assert batch_shapes(corpus, cfg) == [early.shape]  # no epoch planned for the shapes
+    with pytest.raises(AssertionError, match="planned in the trainer's process"):
+        batch_plan(corpus, cfg)  # the count does plan one (epoch 0 of seed 0)
+    loader_sampler = make_sampler(corpus, cfg, train=True, seed=7)
+    got = loader_sampler._rows(3)  # from the planner
+    assert [r.tolist() for r in got] == [r.tolist() for r in want]
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="Linux: a fork planner and /proc")
 def test_the_planner_ends_when_its_trainer_is_killed(tmp_path):
     """A trainer killed by SIGKILL leaves no planner behind (it would hold the trainer's output

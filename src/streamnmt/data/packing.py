@@ -118,6 +118,11 @@ class PackSampler:
             cpus = os.cpu_count() or 1
         return max(1, min(8, cpus // self.world, windows))
 
+    def plan_ahead(self, epoch: int) -> None:
+        """Start planning ``epoch`` in the planner process now: a resumed run's epoch, while the
+        model is built (a loader's sampler of the same corpus, shape and seed then finds it)."""
+        self._plan_ahead(epoch)
+
     def _plan_ahead(self, epoch: int) -> None:
         """Start planning ``epoch``'s rows in the planner process, unless known or under way."""
         key = self._key(epoch)

@@ -25,7 +25,7 @@ from streamnmt import dist as distributed
 from streamnmt.checkpoint import (embedded_tokenizers, load_checkpoint, load_model_weights, rng_state, set_rng_state,
                                   tokenizer_entry, tokenizers_of_weights)
 from streamnmt.config import RESUME_SETTINGS, ModelConfig, TrainJob, job_from_dict
-from streamnmt.data import batch_plan, make_loader, prepare_data
+from streamnmt.data import batch_shapes, make_loader, make_sampler, prepare_data
 from streamnmt.devices import resolve_device, seed_everything
 from streamnmt.engine import DeferredLosses, make_strategy
 from streamnmt.errors import ConfigError, InputError
@@ -152,6 +152,13 @@ class TrainerSetup:
                 self.setup_s["imports"] = time.monotonic() - t0  # said apart from the data's own seconds
         if resume is not None:
             self._check_tokenizers(resume)
+            state = resume.get("sampler") or {}
+            if self.job.data.packs and "epoch" in state:
+                # The resumed epoch's rows are planned in the planner process while the model is built
+                # and compiled, not when _restore needs them (seconds of set-up on 1M pairs).
+                sampler = make_sampler(self.data.train, self.job.data, train=True,
+                                       seed=int(state.get("seed", self.job.run.seed)))
+                sampler.plan_ahead(int(state["epoch"]))
         else:
             self.job = resolve_compile_for_ranks(self.job, self.data.train, self.device, self.dist, self.log)
 
@@ -172,8 +179,8 @@ class TrainerSetup:
         self.step_fn = make_step(self.model, self.device, d_model=m.d_model, lr=job.optim.lr,
                                  warmup=job.optim.warmup, amp=job.optim.amp, clip=job.optim.clip_grad,
                                  label_smoothing=m.label_smoothing, compile=job.engine.compile == "on",
-                                 shapes=len({*batch_plan(self.data.train, job.data)[1],  # validation's too
-                                             *batch_plan(self.data.dev, job.data, train=False)[1]}), ema=job.run.ema,
+                                 shapes=len({*batch_shapes(self.data.train, job.data),  # validation's too
+                                             *batch_shapes(self.data.dev, job.data, train=False)}), ema=job.run.ema,
                                  ddp=self.dist.active, bucket_cap_mb=job.engine.bucket_cap_mb)
         self.optimizer, self.schedule, self.scaler = (self.step_fn.optimizer, self.step_fn.schedule,
                                                       self.step_fn.scaler)

@@ -198,6 +198,9 @@ class Trainer(EvaluationPoints, TrainerSetup):
             if r.save_every and self.global_step % r.save_every == 0:
                 losses += self._save_mid_epoch("save", keep=r.keep_last)
             if self.global_step == int(os.environ.get("STREAMNMT_TEST_KILL_AT_STEP", "0")):
+                # a crash after the checkpoints written so far: those in flight land first, so the
+                # tests' resume point does not hang on a loaded machine's write speed
+                self.checkpointer.wait()
                 if self.dist.active:
                     self.dist.kill_launcher()
                 os.kill(os.getpid(), signal.SIGKILL)

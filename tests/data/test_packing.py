@@ -312,7 +312,14 @@ def test_a_resumed_epoch_planned_ahead_reaches_the_loaders_sampler_and_shapes_ne
     corpus, shape and seed takes those rows from it, and the batch shapes come without planning."""
     import multiprocessing
 
-    from streamnmt.data import DataConfig, batch_plan, batch_shapes, make_sampler, packing, packrows
+    from streamnmt.data import (
+        DataConfig,
+        batch_plan,
+        batch_shapes,
+        make_sampler,
+        packing,
+        packrows,
+    )
 
     if "fork" not in multiprocessing.get_all_start_methods():
         pytest.skip("no fork start method here: epochs are planned when they start")

@@ -9,9 +9,10 @@ variant (an error string where a variant did not compile), the mask build times,
 largest difference from SDPA on real positions.
 
 Usage: python3 scripts/bench_attention.py builtin|DATA_DIR [VARIANT,...] [BATCHES] [MAX_TOKENS]
-(PERFORMANCE.md, "Attention"; MAX_TOKENS default 16384). The triton variant also prints the share of
-the tiles its forward visits per attention (``triton_visited``) and its largest difference from SDPA
-on real positions over the three attentions' outputs.
+(PERFORMANCE.md, "Attention"; MAX_TOKENS default 16384). Variant ``triton`` is the Triton segment
+kernels at their default tiles, ``triton-QxK[-wW-sS]`` at other tiles and launch settings (e.g.
+``triton-64x32-w8``); each also prints the share of the tiles its forward visits per attention
+(``_visited``) and its largest difference from SDPA on real positions over the three outputs.
 VARIANT ``widths`` alone: SDPA at the same positions in rows of 32-128 (:func:`width_sweep`).
 """
 
@@ -89,8 +90,8 @@ def measure(src_seg: torch.Tensor, tgt_seg: torch.Tensor, plain_flex, tuned_flex
     row = {"shape": [b, s, t], "sdpa": cuda_ms(lambda: step(sdpa, dense)),
            "sdpa_masks": cuda_ms(lambda: dense_masks(src_seg, tgt_seg, torch.bfloat16))}
 
-    if not only or "triton" in only:
-        row.update(measure_triton(src_seg, tgt_seg, step, sdpa, dense, calls))
+    for name in sorted(n for n in only if n.startswith("triton")) if only else ["triton"]:
+        row.update(measure_triton(name, src_seg, tgt_seg, step, sdpa, dense, calls))
     for name, size, options, tuned in FLEX_VARIANTS:
         if only and name not in only:
             continue
@@ -118,11 +119,16 @@ def measure(src_seg: torch.Tensor, tgt_seg: torch.Tensor, plain_flex, tuned_flex
     return row
 
 
-def measure_triton(src_seg, tgt_seg, step, sdpa, dense, calls) -> dict:
+def measure_triton(name, src_seg, tgt_seg, step, sdpa, dense, calls) -> dict:
     """The Triton segment kernels in the same step: ms, the ranges' build ms, the share of tiles
-    visited, the first call's seconds (Triton compiling), and the largest difference from SDPA."""
+    visited, the first call's seconds (Triton compiling), and the largest difference from SDPA.
+    ``name``: ``triton`` (the default tiles) or ``triton-QxK[-wW-sS]`` (tiles and launch settings)."""
     try:
-        from streamnmt.models.segattn_triton import BLOCK, segment_attention
+        from streamnmt.models import segattn_triton
+        from streamnmt.models.segattn_triton import Tiles, segment_attention
+
+        tiles = Tiles.parse(name.split("-", 1)[1]) if "-" in name else Tiles()
+        segattn_triton.set_tiles(tiles)
 
         def ranges():
             m = segment_masks("triton", src_seg, tgt_seg, src_seg, tgt_seg)
@@ -139,11 +145,12 @@ def measure_triton(src_seg, tgt_seg, step, sdpa, dense, calls) -> dict:
                  for n, (inputs, _), r, d in zip(real, calls, masks, dense)]
         # needed: the largest difference and the visited shares are printed from the host
         max_diff, visited = host_sync("bench_attention.check", lambda: (
-            torch.stack(diffs).max().item(), [round(visited_fraction(r, BLOCK).item(), 4) for r in masks]))
-        return {"triton": cuda_ms(lambda: step(attend, masks)), "triton_masks": cuda_ms(ranges),
-                "triton_visited": dict(zip(real, visited)), "triton_max_diff": max_diff, "triton_first_s": first_s}
+            torch.stack(diffs).max().item(),
+            [round(visited_fraction(r, tiles.query, tiles.key).item(), 4) for r in masks]))
+        return {name: cuda_ms(lambda: step(attend, masks)), f"{name}_masks": cuda_ms(ranges),
+                f"{name}_visited": dict(zip(real, visited)), f"{name}_max_diff": max_diff, f"{name}_first_s": first_s}
     except Exception as e:  # a kernel that does not compile here: say so, measure the others
-        return {"triton": f"error: {type(e).__name__}: {str(e)[:300]}"}
+        return {name: f"error: {type(e).__name__}: {str(e)[:300]}"}
 
 
 def width_sweep(src_seg: torch.Tensor, tgt_seg: torch.Tensor, widths=(32, 48, 64, 96, 128)) -> dict:

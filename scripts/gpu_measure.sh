@@ -217,13 +217,15 @@ PY
       grep -E "^graph " "$OUT/budget_${corpus}_$t.log" | cut -c1-90
     done; done ;;
   attn-triton)  # #31: the Triton segment kernels (--attention triton): their GPU tests, attention alone against
-                # SDPA (scripts/bench_attention.py at 16384 and at the default 4096), then the packed base model
+                # SDPA (scripts/bench_attention.py at 16384 and at the default 4096, at the tile settings in TILES),
+                # then the packed base model
                 # with each attention at the default budget, built-in corpus (graph --compile, 32k vocabulary)
     timeout 240 python3 -m pytest -q -m gpu tests/test_segattn_triton.py -p no:cacheprovider > "$OUT/attn_tests.log" 2>&1
     tail -3 "$OUT/attn_tests.log"
     for t in 16384 4096; do
-      timeout 200 python3 scripts/bench_attention.py builtin triton 2 $t > "$OUT/attn_bench_$t.log" 2>&1
-      echo "== attention alone, $t"; cut -c1-400 "$OUT/attn_bench_$t.log" | tail -2
+      timeout 240 python3 scripts/bench_attention.py builtin ${TILES:-triton,triton-64x32,triton-64x32-w8,triton-32x32-w2,triton-64x64-w8} 2 $t \
+        > "$OUT/attn_bench_$t.log" 2>&1
+      echo "== attention alone, $t"; tail -2 "$OUT/attn_bench_$t.log" | cut -c1-2000
     done
     B="python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 --max-len 128 --max-tokens ${TOKENS:-4096}"
     B="$B --no-references --repeats 3 --compile --strategies graph"

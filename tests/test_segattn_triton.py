@@ -74,7 +74,7 @@ def test_the_kernels_visit_a_fraction_of_the_tiles_at_a_packed_shape():
     under half of the tiles of 32 x 32 positions (dense masks compute all of them)."""
     src_seg, tgt_seg = packed_segments(rows=4, width=(256, 128), longest=40)
     for name, (r, _) in attentions(src_seg, tgt_seg).items():
-        share = float(visited_fraction(r, 32))
+        share = float(visited_fraction(r, 32, 32))
         assert 0.0 < share < 0.5, (name, share)
 
 
@@ -84,8 +84,11 @@ def test_ranges_of_a_row_without_pairs_are_empty_for_real_ids():
     assert r.lo.tolist() == [[0] * 8] and r.hi.tolist() == [list(range(1, 9))]  # padding sees padding, causally
 
 
-def _check_attention_equals_dense_masks(dtype=torch.float32, device="cpu", tol=1e-5) -> None:
-    from streamnmt.models.segattn_triton import segment_attention
+def _check_attention_equals_dense_masks(dtype=torch.float32, device="cpu", tol=1e-5, tiles: str = "32x32") -> None:
+    from streamnmt.models import segattn_triton
+    from streamnmt.models.segattn_triton import Tiles, segment_attention
+
+    segattn_triton.set_tiles(Tiles.parse(tiles))
 
     torch.manual_seed(0)
     src_seg, tgt_seg = (s.to(device) for s in packed_segments())
@@ -127,12 +130,14 @@ def _check_packed_model_equals_sdpa() -> None:
 
 @needs_triton
 def test_kernels_equal_dense_masks_under_the_interpreter():
-    """Outputs and gradients (fp32 and fp16, packed batches) of the three attentions, and a tiny packed model's
+    """Outputs and gradients (fp32 and fp16, packed batches; tiles of 32 x 32, 64 x 32 and 16 x 64) of the
+    three attentions, and a tiny packed model's
     loss and gradients, against dense-mask SDPA; the kernels run in Triton's interpreter on the CPU."""
     # fp16 too (a half type's casts of p and dS); not bf16: the interpreter computes it wrongly (numpy has no
     # bf16), which the GPU tests cover
     code = ("import torch, tests.test_segattn_triton as t; t._check_attention_equals_dense_masks(); "
             "t._check_attention_equals_dense_masks(torch.float16, tol=1e-2); "
+            "t._check_attention_equals_dense_masks(tiles='64x32'); t._check_attention_equals_dense_masks(tiles='16x64'); "
             "t._check_packed_model_equals_sdpa(); print('ok')")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
                           env={**os.environ, "TRITON_INTERPRET": "1"})

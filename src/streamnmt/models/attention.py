@@ -125,16 +125,16 @@ def segment_ranges(q_seg: torch.Tensor, k_seg: torch.Tensor, causal: bool, cross
                          cross)
 
 
-def visited_fraction(r: SegmentRanges, block: int) -> torch.Tensor:
-    """The share of the position pairs of the rows (query tiles x key tiles of ``block`` positions)
-    whose tiles the Triton kernels' forward visits, as a 0-dim tensor on the ranges' device."""
+def visited_fraction(r: SegmentRanges, query: int, key: int) -> torch.Tensor:
+    """The share of the rows' position pairs (tiles of ``query`` x ``key`` positions) whose tiles the
+    Triton kernels' forward visits, as a 0-dim tensor on the ranges' device."""
     b, tq = r.lo.shape
     tk = r.k_seg.size(1)
-    n_q, n_k = -(-tq // block), -(-tk // block)
-    pad = n_q * block - tq
-    lo = torch.nn.functional.pad(r.lo.long(), (0, pad), value=tk).view(b, n_q, block).amin(-1)
-    hi = torch.nn.functional.pad(r.hi.long(), (0, pad), value=0).view(b, n_q, block).amax(-1)
-    tiles = (torch.div(hi + block - 1, block, rounding_mode="floor") - torch.div(lo, block, rounding_mode="floor"))
+    n_q, n_k = -(-tq // query), -(-tk // key)
+    pad = n_q * query - tq
+    lo = torch.nn.functional.pad(r.lo.long(), (0, pad), value=tk).view(b, n_q, query).amin(-1)
+    hi = torch.nn.functional.pad(r.hi.long(), (0, pad), value=0).view(b, n_q, query).amax(-1)
+    tiles = torch.div(hi + key - 1, key, rounding_mode="floor") - torch.div(lo, key, rounding_mode="floor")
     return tiles.clamp(min=0).sum() / (b * n_q * n_k)
 
 

@@ -2,7 +2,7 @@
 
 A packed row holds several pairs (segment ids 1, 2, ..., 0 on padding; the mask rules are those of
 :mod:`streamnmt.models.attention`). Dense-mask SDPA computes every position pair of the row, of which
-about a tenth belong to one pair. Here the row is cut into tiles of ``BLOCK`` positions, and a
+about a tenth belong to one pair. Here the row is cut into tiles (:data:`TILES`), and a
 query tile visits only the key tiles that hold keys of its queries' segments; within a visited tile
 the segment ids mask exactly as the dense masks do. Forward and backward (FlashAttention-2's
 recomputation: the forward keeps the log-sum-exp of each query row), bf16/fp16/fp32, no attention
@@ -23,15 +23,41 @@ annotations`` here: the custom ops' schemas are read from their annotations.)
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from streamnmt.models.attention import SegmentRanges
 
-BLOCK = 32  # positions per tile: a tile spans one to three short pairs (docs/PERFORMANCE.md, "Attention")
-# Triton's defaults, written out: to be tuned on the GPU (no autotuning: it would time kernels while a
-# CUDA graph captures)
-LAUNCH = {"num_warps": 4, "num_stages": 3}
+
+@dataclass(frozen=True)
+class Tiles:
+    """Positions per query tile and per key tile (powers of two from 16), and the launch settings.
+    32 x 32: a tile spans one to three short pairs (docs/PERFORMANCE.md, "Attention"); warps and
+    stages are Triton's defaults, written out to be tuned on the GPU (no autotuning: it would time
+    kernels while a CUDA graph captures)."""
+
+    query: int = 32
+    key: int = 32
+    warps: int = 4
+    stages: int = 3
+
+    @classmethod
+    def parse(cls, spec: str) -> "Tiles":
+        """``QxK`` or ``QxK-wW-sS`` (e.g. ``64x32-w8-s2``), as the attention benchmark names variants."""
+        parts = spec.split("-")
+        q, k = (int(x) for x in parts[0].split("x"))
+        opts = {p[0]: int(p[1:]) for p in parts[1:]}
+        return cls(q, k, opts.get("w", 4), opts.get("s", 3))
+
+
+TILES = Tiles()
+
+
+def set_tiles(tiles: Tiles) -> None:
+    """The tiles of the next launches (a benchmark's sweep; kernels compile once per setting)."""
+    global TILES
+    TILES = tiles
 
 
 try:
@@ -238,10 +264,11 @@ def _forward(q, k, v, q_seg, k_seg, lo, hi, causal: bool, cross: bool) -> tuple[
     n_k = k.size(2)
     o = _bhtd_like(q)
     lse = torch.empty(b, h, n_q, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(n_q, BLOCK), b * h)
-    _fwd[grid](q, k, v, o, lse, q_seg, k_seg, lo, hi, 1.0 / math.sqrt(d), n_q, n_k, h,
-               *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-               D=d, BM=BLOCK, BN=BLOCK, CAUSAL=causal, CROSS=cross, PREC=_precision(q), **LAUNCH)
+    t = TILES
+    _fwd[(triton.cdiv(n_q, t.query), b * h)](
+        q, k, v, o, lse, q_seg, k_seg, lo, hi, 1.0 / math.sqrt(d), n_q, n_k, h,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o), D=d, BM=t.query, BN=t.key, CAUSAL=causal,
+        CROSS=cross, PREC=_precision(q), num_warps=t.warps, num_stages=t.stages)
     return o, lse
 
 
@@ -251,17 +278,18 @@ def _backward(do, q, k, v, o, lse, q_seg, k_seg, lo, hi, qlo, qhi, elo, ehi, cau
     b, h, n_q, d = q.shape
     n_k = k.size(2)
     delta = torch.empty_like(lse)
-    _delta[(triton.cdiv(n_q, BLOCK), b * h)](o, do, delta, n_q, h, *_strides(o), *_strides(do), D=d, BM=BLOCK)
+    t = TILES
+    _delta[(triton.cdiv(n_q, t.query), b * h)](o, do, delta, n_q, h, *_strides(o), *_strides(do), D=d, BM=t.query)
     dq, dk, dv = _bhtd_like(q), _bhtd_like(k), _bhtd_like(v)
     scale, prec = 1.0 / math.sqrt(d), _precision(q)
-    _bwd_dkdv[(triton.cdiv(n_k, BLOCK), b * h)](
+    _bwd_dkdv[(triton.cdiv(n_k, t.key), b * h)](
         q, k, v, do, dk, dv, lse, delta, q_seg, k_seg, qlo, qhi, elo, ehi, scale, n_q, n_k, h,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
-        D=d, BM=BLOCK, BN=BLOCK, CAUSAL=causal, CROSS=cross, PREC=prec, **LAUNCH)
-    _bwd_dq[(triton.cdiv(n_q, BLOCK), b * h)](
+        D=d, BM=t.query, BN=t.key, CAUSAL=causal, CROSS=cross, PREC=prec, num_warps=t.warps, num_stages=t.stages)
+    _bwd_dq[(triton.cdiv(n_q, t.query), b * h)](
         q, k, v, do, dq, lse, delta, q_seg, k_seg, lo, hi, scale, n_q, n_k, h,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-        D=d, BM=BLOCK, BN=BLOCK, CAUSAL=causal, CROSS=cross, PREC=prec, **LAUNCH)
+        D=d, BM=t.query, BN=t.key, CAUSAL=causal, CROSS=cross, PREC=prec, num_warps=t.warps, num_stages=t.stages)
     return dq, dk, dv
 
 

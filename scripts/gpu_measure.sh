@@ -218,8 +218,8 @@ PY
     done; done ;;
   attn-triton)  # #31: the Triton segment kernels (--attention triton): their GPU tests, attention alone against
                 # SDPA (scripts/bench_attention.py at 16384 and at the default 4096, at the tile settings in TILES),
-                # then the packed base model
-                # with each attention at the default budget, built-in corpus (graph --compile, 32k vocabulary)
+                # then the packed base model with each attention at the default budget, built-in corpus (graph
+                # --compile, 32k vocabulary; MODEL_TILES=QxK-wW-sS for the kernels' tiles there)
     timeout 240 python3 -m pytest -q -m gpu tests/test_segattn_triton.py -p no:cacheprovider > "$OUT/attn_tests.log" 2>&1
     tail -3 "$OUT/attn_tests.log"
     for t in 16384 4096; do
@@ -230,7 +230,7 @@ PY
     B="python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 --max-len 128 --max-tokens ${TOKENS:-4096}"
     B="$B --no-references --repeats 3 --compile --strategies graph"
     for a in ${ATTNS:-sdpa triton}; do
-      timeout 200 $B --attention $a --out /tmp/at_$a > "$OUT/attn_model_$a.log" 2>&1
+      STREAMNMT_ATTN_TILES=${MODEL_TILES:-} timeout 200 $B --attention $a --out /tmp/at_$a > "$OUT/attn_model_$a.log" 2>&1
       echo "== model, --attention $a"; grep -E "^graph |MFU|rror" "$OUT/attn_model_$a.log" | cut -c1-140 | tail -4
     done ;;
   recipe-defaults)  # time-to-BLEU: the defaults vs --max-tokens 6144 --warmup 800, the same --time-limit each

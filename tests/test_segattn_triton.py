@@ -198,3 +198,12 @@ def test_triton_falls_back_to_sdpa_with_one_line_where_it_cannot_run(monkeypatch
         cuda = torch.device("cuda", 0)
         assert attention.triton_available(cuda, 64) is None and attention.triton_available(cuda, 16) is None
         assert "head dim 48" in attention.triton_available(cuda, 48) and "head dim 8" in attention.triton_available(cuda, 8)
+
+
+def test_tiles_parse_the_benchmarks_names():
+    from streamnmt.models.segattn_triton import Tiles
+
+    assert Tiles.parse("64x32-w8-s2") == Tiles(64, 32, 8, 2)
+    assert Tiles.parse("16x64") == Tiles(16, 64, 4, 3) and Tiles() == Tiles.parse("32x32")
+    with pytest.raises(ValueError):
+        Tiles.parse("wide")

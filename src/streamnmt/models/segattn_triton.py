@@ -23,6 +23,7 @@ annotations`` here: the custom ops' schemas are read from their annotations.)
 """
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,8 @@ class Tiles:
         return cls(q, k, opts.get("w", 4), opts.get("s", 3))
 
 
-TILES = Tiles()
+# STREAMNMT_ATTN_TILES (``QxK[-wW-sS]``) sets them for a whole run, for tuning on a GPU
+TILES = Tiles.parse(os.environ["STREAMNMT_ATTN_TILES"]) if os.environ.get("STREAMNMT_ATTN_TILES") else Tiles()
 
 
 def set_tiles(tiles: Tiles) -> None:

@@ -118,6 +118,7 @@ def segment_ranges(q_seg: torch.Tensor, k_seg: torch.Tensor, causal: bool, cross
         real_k = k_seg != 0  # a padding key is seen by the padding queries through its own range
         elo = torch.where(real_k, q_first[:, :1], elo)
         ehi = torch.where(real_k, q_last[:, :1] + 1, ehi)
+
     def i32(t: torch.Tensor) -> torch.Tensor:  # the kernels index (B, T) rows without strides
         return t.to(torch.int32).contiguous()
 

@@ -219,3 +219,7 @@ def test_tiles_parse_the_benchmarks_names():
     assert Tiles.parse("16x64") == Tiles(16, 64, 4, 3) and Tiles() == Tiles.parse("32x32")
     with pytest.raises(ValueError):
         Tiles.parse("wide")
+    with pytest.raises(ValueError, match="query tile of 20 positions; a power of two from 16"):
+        Tiles.parse("20x32")
+    with pytest.raises(ValueError, match="3 warps"):
+        Tiles.parse("32x32-w3")

@@ -43,6 +43,15 @@ class Tiles:
     warps: int = 4
     stages: int = 3
 
+    def __post_init__(self) -> None:
+        for name, n in (("query", self.query), ("key", self.key)):
+            if n < 16 or n & (n - 1):
+                raise ValueError(f"attention tiles (STREAMNMT_ATTN_TILES): {name} tile of {n} positions; "
+                                 f"a power of two from 16")
+        if self.warps < 1 or self.warps & (self.warps - 1) or self.stages < 1:
+            raise ValueError(f"attention tiles (STREAMNMT_ATTN_TILES): {self.warps} warps, {self.stages} stages; "
+                             f"warps a power of two, stages at least 1")
+
     @classmethod
     def parse(cls, spec: str) -> "Tiles":
         """``QxK`` or ``QxK-wW-sS`` (e.g. ``64x32-w8-s2``), as the attention benchmark names variants."""

@@ -125,24 +125,34 @@ if triton is not None:
         return (lo // B) * B, hi
 
     @triton.jit
+    def _query_tile(Q, QSEG, LO, HI, b, h, offs_m, n_q, n_k, sqb, sqh, sqt, D: tl.constexpr, BN: tl.constexpr):
+        """A query tile's validity, segment ids, key span (in whole key tiles) and rows."""
+        in_q = offs_m < n_q
+        seg_q = tl.load(QSEG + b * n_q + offs_m, mask=in_q, other=-1)
+        lo, hi = _span(LO, HI, b, offs_m, in_q, n_q, n_k, BN)
+        return in_q, seg_q, lo, hi, _rows(Q, b, h, offs_m, in_q, sqb, sqh, sqt, D)
+
+    @triton.jit
+    def _key_tile(K, KSEG, b, h, start_n, n_k, skb, skh, skt, D: tl.constexpr, BN: tl.constexpr):
+        """The key tile from ``start_n``: positions, validity, segment ids (-2 past the row) and rows."""
+        offs_n = start_n + tl.arange(0, BN)
+        in_k = offs_n < n_k
+        seg_k = tl.load(KSEG + b * n_k + offs_n, mask=in_k, other=-2)
+        return offs_n, in_k, seg_k, _rows(K, b, h, offs_n, in_k, skb, skh, skt, D)
+
+    @triton.jit
     def _fwd(Q, K, V, O, LSE, QSEG, KSEG, LO, HI, sm_scale, n_q, n_k, n_heads,
              sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, CROSS: tl.constexpr,
              PREC: tl.constexpr):
         b, h, pid_bh, offs_m = _program(n_heads, BM)
-        in_q = offs_m < n_q
-        seg_q = tl.load(QSEG + b * n_q + offs_m, mask=in_q, other=-1)
-        lo, hi = _span(LO, HI, b, offs_m, in_q, n_q, n_k, BN)
-        q = _rows(Q, b, h, offs_m, in_q, sqb, sqh, sqt, D)
+        in_q, seg_q, lo, hi, q = _query_tile(Q, QSEG, LO, HI, b, h, offs_m, n_q, n_k, sqb, sqh, sqt, D, BN)
         qk_scale = sm_scale * 1.4426950408889634  # exp2 in place of exp
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
         for start_n in range(lo, hi, BN):
-            offs_n = start_n + tl.arange(0, BN)
-            in_k = offs_n < n_k
-            seg_k = tl.load(KSEG + b * n_k + offs_n, mask=in_k, other=-2)
-            k = _rows(K, b, h, offs_n, in_k, skb, skh, skt, D)
+            offs_n, in_k, seg_k, k = _key_tile(K, KSEG, b, h, start_n, n_k, skb, skh, skt, D, BN)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             s = tl.where(_allowed(seg_q, seg_k, offs_m, offs_n, n_k, CAUSAL, CROSS), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -222,20 +232,14 @@ if triton is not None:
                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, CROSS: tl.constexpr,
                 PREC: tl.constexpr):
         b, h, pid_bh, offs_m = _program(n_heads, BM)
-        in_q = offs_m < n_q
-        seg_q = tl.load(QSEG + b * n_q + offs_m, mask=in_q, other=-1)
-        lo, hi = _span(LO, HI, b, offs_m, in_q, n_q, n_k, BN)
-        q = _rows(Q, b, h, offs_m, in_q, sqb, sqh, sqt, D)
+        in_q, seg_q, lo, hi, q = _query_tile(Q, QSEG, LO, HI, b, h, offs_m, n_q, n_k, sqb, sqh, sqt, D, BN)
         do = _rows(DO, b, h, offs_m, in_q, sdb, sdh, sdt, D)
         lse = tl.load(LSE + pid_bh * n_q + offs_m, mask=in_q, other=0.0)
         delta = tl.load(DELTA + pid_bh * n_q + offs_m, mask=in_q, other=0.0)
         qk_scale = sm_scale * 1.4426950408889634
         dq = tl.zeros([BM, D], tl.float32)
         for start_n in range(lo, hi, BN):
-            offs_n = start_n + tl.arange(0, BN)
-            in_k = offs_n < n_k
-            seg_k = tl.load(KSEG + b * n_k + offs_n, mask=in_k, other=-2)
-            k = _rows(K, b, h, offs_n, in_k, skb, skh, skt, D)
+            offs_n, in_k, seg_k, k = _key_tile(K, KSEG, b, h, start_n, n_k, skb, skh, skt, D, BN)
             v = _rows(V, b, h, offs_n, in_k, svb, svh, svt, D)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             ok = _allowed(seg_q, seg_k, offs_m, offs_n, n_k, CAUSAL, CROSS) & in_q[:, None]

@@ -5,7 +5,8 @@ segment kernels (``--attention triton``, variant ``triton``).
 Forward + backward of 6 layers x (encoder self, causal decoder self, cross) on the segment ids of
 real packed batches (base-model heads, bf16, ``--max-tokens 16384 --max-len 128``, the bench's
 32,000 random ids). Prints one JSON line per batch: ms of attention per training step for each
-variant (an error string where a variant did not compile), the mask build times, and flex's
+variant, eager and (``_graph``) replayed from a CUDA graph as the trainer runs it (an error string
+where a variant did not compile), the mask build times, and flex's
 largest difference from SDPA on real positions.
 
 Usage: python3 scripts/bench_attention.py builtin|DATA_DIR [VARIANT,...] [BATCHES] [MAX_TOKENS]
@@ -66,32 +67,56 @@ def cuda_ms(fn, repeats: int = 10) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def graph_ms(step, masks, make_calls, repeats: int = 20) -> float:
+    """Mean ms of one replay of ``step`` captured in a CUDA graph: the GPU's time for the kernels
+    without the host's launch cost, as the trainer runs them (its step replays from a graph). The
+    eager timing (``cuda_ms``) of small kernels is the host's launch time. Fresh leaves are made on
+    the capture stream: a leaf's gradient node keeps the stream of its first backward
+    (pytorch/pytorch#137483), and a stream outside the capture cannot join it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls = make_calls()
+        for _ in range(3):
+            step(masks, calls)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        step(masks, calls)
+    torch.cuda.current_stream().wait_stream(stream)
+    ms = cuda_ms(graph.replay, repeats)
+    del graph
+    return ms
+
+
 def measure(src_seg: torch.Tensor, tgt_seg: torch.Tensor, plain_flex, tuned_flex, only: set[str]) -> dict:
     dev = src_seg.device
     b, s = src_seg.shape
     t = tgt_seg.size(1)
 
-    def qkv(tq: int, tk: int) -> list[torch.Tensor]:
-        return [torch.randn(b, HEADS, n, HEAD_DIM, device=dev, dtype=torch.bfloat16, requires_grad=True)
-                for n in (tq, tk, tk)]
+    def make_calls():
+        def qkv(tq: int, tk: int) -> list[torch.Tensor]:
+            return [torch.randn(b, HEADS, n, HEAD_DIM, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                    for n in (tq, tk, tk)]
 
-    enc_in, dec_in, cross_in = qkv(s, s), qkv(t, t), qkv(t, s)
-    grad_s = torch.randn(b, HEADS, s, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-    grad_t = torch.randn(b, HEADS, t, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-    calls = ((enc_in, grad_s), (dec_in, grad_t), (cross_in, grad_t))
+        grad_s = torch.randn(b, HEADS, s, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        grad_t = torch.randn(b, HEADS, t, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        return ((qkv(s, s), grad_s), (qkv(t, t), grad_t), (qkv(t, s), grad_t))
 
-    def step(attend, masks) -> None:
+    calls = make_calls()
+
+    def step(attend, masks, on=calls) -> None:
         for _ in range(LAYERS):
-            for (inputs, grad), mask in zip(calls, masks):
+            for (inputs, grad), mask in zip(on, masks):
                 attend(inputs, mask).backward(grad)
 
     dense = dense_masks(src_seg, tgt_seg, torch.bfloat16)
     sdpa = lambda inputs, mask: F.scaled_dot_product_attention(*inputs, attn_mask=mask)  # noqa: E731
     row = {"shape": [b, s, t], "sdpa": cuda_ms(lambda: step(sdpa, dense)),
+           "sdpa_graph": graph_ms(lambda m, c: step(sdpa, m, c), dense, make_calls),
            "sdpa_masks": cuda_ms(lambda: dense_masks(src_seg, tgt_seg, torch.bfloat16))}
 
     for name in sorted(n for n in only if n.startswith("triton")) if only else ["triton"]:
-        row.update(measure_triton(name, src_seg, tgt_seg, step, sdpa, dense, calls))
+        row.update(measure_triton(name, src_seg, tgt_seg, step, sdpa, dense, calls, make_calls))
     for name, size, options, tuned in FLEX_VARIANTS:
         if only and name not in only:
             continue
@@ -119,9 +144,9 @@ def measure(src_seg: torch.Tensor, tgt_seg: torch.Tensor, plain_flex, tuned_flex
     return row
 
 
-def measure_triton(name, src_seg, tgt_seg, step, sdpa, dense, calls) -> dict:
-    """The Triton segment kernels in the same step: ms, the ranges' build ms, the share of tiles
-    visited, the first call's seconds (Triton compiling), and the largest difference from SDPA.
+def measure_triton(name, src_seg, tgt_seg, step, sdpa, dense, calls, make_calls) -> dict:
+    """The Triton segment kernels in the same step: ms (eager, and replayed from a CUDA graph:
+    ``_graph``), the ranges' build ms, the share of tiles visited, the first call's seconds (Triton compiling), and the largest difference from SDPA.
     ``name``: ``triton`` (the default tiles) or ``triton-QxK[-wW-sS]`` (tiles and launch settings)."""
     try:
         from streamnmt.models import segattn_triton
@@ -147,7 +172,9 @@ def measure_triton(name, src_seg, tgt_seg, step, sdpa, dense, calls) -> dict:
         max_diff, visited = host_sync("bench_attention.check", lambda: (
             torch.stack(diffs).max().item(),
             [round(visited_fraction(r, tiles.query, tiles.key).item(), 4) for r in masks]))
-        return {name: cuda_ms(lambda: step(attend, masks)), f"{name}_masks": cuda_ms(ranges),
+        return {name: cuda_ms(lambda: step(attend, masks)),
+                f"{name}_graph": graph_ms(lambda m, c: step(attend, m, c), masks, make_calls),
+                f"{name}_masks": cuda_ms(ranges),
                 f"{name}_visited": dict(zip(real, visited)), f"{name}_max_diff": max_diff, f"{name}_first_s": first_s}
     except Exception as e:  # a kernel that does not compile here: say so, measure the others
         return {name: f"error: {type(e).__name__}: {str(e)[:300]}"}

@@ -219,20 +219,65 @@ PY
   attn-triton)  # #31: the Triton segment kernels (--attention triton): their GPU tests, attention alone against
                 # SDPA (scripts/bench_attention.py at 16384 and at the default 4096, at the tile settings in TILES),
                 # then the packed base model with each attention at the default budget, built-in corpus (graph
-                # --compile, 32k vocabulary; MODEL_TILES=QxK-wW-sS for the kernels' tiles there)
+                # --compile, 32k vocabulary; MODEL_TILES=QxK-wW-sS for the kernels' tiles there; PROFILE=1 adds
+                # the kernel families of a profiled window)
     timeout 240 python3 -m pytest -q -m gpu tests/test_segattn_triton.py -p no:cacheprovider > "$OUT/attn_tests.log" 2>&1
     tail -3 "$OUT/attn_tests.log"
     for t in 16384 4096; do
-      timeout 240 python3 scripts/bench_attention.py builtin ${TILES:-triton,triton-64x32,triton-64x32-w8,triton-32x32-w2,triton-64x64-w8} 2 $t \
+      timeout 240 python3 scripts/bench_attention.py builtin ${TILES:-triton,triton-64x32-w8,triton-32x32-w2,triton-64x64-w8,triton-16x32-w2} 2 $t \
         > "$OUT/attn_bench_$t.log" 2>&1
-      echo "== attention alone, $t"; tail -2 "$OUT/attn_bench_$t.log" | cut -c1-2000
+      # ms of one step's attention (6 layers x 3, forward + backward) per batch: eager / replayed from a graph
+      echo "== attention alone, $t tokens: ms eager / graph per batch"; python3 - "$OUT/attn_bench_$t.log" <<'PY'
+import json, sys
+rows = [json.loads(x) for x in open(sys.argv[1]) if x.startswith("{")]
+for k in [k for k in rows[0] if k in ("sdpa",) or (k.startswith("triton") and "_" not in k)]:
+    print(f"{k:<18}", "  ".join(f"{r[k]:7.2f} / {r.get(k + '_graph', float('nan')):6.2f}" if isinstance(r[k], float)
+                                  else str(r[k])[:80] for r in rows), r.get(k + "_visited", ""))
+PY
     done
     B="python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 --max-len 128 --max-tokens ${TOKENS:-4096}"
     B="$B --no-references --repeats 3 --compile --strategies graph"
     for a in ${ATTNS:-sdpa triton}; do
-      STREAMNMT_ATTN_TILES=${MODEL_TILES:-} timeout 200 $B --attention $a --out /tmp/at_$a > "$OUT/attn_model_$a.log" 2>&1
-      echo "== model, --attention $a"; grep -E "^graph |MFU|rror" "$OUT/attn_model_$a.log" | cut -c1-140 | tail -4
+      STREAMNMT_ATTN_TILES=${MODEL_TILES:-} timeout 240 $B --attention $a ${PROFILE:+--profile --profile-steps 5} \
+        --out /tmp/at_$a > "$OUT/attn_model_$a.log" 2>&1
+      echo "== model, --attention $a"; grep -E "^graph |rror" "$OUT/attn_model_$a.log" | cut -c1-140 | tail -4
+      [ -n "${PROFILE:-}" ] && grep -E "by family" -A10 "$OUT/attn_model_$a.log" | cut -c1-150 | head -12
     done ;;
+  attn-model)  # #31: the packed base model (graph --compile, bf16, 32k vocabulary, built-in corpus) at each
+               # budget in BUDGETS with each attention in ATTNS: sdpa, triton, or triton:QxK-wW-sS (the kernels'
+               # tiles); 3 repeats each, one process per row; the table last. UNCOMPILED=" ": graph mode without
+               # --compile (what --compile auto leaves a short run)
+    for t in ${BUDGETS:-4096 16384}; do for a in ${ATTNS:-sdpa triton}; do
+      tiles=""; [ "${a#*:}" != "$a" ] && tiles=${a#*:}
+      STREAMNMT_ATTN_TILES=$tiles timeout 240 python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 \
+        --max-len 128 --max-tokens $t --no-references --repeats 3 ${UNCOMPILED:---compile} --strategies graph --attention ${a%%:*} \
+        --out /tmp/am_${t}_${a/:/_} > "$OUT/am_${t}_${a/:/_}.log" 2>&1
+    done; done
+    for t in ${BUDGETS:-4096 16384}; do for a in ${ATTNS:-sdpa triton}; do
+      printf "%6s %-22s %s\n" $t $a "$(grep -E '^graph ' "$OUT/am_${t}_${a/:/_}.log" | cut -c1-100 || echo failed)"
+    done; done ;;
+  attn-ttb)  # #31: does the model train alike with --attention triton? sdpa and triton side by side on one GPU
+             # (the same share each), built-in corpus, the defaults, --time-limit TIME (100s); then the steps,
+             # the best dev BLEU, and the mean training nll over the steps both made, in their last fifth
+    for a in sdpa triton; do
+      timeout 300 python3 -m streamnmt train --attention $a --time-limit ${TIME:-100s} --project /tmp/attb --name $a \
+        --exist-ok > "$OUT/attb_$a.log" 2>&1 &
+      sleep 1
+    done
+    wait
+    grep -hE "^recipe:|wall [0-9]+ s" "$OUT"/attb_*.log | cut -c1-160
+    python3 - <<'PY'
+import csv
+runs = {a: (list(csv.DictReader(open(f"/tmp/attb/{a}/steps.csv"))), list(csv.DictReader(open(f"/tmp/attb/{a}/evals.csv"))))
+        for a in ("sdpa", "triton")}
+common = min(len(s) for s, _ in runs.values())
+for a, (steps, evals) in runs.items():
+    tail = steps[common * 4 // 5:common]
+    nll = sum(float(r["nll"]) for r in tail) / len(tail)
+    bleu = max(float(e["bleu"]) for e in evals if e["bleu"])
+    print(f"{a:<7} steps {len(steps):>6}  best dev BLEU {bleu:6.2f}  nll over steps {common * 4 // 5}-{common}: {nll:.4f}")
+PY
+    ;;
   recipe-defaults)  # time-to-BLEU: the defaults vs --max-tokens 6144 --warmup 800, the same --time-limit each
     # (the two runs of a corpus share the GPU concurrently: the same share each), built-in then long-tail
     # corpus (CORPORA=longtail: that one only); then dev BLEU of last.pt with streamnmt eval. TIME=100s each;

@@ -69,6 +69,47 @@ def test_ranges_cover_exactly_the_pairs_the_masks_allow():
         assert r.causal == (name == "dec") and r.cross == (name == "cross")
 
 
+def _ranges_by_id(q_seg, k_seg, causal, cross):
+    """Reference bounds: each segment id's first and last position by a scatter, looked up per
+    position (what ``segment_ranges`` computed before its masked reductions)."""
+    tq, tk = q_seg.size(1), k_seg.size(1)
+    n_ids = max(tq, tk) + 1
+
+    def first_last(seg):
+        b, t = seg.shape
+        ids, pos = seg.long(), torch.arange(t).expand(b, t)
+        return (torch.full((b, n_ids), t).scatter_reduce(1, ids, pos, "amin"),
+                torch.full((b, n_ids), -1).scatter_reduce(1, ids, pos, "amax"))
+
+    (kf, kl), (qf, ql) = first_last(k_seg), first_last(q_seg)
+    lo, hi = kf.gather(1, q_seg.long()), kl.gather(1, q_seg.long()) + 1
+    qlo, qhi = qf.gather(1, k_seg.long()), ql.gather(1, k_seg.long()) + 1
+    if causal:
+        hi, qlo = torch.minimum(hi, torch.arange(1, tq + 1)), torch.maximum(qlo, torch.arange(tk))
+    elo, ehi = torch.full_like(qlo, tq), torch.zeros_like(qhi)
+    if cross:
+        pad_q, real_k = q_seg == 0, k_seg != 0
+        lo, hi = lo.masked_fill(pad_q, 0), hi.masked_fill(pad_q, tk)
+        elo, ehi = torch.where(real_k, qf[:, :1], elo), torch.where(real_k, ql[:, :1] + 1, ehi)
+    return lo, hi, qlo, qhi, elo, ehi
+
+
+def test_ranges_equal_the_bounds_of_each_segment_id():
+    """The masked reductions give each position exactly its id's first and last position on the other
+    side (then the causal and padding rules): packed rows, ids out of order and split in two, a row
+    of padding only, and ids present on one side only."""
+    odd_src = torch.tensor([[2, 2, 1, 1, 2, 0, 0, 0], [0] * 8, [1, 1, 3, 3, 3, 3, 0, 0]])
+    odd_tgt = torch.tensor([[1, 2, 2, 0, 0, 0], [0] * 6, [1, 2, 2, 3, 0, 0]])
+    for src_seg, tgt_seg in (packed_segments(seed=1), packed_segments(rows=2, width=(64, 48), seed=2),
+                             (odd_src, odd_tgt)):
+        for q, k, causal, cross in ((src_seg, src_seg, False, False), (tgt_seg, tgt_seg, True, False),
+                                    (tgt_seg, src_seg, False, True)):
+            r = segment_ranges(q, k, causal=causal, cross=cross)
+            got = [r.lo, r.hi, r.qlo, r.qhi, r.elo, r.ehi]
+            for what, x, y in zip(("lo", "hi", "qlo", "qhi", "elo", "ehi"), got, _ranges_by_id(q, k, causal, cross)):
+                assert x.dtype == torch.int32 and torch.equal(x.long(), y), (what, causal, cross, x, y)
+
+
 def test_the_kernels_visit_a_fraction_of_the_tiles_at_a_packed_shape():
     """Rows of 256 source and 128 target positions holding pairs of 1-40 tokens: the forward visits
     under half of the tiles of 32 x 32 positions (dense masks compute all of them)."""
@@ -179,20 +220,23 @@ def test_kernels_capture_in_a_cuda_graph_and_compile():
     k, v = (torch.randn(4, 8, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     grad = torch.randn(4, 8, 128, 64, device="cuda", dtype=torch.bfloat16)
 
-    def run():
+    def run(q, k, v):
         out = segment_attention(q, k, v, r)
         return [out, *torch.autograd.grad(out, (q, k, v), grad)]
 
-    eager = run()
+    eager = run(q, k, v)
+    # The captured leaves are copies made on the side stream: a leaf's gradient node keeps the stream
+    # of its first backward (pytorch/pytorch#137483), and the legacy stream's cannot join a capture.
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        run()  # warm-up on the side stream, as graph capture asks
-    torch.cuda.current_stream().wait_stream(stream)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        run(*leaves)  # warm-up on the side stream, as graph capture asks
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = run(*leaves)
     graph.replay()
+    torch.cuda.current_stream().wait_stream(stream)
     for x, y in zip(captured, eager):
         assert torch.equal(x, y)
     compiled = torch.compile(lambda q, k, v: segment_attention(q, k, v, r), fullgraph=True)
@@ -212,11 +256,32 @@ def test_triton_falls_back_to_sdpa_with_one_line_where_it_cannot_run(monkeypatch
         assert "head dim 48" in attention.triton_available(cuda, 48) and "head dim 8" in attention.triton_available(cuda, 8)
 
 
+def test_auto_trains_packed_batches_with_triton_where_it_runs(monkeypatch):
+    """``--attention auto``: triton on a CUDA GPU of compute capability 8.0+ where the kernels run and
+    the recipe has no attention dropout; sdpa on the CPU, with attention dropout, on older GPUs, and
+    where Triton cannot run (silently: auto is no request)."""
+    from streamnmt.models import attention
+
+    lines: list[str] = []
+    assert attention.resolve_attention("auto", torch.device("cpu"), lines.append, head_dim=64) == "sdpa"
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(attention, "triton_available", lambda device, head_dim=None: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert attention.resolve_attention("auto", cuda, lines.append, head_dim=64) == "triton"
+    assert attention.resolve_attention("auto", cuda, lines.append, head_dim=64, attention_dropout=0.1) == "sdpa"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert attention.resolve_attention("auto", cuda, lines.append, head_dim=64) == "sdpa"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(attention, "triton_available", lambda device, head_dim=None: "Triton is not installed")
+    assert attention.resolve_attention("auto", cuda, lines.append, head_dim=64) == "sdpa"
+    assert lines == []
+
+
 def test_tiles_parse_the_benchmarks_names():
     from streamnmt.models.segattn_triton import Tiles
 
     assert Tiles.parse("64x32-w8-s2") == Tiles(64, 32, 8, 2)
-    assert Tiles.parse("16x64") == Tiles(16, 64, 4, 3) and Tiles() == Tiles.parse("32x32")
+    assert Tiles.parse("16x64") == Tiles(16, 64, 2, 3) and Tiles() == Tiles.parse("32x32")
     with pytest.raises(ValueError):
         Tiles.parse("wide")
     with pytest.raises(ValueError, match="query tile of 20 positions; a power of two from 16"):

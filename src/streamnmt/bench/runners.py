@@ -88,7 +88,8 @@ class Env:
         self._loaders: dict[int, BatchLoader] = {}
         self._staged: list[Batch] | None = None
         self._flops: dict[tuple[int, int, int], int] = {}
-        self.attention = resolve_attention(cfg.attention, device, log, head_dim=shape.d_model // shape.n_heads)
+        self.attention = resolve_attention(cfg.attention, device, log, head_dim=shape.d_model // shape.n_heads,
+                                           attention_dropout=cfg.attention_dropout)
 
     def loader(self, workers: int) -> BatchLoader:
         if workers not in self._loaders:

@@ -23,8 +23,9 @@ Three implementations, chosen by ``--attention``:
   positions near each pair's own (:class:`SegmentRanges`); CUDA, head dims a power of two from 16,
   no attention dropout either. Falls back to ``sdpa`` where it cannot run.
 
-``auto`` is ``sdpa``: it keeps the training recipe's attention dropout; ``streamnmt bench
---attention`` measures both at the packed shape.
+``auto`` is ``triton`` where it runs (a CUDA GPU of compute capability 8.0 or newer, no attention
+dropout in the recipe: :func:`auto_attention`), else ``sdpa``; ``streamnmt bench --attention``
+measures them at the packed shape.
 """
 
 from __future__ import annotations
@@ -86,38 +87,36 @@ class SegmentRanges:
     cross: bool
 
 
-def _min_max_by_id(seg: torch.Tensor, n_ids: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first, last) position of each segment id 0..n_ids-1 in each row: (B, n_ids) int64; an id
-    absent from a row gets (length, -1), an empty range."""
-    b, t = seg.shape
-    ids = seg.long().clamp(0, n_ids - 1)
-    pos = torch.arange(t, device=seg.device).expand(b, t)
-    first = torch.full((b, n_ids), t, dtype=torch.long, device=seg.device).scatter_reduce(1, ids, pos, "amin")
-    last = torch.full((b, n_ids), -1, dtype=torch.long, device=seg.device).scatter_reduce(1, ids, pos, "amax")
-    return first, last
-
-
 def segment_ranges(q_seg: torch.Tensor, k_seg: torch.Tensor, causal: bool, cross: bool) -> SegmentRanges:
     """The ranges of one attention (encoder: ``src, src``; decoder: ``tgt, tgt, causal``; cross:
-    ``tgt, src, cross``) under the rules of :func:`dense_masks`."""
+    ``tgt, src, cross``) under the rules of :func:`dense_masks`.
+
+    Each bound is a masked min or max over one side of the rows' pairwise id comparison, as the dense
+    masks compare: element-wise work that Inductor fuses into a few reductions. (A scatter by segment
+    id with ``amin``/``amax`` took 0.1 ms a call at the packed shape on an H100; docs/PERFORMANCE.md,
+    "Triton segment kernels".) An id absent from the other side gives an empty range."""
     tq, tk = q_seg.size(1), k_seg.size(1)
-    n_ids = max(tq, tk) + 1  # a row of T positions holds at most T segments
-    k_first, k_last = _min_max_by_id(k_seg, n_ids)
-    q_first, q_last = _min_max_by_id(q_seg, n_ids)
-    qid, kid = q_seg.long().clamp(0, n_ids - 1), k_seg.long().clamp(0, n_ids - 1)
-    lo, hi = k_first.gather(1, qid), k_last.gather(1, qid) + 1
-    qlo, qhi = q_first.gather(1, kid), q_last.gather(1, kid) + 1
+    dev = q_seg.device
+    qpos = torch.arange(tq, device=dev, dtype=torch.int32)
+    kpos = torch.arange(tk, device=dev, dtype=torch.int32)
+    same = q_seg[:, :, None] == k_seg[:, None, :]  # (B, Tq, Tk), the dense masks' comparison
+    lo = torch.where(same, kpos, tk).amin(2)
+    hi = torch.where(same, kpos, -1).amax(2) + 1
+    qlo = torch.where(same, qpos[:, None], tq).amin(1)
+    qhi = torch.where(same, qpos[:, None], -1).amax(1) + 1
     if causal:  # a query sees keys up to itself; a key is seen by queries from itself on
-        hi = torch.minimum(hi, torch.arange(1, tq + 1, device=q_seg.device))
-        qlo = torch.maximum(qlo, torch.arange(tk, device=k_seg.device))
+        hi = torch.minimum(hi, qpos + 1)
+        qlo = torch.maximum(qlo, kpos)
     elo = torch.full_like(qlo, tq)  # empty: a key tile takes the smallest elo of its keys
     ehi = torch.zeros_like(qhi)
     if cross:  # padding queries see every source position
         pad_q = q_seg == 0
         lo, hi = lo.masked_fill(pad_q, 0), hi.masked_fill(pad_q, tk)
         real_k = k_seg != 0  # a padding key is seen by the padding queries through its own range
-        elo = torch.where(real_k, q_first[:, :1], elo)
-        ehi = torch.where(real_k, q_last[:, :1] + 1, ehi)
+        pad_first = torch.where(pad_q, qpos, tq).amin(1, keepdim=True)
+        pad_last = torch.where(pad_q, qpos, -1).amax(1, keepdim=True)
+        elo = torch.where(real_k, pad_first, elo)
+        ehi = torch.where(real_k, pad_last + 1, ehi)
 
     def i32(t: torch.Tensor) -> torch.Tensor:  # the kernels index (B, T) rows without strides
         return t.to(torch.int32).contiguous()
@@ -177,10 +176,25 @@ def triton_available(device: torch.device, head_dim: int | None = None) -> str |
     return None
 
 
-def resolve_attention(choice: str, device: torch.device, log=print, head_dim: int | None = None) -> str:
-    """``auto`` -> ``sdpa``; ``flex`` or ``triton`` where it cannot run -> ``sdpa`` with one log line."""
+def auto_attention(device: torch.device, head_dim: int | None = None, attention_dropout: float = 0.0) -> str:
+    """What ``--attention auto`` trains packed batches with: ``triton`` on a CUDA GPU of compute
+    capability 8.0 or newer where the kernels run and the recipe has no attention dropout (they have
+    none), else ``sdpa``. The Triton kernels made the packed base-model step 2-7 % faster than SDPA's
+    dense masks on an H100, compiled or not, at 4,096 and 16,384 tokens, and trained to the same dev
+    BLEU (docs/PERFORMANCE.md, "Triton segment kernels"); older GPUs were not measured."""
+    if attention_dropout or triton_available(device, head_dim) is not None:
+        return "sdpa"
+    return "triton" if torch.cuda.get_device_capability(device) >= (8, 0) else "sdpa"
+
+
+def resolve_attention(choice: str, device: torch.device, log=print, head_dim: int | None = None,
+                      attention_dropout: float = 0.0) -> str:
+    """``auto`` -> :func:`auto_attention`; ``flex`` or ``triton`` where it cannot run -> ``sdpa`` with
+    one log line."""
     if choice not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}; got {choice!r}")
+    if choice == "auto":
+        return auto_attention(device, head_dim, attention_dropout)
     if choice in ("flex", "triton"):
         why = flex_available(device) if choice == "flex" else triton_available(device, head_dim)
         if why is None:

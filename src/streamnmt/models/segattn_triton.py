@@ -34,13 +34,14 @@ from streamnmt.models.attention import SegmentRanges
 @dataclass(frozen=True)
 class Tiles:
     """Positions per query tile and per key tile (powers of two from 16), and the launch settings.
-    32 x 32: a tile spans one to three short pairs (docs/PERFORMANCE.md, "Attention"); warps and
-    stages are Triton's defaults, written out to be tuned on the GPU (no autotuning: it would time
-    kernels while a CUDA graph captures)."""
+    32 x 32 with 2 warps: a tile spans one to three short pairs, and of the settings measured in the
+    packed base-model step on an H100 it was fastest with 16 x 32 x 2 warps (within noise of each
+    other; 4 warps 1.3 % slower at 4,096 tokens, docs/PERFORMANCE.md, "Triton segment kernels").
+    Fixed, not autotuned: autotuning would time kernels while a CUDA graph captures."""
 
     query: int = 32
     key: int = 32
-    warps: int = 4
+    warps: int = 2
     stages: int = 3
 
     def __post_init__(self) -> None:
@@ -58,7 +59,7 @@ class Tiles:
         parts = spec.split("-")
         q, k = (int(x) for x in parts[0].split("x"))
         opts = {p[0]: int(p[1:]) for p in parts[1:]}
-        return cls(q, k, opts.get("w", 4), opts.get("s", 3))
+        return cls(q, k, opts.get("w", cls.warps), opts.get("s", cls.stages))
 
 
 # STREAMNMT_ATTN_TILES (``QxK[-wW-sS]``) sets them for a whole run, for tuning on a GPU

@@ -49,7 +49,8 @@ def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[
                      "(--model base for the original size)")
     model = job.model.resolve(preset)
     model = dataclasses.replace(model, attention=resolve_attention(model.attention, device, log,
-                                                                   head_dim=model.d_model // model.n_heads))
+                                                                   head_dim=model.d_model // model.n_heads,
+                                                                   attention_dropout=model.attention_dropout))
     if model.attention in ("flex", "triton") and model.attention_dropout:
         log(f"model: --attention {model.attention} has no attention dropout: --attention-dropout "
             f"{model.attention_dropout} is not applied")

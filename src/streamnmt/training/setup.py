@@ -170,7 +170,8 @@ class TrainerSetup:
                                 max_positions=max(1024, job.data.max_len + 8), tie_embeddings=m.tie_embeddings,
                                 attention_dropout=m.attention_dropout, activation_dropout=m.activation_dropout)
         self.model = Transformer(self.shape).to(self.device)
-        self.model.set_attention(resolve_attention(m.attention, self.device, self.log, head_dim=m.d_model // m.n_heads))
+        self.model.set_attention(resolve_attention(m.attention, self.device, self.log, head_dim=m.d_model // m.n_heads,
+                                                   attention_dropout=m.attention_dropout))
         if job.run.weights and resume is None:
             load_model_weights(self.model, load_checkpoint(job.run.weights), job.run.weights)
             self.log(f"weights: started from {job.run.weights}")
@@ -304,7 +305,9 @@ class TrainerSetup:
         log(f"run dir: {self.save_dir}" + (f" (resumed at step {self.global_step})" if resume else ""))
         log(f"model: {m.model} ({m.n_layers}+{m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, "
             f"d_ff {m.d_ff}), {self.model.num_params() / 1e6:.1f}M parameters; dropout {self.shape.dropout} "
-            f"(attention {self.shape.attention_p()}, activation {self.shape.activation_p()}); device {self.device}; "
+            f"(attention {self.shape.attention_p()}, activation {self.shape.activation_p()}); "
+            + (f"packed batches attend with {self.model.attention}; " if job.data.packs else "")
+            + f"device {self.device}; "
             f"amp {job.optim.amp}; strategy {running(self.strategy)}"
             + (f"; tied embeddings: {m.tie_embeddings}" if m.tie_embeddings != "none" else "")
             + (f"; EMA {job.run.ema}" if job.run.ema else "")

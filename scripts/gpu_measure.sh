@@ -244,13 +244,16 @@ PY
       [ -n "${PROFILE:-}" ] && grep -E "by family" -A10 "$OUT/attn_model_$a.log" | cut -c1-150 | head -12
     done ;;
   attn-model)  # #31: the packed base model (graph --compile, bf16, 32k vocabulary, built-in corpus) at each
-               # budget in BUDGETS with each attention in ATTNS: sdpa, triton, or triton:QxK-wW-sS (the kernels'
-               # tiles); 3 repeats each, one process per row; the table last. UNCOMPILED=" ": graph mode without
-               # --compile (what --compile auto leaves a short run)
+               # budget in BUDGETS with each attention in ATTNS: sdpa, triton, triton:QxK-wW-sS (the kernels'
+               # tiles) or auto; 3 repeats each, one process per row; the table last. UNCOMPILED=" ": graph mode
+               # without --compile (what --compile auto leaves a short run); LONGTAIL=N: a long-tailed corpus of N
+               # pairs (scripts/make_longtail.py) instead of the built-in one
+    [ -n "${LONGTAIL:-}" ] && python3 scripts/make_longtail.py --out /tmp/am_lt --pairs $LONGTAIL > "$OUT/am_longtail.txt" \
+      && DATA=/tmp/am_lt
     for t in ${BUDGETS:-4096 16384}; do for a in ${ATTNS:-sdpa triton}; do
       tiles=""; [ "${a#*:}" != "$a" ] && tiles=${a#*:}
       STREAMNMT_ATTN_TILES=$tiles timeout 240 python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 \
-        --max-len 128 --max-tokens $t --no-references --repeats 3 ${UNCOMPILED:---compile} --strategies graph --attention ${a%%:*} \
+        --max-len 128 --max-tokens $t --no-references --repeats 3 ${UNCOMPILED:---compile} --strategies graph --attention ${a%%:*} ${DATA:+--data $DATA} \
         --out /tmp/am_${t}_${a/:/_} > "$OUT/am_${t}_${a/:/_}.log" 2>&1
     done; done
     for t in ${BUDGETS:-4096 16384}; do for a in ${ATTNS:-sdpa triton}; do

@@ -146,7 +146,8 @@ def measure(src_seg: torch.Tensor, tgt_seg: torch.Tensor, plain_flex, tuned_flex
 
 def measure_triton(name, src_seg, tgt_seg, step, sdpa, dense, calls, make_calls) -> dict:
     """The Triton segment kernels in the same step: ms (eager, and replayed from a CUDA graph:
-    ``_graph``), the ranges' build ms, the share of tiles visited, the first call's seconds (Triton compiling), and the largest difference from SDPA.
+    ``_graph``), the ranges' build ms, the share of tiles visited, the first call's seconds (Triton
+    compiling), and the largest difference from SDPA.
     ``name``: ``triton`` (the default tiles) or ``triton-QxK[-wW-sS]`` (tiles and launch settings)."""
     try:
         from streamnmt.models import segattn_triton

@@ -508,6 +508,29 @@ prepare_data(DataConfig(data=sys.argv[1]), log=print)" $C > "$OUT/ttb_prepare.lo
       echo "== b$b"; grep -E "^recipe:|wall [0-9]+ s|^done|rror" "$OUT/ttb_b$b.log" | cut -c1-200
     done
     python3 scripts/plot_time_to_bleu.py "${runs[@]}" --out "$OUT/time_to_bleu_budgets.png" ;;
+  ttb-variants)  # #31: time to BLEU per recipe variant, each VARIANTS entry (NAME or NAME:FLAG,FLAG, flags written
+                 # --flag=value) on its own GPU at once, the same `--time-limit ${TIME:-8m}` and corpus as ttb-budgets
+                 # (PAIRS, TTB; PART=2 resumes); e.g. VARIANTS="defaults tied:--tie-embeddings=decoder
+                 # b2048:--max-tokens=2048" on nvidia-h100-x4 (or -x2 for two); then the curves
+    T=${TIME:-8m}; D=${TTB:-/tmp/ttbv}_${PAIRS:-1000000}; C=$D/corpus; V=(${VARIANTS:-defaults tied:--tie-embeddings=decoder})
+    [ -d $C ] || python3 scripts/make_longtail.py --out $C --pairs ${PAIRS:-1000000} > "$OUT/ttb_corpus.txt"
+    python3 -c "import sys; from streamnmt.data import DataConfig, prepare_data
+prepare_data(DataConfig(data=sys.argv[1]), log=print)" $C > "$OUT/ttb_prepare.log" 2>&1
+    for i in "${!V[@]}"; do
+      run=${V[$i]%%:*}; extra=(); [ "${V[$i]#*:}" != "${V[$i]}" ] && IFS=, read -ra extra <<< "${V[$i]#*:}"
+      flags=(--data $C --project $D --name $run "${extra[@]}" ${EXTRA:-})
+      [ "${PART:-1}" = 2 ] && flags=(--resume $D/$run/weights/last.pt)
+      CUDA_VISIBLE_DEVICES=$i timeout 590 python3 -m streamnmt train "${flags[@]}" --time-limit "$T" \
+        >> "$OUT/ttb_$run.log" 2>&1 &
+    done
+    wait
+    runs=()
+    for v in "${V[@]}"; do
+      run=${v%%:*}
+      cp $D/$run/evals.csv "$OUT/ttb_${run}_evals.csv" 2>/dev/null && runs+=("$D/$run=$run")
+      echo "== $run"; grep -E "^recipe:|^model:|wall [0-9]+ s|^done|rror" "$OUT/ttb_$run.log" | cut -c1-200
+    done
+    python3 scripts/plot_time_to_bleu.py "${runs[@]}" --out "$OUT/time_to_bleu_variants.png" ;;
   warm-compile)  # #31: the same --compile on run three times with one fresh STREAMNMT_HOME (cold, then warm):
                  # ready after the data, and the first step (scripts/bench_compile_cache.py)
     timeout 500 python3 scripts/bench_compile_cache.py --out "$OUT" --runs ${RUNS:-3} > "$OUT/bcc.log" 2>&1

@@ -49,7 +49,8 @@ class BenchConfig:
                                        "(default --max-len)")
     attention: str = opt("auto", "attention of packed batches: sdpa (dense segment masks), flex "
                                  "(FlexAttention block masks), triton (Triton kernels that skip the other "
-                                 "pairs' tiles); auto = as the trainer's (triton where it runs)", choices=("auto", "sdpa", "flex", "triton"))
+                                 "pairs' tiles); auto = as the trainer's (triton where it runs)",
+                         choices=("auto", "sdpa", "flex", "triton"))
     vocab: int | None = opt(None, "source and target vocabulary: the corpus's pairs keep their lengths but "
                                   "get random token ids over this many pieces, as a real corpus's output layer "
                                   "costs; 0 = the corpus's own tokenizers; default 32000 on CUDA, 0 on CPU")

@@ -206,6 +206,19 @@ def test_kernels_equal_dense_masks_on_the_gpu(dtype, tol):
 
 
 @pytest.mark.gpu
+def test_auto_picks_triton_on_this_gpu_where_it_runs():
+    """On a GPU of compute capability 8.0+ with Triton, ``auto`` trains packed batches with the kernels."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run on the GPU machine: pytest -m gpu)")
+    from streamnmt.models.attention import resolve_attention, triton_available
+
+    cuda = torch.device("cuda")
+    runs = triton_available(cuda, 64) is None and torch.cuda.get_device_capability(cuda) >= (8, 0)
+    assert resolve_attention("auto", cuda, head_dim=64) == ("triton" if runs else "sdpa")
+    assert resolve_attention("auto", cuda, head_dim=64, attention_dropout=0.1) == "sdpa"
+
+
+@pytest.mark.gpu
 def test_kernels_capture_in_a_cuda_graph_and_compile():
     """The forward and backward replay from a CUDA graph with the same results as eager calls, and a
     compiled function calling them (fullgraph) gives those results too: no host sync, opaque to Inductor."""

@@ -271,8 +271,8 @@ def test_triton_falls_back_to_sdpa_with_one_line_where_it_cannot_run(monkeypatch
 
 def test_auto_trains_packed_batches_with_triton_where_it_runs(monkeypatch):
     """``--attention auto``: triton on a CUDA GPU of compute capability 8.0+ where the kernels run and
-    the recipe has no attention dropout; sdpa on the CPU, with attention dropout, on older GPUs, and
-    where Triton cannot run (silently: auto is no request)."""
+    the recipe has no attention dropout; sdpa on the CPU, with attention dropout, on older GPUs,
+    on ROCm, and where Triton cannot run (silently: auto is no request)."""
     from streamnmt.models import attention
 
     lines: list[str] = []
@@ -285,6 +285,9 @@ def test_auto_trains_packed_batches_with_triton_where_it_runs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert attention.resolve_attention("auto", cuda, lines.append, head_dim=64) == "sdpa"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # an AMD GPU through ROCm: not measured
+    assert attention.resolve_attention("auto", cuda, lines.append, head_dim=64) == "sdpa"
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(attention, "triton_available", lambda device, head_dim=None: "Triton is not installed")
     assert attention.resolve_attention("auto", cuda, lines.append, head_dim=64) == "sdpa"
     assert lines == []

@@ -61,7 +61,7 @@ class ModelConfig:
                               choices=("none", "decoder", "all"))
     attention: str = opt("auto", "attention of packed batches: sdpa = dense segment masks, flex = "
                                  "FlexAttention block masks, triton = Triton kernels that skip the other pairs' "
-                                 "tiles (flex and triton: CUDA, no attention dropout); auto = triton on a CUDA GPU of "
+                                 "tiles (flex and triton: CUDA, no attention dropout); auto = triton on an NVIDIA GPU of "
                                  "compute capability 8.0+ without --attention-dropout, else sdpa",
                          choices=("auto", "sdpa", "flex", "triton"))
 

@@ -181,8 +181,9 @@ def auto_attention(device: torch.device, head_dim: int | None = None, attention_
     capability 8.0 or newer where the kernels run and the recipe has no attention dropout (they have
     none), else ``sdpa``. The Triton kernels made the packed base-model step 2-7 % faster than SDPA's
     dense masks on an H100, compiled or not, at 4,096 and 16,384 tokens, and trained to the same dev
-    BLEU (docs/PERFORMANCE.md, "Triton segment kernels"); older GPUs were not measured."""
-    if attention_dropout or triton_available(device, head_dim) is not None:
+    BLEU (docs/PERFORMANCE.md, "Triton segment kernels"); older GPUs were not measured, nor AMD's
+    (ROCm builds keep ``sdpa``)."""
+    if attention_dropout or torch.version.hip is not None or triton_available(device, head_dim) is not None:
         return "sdpa"
     return "triton" if torch.cuda.get_device_capability(device) >= (8, 0) else "sdpa"
 

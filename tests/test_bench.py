@@ -6,6 +6,7 @@ import contextlib
 import csv
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,23 @@ def test_profile_on_cpu_writes_a_trace(tmp_path, capsys):
     assert "need CUDA" in capsys.readouterr().out
     assert not (out / "timeline.png").exists()
     assert json.loads((out / "bench.json").read_text())["profile"]["baseline"]["gpu"] is None
+
+
+def test_tied_embeddings_as_the_trainer_ties_them(tmp_path, capsys):
+    """--tie-embeddings decoder runs and says so; all with two vocabularies is refused, naming the flag."""
+    counts = {}
+    for tie in ("none", "decoder"):
+        code = cli.main(["bench", *SMALL, "--repeats", "1", "--steps", "3", "--strategies", "baseline",
+                         "--no-references", "--tie-embeddings", tie, "--out", str(tmp_path / tie)])
+        out = capsys.readouterr().out
+        assert code == 0 and ("; tied embeddings: decoder" in out) == (tie == "decoder")
+        counts[tie] = float(re.search(r"d_model 64, ([0-9.]+)M parameters", out).group(1))
+    assert counts["decoder"] < counts["none"]  # the output projection is the target embedding
+    code = cli.main(["bench", *SMALL, "--repeats", "1", "--steps", "3", "--strategies", "baseline",
+                     "--no-references", "--tie-embeddings", "all", "--out", str(tmp_path / "all")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--tie-embeddings" in err and "one vocabulary" in err
+    assert not (tmp_path / "all").exists()
 
 
 def test_bad_flags_name_the_flag(tmp_path, capsys):

@@ -58,6 +58,9 @@ class BenchConfig:
     dropout: float | None = opt(None, "dropout of the residual connections and embeddings (default: the "
                                       "training default of the preset, 0.3 for big, else 0.1)")
     attention_dropout: float = opt(0.0, "dropout of the attention weights (the training default)")
+    tie_embeddings: str = opt("none", "tie embeddings as the trainer's --tie-embeddings: decoder = the target "
+                                      "embedding is the output projection; all = the source embedding too "
+                                      "(needs one vocabulary: --vocab)", choices=("none", "decoder", "all"))
     activation_dropout: float = opt(0.0, "dropout of the feed-forward's hidden activations (the training default)")
     pad_multiple: int = opt(8, "batch lengths are padded to a multiple of this; set it to --max-len for fixed "
                                "(batch-size x max-len) shapes")

@@ -44,7 +44,7 @@ from streamnmt.config import PRESETS
 from streamnmt.configbase import check, to_dict
 from streamnmt.data import DataConfig, prepare_data
 from streamnmt.fsutil import atomic_write
-from streamnmt.models.transformer import ModelShape
+from streamnmt.models.transformer import ModelShape, Transformer
 from streamnmt.training.plots import plot_bench, plot_timeline
 from streamnmt.training.runs import increment_path, write_json
 from streamnmt.devices import resolve_device, seed_everything
@@ -173,8 +173,14 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
     dm, n, h, ff = PRESETS[cfg.model]
     train = random_tokens(bundle.train, cfg.vocab, cfg.seed) if cfg.vocab else bundle.train
     vocab = (cfg.vocab, cfg.vocab) if cfg.vocab else (bundle.src_tok.vocab_size, bundle.tgt_tok.vocab_size)
+    check(cfg.tie_embeddings != "all" or vocab[0] == vocab[1], "tie_embeddings",
+          f"'all' needs one vocabulary for both sides; the corpus's tokenizers have {vocab[0]} source and "
+          f"{vocab[1]} target pieces (set --vocab)")
     shape = ModelShape(*vocab, dm, n, h, ff, dropout=cfg.dropout, max_positions=max(1024, cfg.max_len + 8),
-                       attention_dropout=cfg.attention_dropout, activation_dropout=cfg.activation_dropout)
+                       tie_embeddings=cfg.tie_embeddings, attention_dropout=cfg.attention_dropout,
+                       activation_dropout=cfg.activation_dropout)
+    with torch.device("meta"):  # the parameter count without memory (a tied tensor counts once)
+        n_params = sum(p.numel() for p in Transformer(shape).parameters())
     info = device_info(device)
     peak = peak_flops(info["name"], cfg.amp) if device.type == "cuda" else None
     env = Env(cfg, device, shape, data_cfg, train, peak, log, dist=d)
@@ -187,7 +193,8 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
     ranks = f"; {d.world} processes ({d.backend}, DDP)" if d.active else ""
-    log(f"bench: {info['name']}, model {cfg.model} ({n}+{n} layers, d_model {dm}), amp {cfg.amp}{ranks}, batch "
+    log(f"bench: {info['name']}, model {cfg.model} ({n}+{n} layers, d_model {dm}, {n_params / 1e6:.2f}M parameters), "
+        f"amp {cfg.amp}{ranks}, batch "
         f"{cfg.batch_size}{' per rank' if d.active else ''} x max-len {cfg.max_len} (pad multiple "
         f"{cfg.pad_multiple}), rows {', '.join(names)}; "
         f"{cfg.repeats} x ({cfg.warmup} warm-up + {cfg.steps} timed steps) each; out {out}")
@@ -200,7 +207,7 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
         f"{100 * (1 - env.loader(0).num_tokens()['tgt_fill']):.1f} % of the target positions; vocabulary "
         f"{shape.tgt_vocab}{' (random ids)' if cfg.vocab else ''}; attention {env.attention}; label smoothing "
         f"{cfg.label_smoothing}; dropout {cfg.dropout} (attention {cfg.attention_dropout}, activation "
-        f"{cfg.activation_dropout})")
+        f"{cfg.activation_dropout})" + (f"; tied embeddings: {cfg.tie_embeddings}" if cfg.tie_embeddings != "none" else ""))
 
     try:
         # 2. rows that cannot share this process (bench.apart) run first, each in a child bench

@@ -207,7 +207,8 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
         f"{100 * (1 - env.loader(0).num_tokens()['tgt_fill']):.1f} % of the target positions; vocabulary "
         f"{shape.tgt_vocab}{' (random ids)' if cfg.vocab else ''}; attention {env.attention}; label smoothing "
         f"{cfg.label_smoothing}; dropout {cfg.dropout} (attention {cfg.attention_dropout}, activation "
-        f"{cfg.activation_dropout})" + (f"; tied embeddings: {cfg.tie_embeddings}" if cfg.tie_embeddings != "none" else ""))
+        f"{cfg.activation_dropout})"
+        + (f"; tied embeddings: {cfg.tie_embeddings}" if cfg.tie_embeddings != "none" else ""))
 
     try:
         # 2. rows that cannot share this process (bench.apart) run first, each in a child bench

@@ -247,13 +247,14 @@ PY
                # budget in BUDGETS with each attention in ATTNS: sdpa, triton, triton:QxK-wW-sS (the kernels'
                # tiles) or auto; 3 repeats each, one process per row; the table last. UNCOMPILED=" ": graph mode
                # without --compile (what --compile auto leaves a short run); LONGTAIL=N: a long-tailed corpus of N
-               # pairs (scripts/make_longtail.py) instead of the built-in one
+               # pairs (scripts/make_longtail.py) instead of the built-in one; EXTRA: more bench flags for every row
+               # (e.g. --tie-embeddings decoder)
     [ -n "${LONGTAIL:-}" ] && python3 scripts/make_longtail.py --out /tmp/am_lt --pairs $LONGTAIL > "$OUT/am_longtail.txt" \
       && DATA=/tmp/am_lt
     for t in ${BUDGETS:-4096 16384}; do for a in ${ATTNS:-sdpa triton}; do
       tiles=""; [ "${a#*:}" != "$a" ] && tiles=${a#*:}
       STREAMNMT_ATTN_TILES=$tiles timeout 240 python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 \
-        --max-len 128 --max-tokens $t --no-references --repeats 3 ${UNCOMPILED:---compile} --strategies graph --attention ${a%%:*} ${DATA:+--data $DATA} \
+        --max-len 128 --max-tokens $t --no-references --repeats 3 ${UNCOMPILED:---compile} --strategies graph --attention ${a%%:*} ${DATA:+--data $DATA} ${EXTRA:-} \
         --out /tmp/am_${t}_${a/:/_} > "$OUT/am_${t}_${a/:/_}.log" 2>&1
     done; done
     for t in ${BUDGETS:-4096 16384}; do for a in ${ATTNS:-sdpa triton}; do

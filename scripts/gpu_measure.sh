@@ -232,7 +232,7 @@ import json, sys
 rows = [json.loads(x) for x in open(sys.argv[1]) if x.startswith("{")]
 for k in [k for k in rows[0] if k in ("sdpa",) or (k.startswith("triton") and "_" not in k)]:
     print(f"{k:<18}", "  ".join(f"{r[k]:7.2f} / {r.get(k + '_graph', float('nan')):6.2f}" if isinstance(r[k], float)
-                                  else str(r[k])[:80] for r in rows), r.get(k + "_visited", ""))
+                                  else str(r[k])[:80] for r in rows), rows[-1].get(k + "_visited", ""))
 PY
     done
     B="python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 --max-len 128 --max-tokens ${TOKENS:-4096}"
@@ -249,8 +249,11 @@ PY
                # without --compile (what --compile auto leaves a short run); LONGTAIL=N: a long-tailed corpus of N
                # pairs (scripts/make_longtail.py) instead of the built-in one; EXTRA: more bench flags for every row
                # (e.g. --tie-embeddings decoder)
-    [ -n "${LONGTAIL:-}" ] && python3 scripts/make_longtail.py --out /tmp/am_lt --pairs $LONGTAIL > "$OUT/am_longtail.txt" \
-      && DATA=/tmp/am_lt
+    DATA=""
+    if [ -n "${LONGTAIL:-}" ]; then
+      python3 scripts/make_longtail.py --out /tmp/am_lt --pairs $LONGTAIL > "$OUT/am_longtail.txt" || { echo "make_longtail failed"; exit 1; }
+      DATA=/tmp/am_lt
+    fi
     for t in ${BUDGETS:-4096 16384}; do for a in ${ATTNS:-sdpa triton}; do
       tiles=""; [ "${a#*:}" != "$a" ] && tiles=${a#*:}
       STREAMNMT_ATTN_TILES=$tiles timeout 240 python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 \
@@ -258,7 +261,8 @@ PY
         --out /tmp/am_${t}_${a/:/_} > "$OUT/am_${t}_${a/:/_}.log" 2>&1
     done; done
     for t in ${BUDGETS:-4096 16384}; do for a in ${ATTNS:-sdpa triton}; do
-      printf "%6s %-22s %s\n" $t $a "$(grep -E '^graph ' "$OUT/am_${t}_${a/:/_}.log" | cut -c1-100 || echo failed)"
+      row=$(grep -E '^graph ' "$OUT/am_${t}_${a/:/_}.log" | cut -c1-100)
+      printf "%6s %-22s %s\n" $t $a "${row:-failed (see am_${t}_${a/:/_}.log)}"
     done; done ;;
   attn-ttb)  # #31: does the model train alike with --attention triton? sdpa and triton side by side on one GPU
              # (the same share each), built-in corpus, the defaults, --time-limit TIME (100s); then the steps,
@@ -277,9 +281,10 @@ runs = {a: (list(csv.DictReader(open(f"/tmp/attb/{a}/steps.csv"))), list(csv.Dic
 common = min(len(s) for s, _ in runs.values())
 for a, (steps, evals) in runs.items():
     tail = steps[common * 4 // 5:common]
-    nll = sum(float(r["nll"]) for r in tail) / len(tail)
-    bleu = max(float(e["bleu"]) for e in evals if e["bleu"])
-    print(f"{a:<7} steps {len(steps):>6}  best dev BLEU {bleu:6.2f}  nll over steps {common * 4 // 5}-{common}: {nll:.4f}")
+    nll = sum(float(r["nll"]) for r in tail) / max(len(tail), 1)
+    bleu = max([float(e["bleu"]) for e in evals if e["bleu"]], default=float("nan"))
+    span = f"{tail[0]['step']}-{tail[-1]['step']}" if tail else "none"
+    print(f"{a:<7} steps {len(steps):>6}  best dev BLEU {bleu:6.2f}  nll over steps {span}: {nll:.4f}")
 PY
     ;;
   recipe-defaults)  # time-to-BLEU: the defaults vs --max-tokens 6144 --warmup 800, the same --time-limit each
@@ -514,6 +519,11 @@ prepare_data(DataConfig(data=sys.argv[1]), log=print)" $C > "$OUT/ttb_prepare.lo
                  # (PAIRS, TTB; PART=2 resumes); e.g. VARIANTS="defaults tied:--tie-embeddings=decoder
                  # b2048:--max-tokens=2048" on nvidia-h100-x4 (or -x2 for two); then the curves
     T=${TIME:-8m}; D=${TTB:-/tmp/ttbv}_${PAIRS:-1000000}; C=$D/corpus; V=(${VARIANTS:-defaults tied:--tie-embeddings=decoder})
+    gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+    if [[ " ${EXTRA:-} " != *" --device cpu "* ]] && [ "${#V[@]}" -gt "$gpus" ]; then
+      echo "ttb-variants: ${#V[@]} variants but $gpus GPUs (one GPU each; a variant without one would train on the CPU)"
+      exit 1
+    fi
     [ -d $C ] || python3 scripts/make_longtail.py --out $C --pairs ${PAIRS:-1000000} > "$OUT/ttb_corpus.txt"
     python3 -c "import sys; from streamnmt.data import DataConfig, prepare_data
 prepare_data(DataConfig(data=sys.argv[1]), log=print)" $C > "$OUT/ttb_prepare.log" 2>&1

@@ -138,6 +138,13 @@ def test_bf16_and_flex_rules_fail_only_where_rank0_can():
     flex = dataclasses.replace(flex, model=dataclasses.replace(flex.model, attention="flex"))
     err = device_error(flex, _dev(80, flex="no FlexAttention in this torch"), _dev(80), 1, 2)
     assert err.startswith("--attention (config key 'attention'): flex, which rank 0 runs, but rank 1 of 2")
+    triton = dataclasses.replace(flex, model=dataclasses.replace(flex.model, attention="triton"))
+    no_build = RankDevice("cuda:1, GPU", 80, True, None, "the Triton kernels do not build here (RuntimeError: x)")
+    err = device_error(triton, no_build, _dev(80), 1, 2)
+    assert err.startswith("--attention (config key 'attention'): triton, which rank 0 runs, but rank 1 of 2")
+    assert "do not build here" in err and err.endswith("set --attention sdpa")
+    assert device_error(triton, no_build, no_build, 1, 2) is None  # alike: every rank falls back the same way
+    assert RankDevice(**{"name": "cuda:0, GPU", "gib": 80.0, "bf16": True, "flex": None}).triton is None  # older record
 
 
 def test_a_resume_is_checked_against_the_device_the_run_started_on(tmp_path, monkeypatch):

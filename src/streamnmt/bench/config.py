@@ -60,7 +60,8 @@ class BenchConfig:
     attention_dropout: float = opt(0.0, "dropout of the attention weights (the training default)")
     tie_embeddings: str = opt("none", "tie embeddings as the trainer's --tie-embeddings: decoder = the target "
                                       "embedding is the output projection; all = the source embedding too "
-                                      "(needs one vocabulary: --vocab)", choices=("none", "decoder", "all"))
+                                      "(needs one vocabulary: --vocab); the stock-ro peer stays untied",
+                               choices=("none", "decoder", "all"))
     activation_dropout: float = opt(0.0, "dropout of the feed-forward's hidden activations (the training default)")
     pad_multiple: int = opt(8, "batch lengths are padded to a multiple of this; set it to --max-len for fixed "
                                "(batch-size x max-len) shapes")

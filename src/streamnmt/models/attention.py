@@ -176,16 +176,57 @@ def triton_available(device: torch.device, head_dim: int | None = None) -> str |
     return None
 
 
-def auto_attention(device: torch.device, head_dim: int | None = None, attention_dropout: float = 0.0) -> str:
-    """What ``--attention auto`` trains packed batches with: ``triton`` on a CUDA GPU of compute
-    capability 8.0 or newer where the kernels run and the recipe has no attention dropout (they have
-    none), else ``sdpa``. The Triton kernels made the packed base-model step 2-7 % faster than SDPA's
-    dense masks on an H100, compiled or not, at 4,096 and 16,384 tokens, and trained to the same dev
-    BLEU (docs/PERFORMANCE.md, "Triton segment kernels"); older GPUs were not measured, nor AMD's
-    (ROCm builds keep ``sdpa``)."""
-    if attention_dropout or torch.version.hip is not None or triton_available(device, head_dim) is not None:
+@functools.lru_cache(maxsize=None)
+def _triton_builds(index: int, head_dim: int) -> str | None:
+    """None if the Triton segment kernels build and run forward and backward on GPU ``index``, else
+    why not: ``import triton`` succeeds without the C compiler and ``ptxas`` that building a kernel
+    needs. A tiny call, once per process (its kernels land in Triton's cache), before any capture."""
+    from streamnmt.models.segattn_triton import segment_attention
+
+    dev = torch.device("cuda", index)
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    try:
+        seg = torch.ones(1, 32, dtype=torch.int32, device=dev)
+        q = torch.randn(1, 1, 32, head_dim, device=dev, dtype=dtype, requires_grad=True)
+        segment_attention(q, q, q, segment_ranges(seg, seg, causal=False, cross=False)).float().sum().backward()
+    except Exception as e:  # a compiler missing, a kernel that does not build here: say which
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        return f"the Triton kernels do not build here ({type(e).__name__}: {first})"
+    return None
+
+
+def triton_runs(device: torch.device, head_dim: int | None = None) -> str | None:
+    """None if the Triton segment kernels can train on ``device`` at ``head_dim``, built and run once
+    to make sure (:func:`triton_available`, then a tiny call), else why not."""
+    why = triton_available(device, head_dim)
+    if why is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        why = _triton_builds(index, head_dim or 64)
+    return why
+
+
+# ``auto`` picks the kernels only at the head dims measured (64, docs/PERFORMANCE.md) and up to 128:
+# larger tiles of keys and values than that may not fit a GPU's shared memory at the fixed tiles.
+AUTO_TRITON_MAX_HEAD_DIM = 128
+
+
+def auto_attention(device: torch.device, head_dim: int | None = None, attention_dropout: float = 0.0,
+                   log=print) -> str:
+    """What ``--attention auto`` trains packed batches with: ``triton`` on an NVIDIA GPU of compute
+    capability 8.0 or newer where the kernels build and run (:func:`triton_runs`), at head dims up to
+    128, when the recipe has no attention dropout (they have none); else ``sdpa``. The Triton kernels
+    made the packed base-model step 2-7 % faster than SDPA's dense masks on an H100, compiled or not,
+    at 4,096 and 16,384 tokens, and trained to the same dev BLEU (docs/PERFORMANCE.md, "Triton segment
+    kernels"); older GPUs were not measured, nor AMD's (ROCm builds keep ``sdpa``). Silent, but for
+    one line where Triton is installed on such a GPU and its kernels do not build."""
+    if (attention_dropout or torch.version.hip is not None or triton_available(device, head_dim) is not None
+            or (head_dim or 64) > AUTO_TRITON_MAX_HEAD_DIM or torch.cuda.get_device_capability(device) < (8, 0)):
         return "sdpa"
-    return "triton" if torch.cuda.get_device_capability(device) >= (8, 0) else "sdpa"
+    why = triton_runs(device, head_dim)
+    if why is not None:
+        log(f"model: --attention auto: {why}; using sdpa")
+        return "sdpa"
+    return "triton"
 
 
 def resolve_attention(choice: str, device: torch.device, log=print, head_dim: int | None = None,
@@ -195,9 +236,9 @@ def resolve_attention(choice: str, device: torch.device, log=print, head_dim: in
     if choice not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}; got {choice!r}")
     if choice == "auto":
-        return auto_attention(device, head_dim, attention_dropout)
+        return auto_attention(device, head_dim, attention_dropout, log)
     if choice in ("flex", "triton"):
-        why = flex_available(device) if choice == "flex" else triton_available(device, head_dim)
+        why = flex_available(device) if choice == "flex" else triton_runs(device, head_dim)
         if why is None:
             return choice
         log(f"model: --attention {choice} unavailable ({why}); using sdpa")

@@ -29,7 +29,7 @@ from streamnmt.dist import Dist
 from streamnmt.engine.auto import choose_compile, choose_strategy, graph_step_s
 from streamnmt.errors import ConfigError, InputError
 from streamnmt.inference.decoding import decode_dtype, dtype_name
-from streamnmt.models.attention import flex_available, resolve_attention
+from streamnmt.models.attention import flex_available, resolve_attention, triton_runs
 from streamnmt.training.step import noam_lr
 from streamnmt.training.stopping import parse_duration
 
@@ -228,12 +228,17 @@ class RankDevice:
     gib: float | None  # memory (None on the CPU: no token budget is sized from it)
     bf16: bool  # native bf16
     flex: str | None  # why FlexAttention cannot train here (None: it can, or --attention is not flex)
+    # why the Triton segment kernels cannot train here (None: they can, or --attention is not triton);
+    # a default, so that a checkpoint's record from before the field still loads
+    triton: str | None = None
 
 
 def rank_device(device: torch.device, job: TrainJob) -> RankDevice:
     name = f"{device}, {torch.cuda.get_device_name(device)}" if device.type == "cuda" else str(device)
-    flex = flex_available(device) if job.model.attention == "flex" else None
-    return RankDevice(name, device_memory_gib(device), device_bf16(device), flex)
+    m = job.model
+    flex = flex_available(device) if m.attention == "flex" else None
+    triton = triton_runs(device, m.d_model // m.n_heads) if m.attention == "triton" and m.n_heads else None
+    return RankDevice(name, device_memory_gib(device), device_bf16(device), flex, triton)
 
 
 def device_error(job: TrainJob, mine: RankDevice, first: RankDevice, rank: int, world: int,
@@ -264,6 +269,10 @@ def device_error(job: TrainJob, mine: RankDevice, first: RankDevice, rank: int, 
     if job.model.attention == "flex" and first.flex is None and mine.flex is not None:
         return (f"--attention (config key 'attention'): flex, which {origin} runs, but {who} cannot ({mine.flex}): "
                 f"set --attention sdpa")
+    if job.model.attention == "triton" and first.triton is None and mine.triton is not None:
+        # the ranks would run other attention kernels (``auto`` resolved to triton on rank 0)
+        return (f"--attention (config key 'attention'): triton, which {origin} runs, but {who} cannot "
+                f"({mine.triton}): set --attention sdpa")
     # eval_dtype needs no check: rank 0 alone decodes BLEU, on the device that chose it.
     return None
 

@@ -181,6 +181,19 @@ def _check_packed_model_equals_sdpa() -> None:
         assert torch.allclose(p.grad, g2[n], atol=1e-6), n
 
 
+def _check_probe() -> None:
+    """The set-up's build check runs forward and backward: the gradient of x used as q, k and v in one
+    segment equals SDPA's."""
+    from streamnmt.models.attention import triton_probe
+
+    state = torch.get_rng_state()
+    got = triton_probe(torch.device("cpu"), torch.float32, 16)
+    assert torch.equal(torch.get_rng_state(), state)  # the run's random stream untouched
+    x = torch.randn(1, 1, 32, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    F.scaled_dot_product_attention(x, x, x).float().sum().backward()
+    assert torch.allclose(got, x.grad, atol=1e-5), (got - x.grad).abs().max()
+
+
 @needs_triton
 def test_kernels_equal_dense_masks_under_the_interpreter():
     """Outputs and gradients (fp32 and fp16, packed batches; tiles of 32 x 32, 64 x 32 and 16 x 64) of the
@@ -191,7 +204,7 @@ def test_kernels_equal_dense_masks_under_the_interpreter():
     code = ("import torch, tests.test_segattn_triton as t; t._check_attention_equals_dense_masks(); "
             "t._check_attention_equals_dense_masks(torch.float16, tol=1e-2); "
             "t._check_attention_equals_dense_masks(tiles='64x32'); t._check_attention_equals_dense_masks(tiles='16x64'); "
-            "t._check_packed_model_equals_sdpa(); print('ok')")
+            "t._check_packed_model_equals_sdpa(); t._check_probe(); print('ok')")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -30,6 +30,7 @@ measures them at the packed shape.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -181,18 +182,29 @@ def _triton_builds(index: int, head_dim: int) -> str | None:
     """None if the Triton segment kernels build and run forward and backward on GPU ``index``, else
     why not: ``import triton`` succeeds without the C compiler and ``ptxas`` that building a kernel
     needs. A tiny call, once per process (its kernels land in Triton's cache), before any capture."""
-    from streamnmt.models.segattn_triton import segment_attention
-
-    dev = torch.device("cuda", index)
     dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     try:
-        seg = torch.ones(1, 32, dtype=torch.int32, device=dev)
-        q = torch.randn(1, 1, 32, head_dim, device=dev, dtype=dtype, requires_grad=True)
-        segment_attention(q, q, q, segment_ranges(seg, seg, causal=False, cross=False)).float().sum().backward()
+        triton_probe(torch.device("cuda", index), dtype, head_dim)
     except Exception as e:  # a compiler missing, a kernel that does not build here: say which
         first = (str(e).strip().splitlines() or [""])[0][:160]
         return f"the Triton kernels do not build here ({type(e).__name__}: {first})"
     return None
+
+
+def triton_probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> torch.Tensor:
+    """One tiny forward and backward of the Triton segment kernels (what :func:`_triton_builds` runs;
+    on the CPU under Triton's interpreter in the tests): the gradient of a (1, 1, 32, head_dim) input
+    (normal, from a generator of its own seeded 0: the run's random streams stay untouched) used as
+    queries, keys and values, one segment of 32 positions."""
+    from streamnmt.models.segattn_triton import segment_attention
+
+    on_gpu = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with on_gpu:  # Triton launches on the current device
+        seg = torch.ones(1, 32, dtype=torch.int32, device=device)
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(1, 1, 32, head_dim, device=device, generator=gen).to(dtype).requires_grad_()
+        segment_attention(q, q, q, segment_ranges(seg, seg, causal=False, cross=False)).float().sum().backward()
+    return q.grad
 
 
 def triton_runs(device: torch.device, head_dim: int | None = None) -> str | None:

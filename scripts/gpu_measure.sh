@@ -14,6 +14,36 @@ if [ "${PYC:-1}" = 1 ]; then
     [ -d "$site/$pkg" ] && python3 -m compileall -q -j 0 "$site/$pkg" > /dev/null 2>&1
   done
 fi
+# Time to BLEU of several recipe variants at once, one GPU each (ttb-budgets, ttb-variants): DIR PLOT VARIANT...,
+# a VARIANT being NAME or NAME:FLAG,FLAG (flags written --flag=value); TIME, PAIRS, TTB, PART, EXTRA as those parts say.
+ttb_variants() {
+  local dir=$1 plot=$2; shift 2
+  local V=("$@") T=${TIME:-8m} D=${TTB:-$dir}_${PAIRS:-1000000}
+  local C=$D/corpus
+  local gpus; gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if [[ " ${EXTRA:-} " != *" --device cpu "* ]] && [ "${#V[@]}" -gt "$gpus" ]; then
+    echo "ttb: ${#V[@]} runs but $gpus GPUs (one GPU each; a run without one would train on the CPU)"
+    return 1
+  fi
+  [ -d $C ] || python3 scripts/make_longtail.py --out $C --pairs ${PAIRS:-1000000} > "$OUT/ttb_corpus.txt"
+  python3 -c "import sys; from streamnmt.data import DataConfig, prepare_data
+prepare_data(DataConfig(data=sys.argv[1]), log=print)" $C > "$OUT/ttb_prepare.log" 2>&1
+  local i run extra flags runs=() v
+  for i in "${!V[@]}"; do
+    run=${V[$i]%%:*}; extra=(); [ "${V[$i]#*:}" != "${V[$i]}" ] && IFS=, read -ra extra <<< "${V[$i]#*:}"
+    flags=(--data $C --project $D --name $run "${extra[@]}" ${EXTRA:-})
+    [ "${PART:-1}" = 2 ] && flags=(--resume $D/$run/weights/last.pt)
+    CUDA_VISIBLE_DEVICES=$i timeout 590 python3 -m streamnmt train "${flags[@]}" --time-limit "$T" \
+      >> "$OUT/ttb_$run.log" 2>&1 &
+  done
+  wait
+  for v in "${V[@]}"; do
+    run=${v%%:*}
+    cp $D/$run/evals.csv "$OUT/ttb_${run}_evals.csv" 2>/dev/null && runs+=("$D/$run=$run")
+    echo "== $run"; grep -E "^recipe:|^model:|wall [0-9]+ s|^done|rror" "$OUT/ttb_$run.log" | cut -c1-200
+  done
+  python3 scripts/plot_time_to_bleu.py "${runs[@]}" --out "$OUT/$plot"
+}
 case "$1" in
   table)
     python3 -m streamnmt bench --batch-size 32 --max-len 32 --pad-multiple 32 --repeats 3 --profile \
@@ -497,51 +527,14 @@ case "$1" in
                 # another TIME (evals.csv's wall_s counts across the resume; the corpus stays in /tmp while the
                 # machine is held); then the curves. PAIRS=40000 TIME=120s for the short-corpus comparison.
     # (a CPU smoke test: PAIRS=3000 TIME=20s BUDGETS="256 512" EXTRA="--device cpu --model tiny" TTB=/tmp/ttbb_cpu)
-    T=${TIME:-8m}; D=${TTB:-/tmp/ttbb}_${PAIRS:-1000000}; C=$D/corpus; B=(${BUDGETS:-4096 8192 16384 32768})
-    [ -d $C ] || python3 scripts/make_longtail.py --out $C --pairs ${PAIRS:-1000000} > "$OUT/ttb_corpus.txt"
-    python3 -c "import sys; from streamnmt.data import DataConfig, prepare_data
-prepare_data(DataConfig(data=sys.argv[1]), log=print)" $C > "$OUT/ttb_prepare.log" 2>&1
-    for i in "${!B[@]}"; do
-      run=b${B[$i]}; flags=(--data $C --max-tokens ${B[$i]} --project $D --name $run ${EXTRA:-})
-      [ "${PART:-1}" = 2 ] && flags=(--resume $D/$run/weights/last.pt)
-      CUDA_VISIBLE_DEVICES=$i timeout 590 python3 -m streamnmt train "${flags[@]}" --time-limit "$T" \
-        >> "$OUT/ttb_$run.log" 2>&1 &
-    done
-    wait
-    runs=()
-    for b in "${B[@]}"; do
-      cp $D/b$b/evals.csv "$OUT/ttb_b${b}_evals.csv" 2>/dev/null && runs+=("$D/b$b=--max-tokens $b")
-      echo "== b$b"; grep -E "^recipe:|wall [0-9]+ s|^done|rror" "$OUT/ttb_b$b.log" | cut -c1-200
-    done
-    python3 scripts/plot_time_to_bleu.py "${runs[@]}" --out "$OUT/time_to_bleu_budgets.png" ;;
+    B=(${BUDGETS:-4096 8192 16384 32768}); V=()
+    for b in "${B[@]}"; do V+=("b$b:--max-tokens=$b"); done
+    ttb_variants /tmp/ttbb time_to_bleu_budgets.png "${V[@]}" ;;
   ttb-variants)  # #31: time to BLEU per recipe variant, each VARIANTS entry (NAME or NAME:FLAG,FLAG, flags written
                  # --flag=value) on its own GPU at once, the same `--time-limit ${TIME:-8m}` and corpus as ttb-budgets
                  # (PAIRS, TTB; PART=2 resumes); e.g. VARIANTS="defaults tied:--tie-embeddings=decoder
                  # b2048:--max-tokens=2048" on nvidia-h100-x4 (or -x2 for two); then the curves
-    T=${TIME:-8m}; D=${TTB:-/tmp/ttbv}_${PAIRS:-1000000}; C=$D/corpus; V=(${VARIANTS:-defaults tied:--tie-embeddings=decoder})
-    gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-    if [[ " ${EXTRA:-} " != *" --device cpu "* ]] && [ "${#V[@]}" -gt "$gpus" ]; then
-      echo "ttb-variants: ${#V[@]} variants but $gpus GPUs (one GPU each; a variant without one would train on the CPU)"
-      exit 1
-    fi
-    [ -d $C ] || python3 scripts/make_longtail.py --out $C --pairs ${PAIRS:-1000000} > "$OUT/ttb_corpus.txt"
-    python3 -c "import sys; from streamnmt.data import DataConfig, prepare_data
-prepare_data(DataConfig(data=sys.argv[1]), log=print)" $C > "$OUT/ttb_prepare.log" 2>&1
-    for i in "${!V[@]}"; do
-      run=${V[$i]%%:*}; extra=(); [ "${V[$i]#*:}" != "${V[$i]}" ] && IFS=, read -ra extra <<< "${V[$i]#*:}"
-      flags=(--data $C --project $D --name $run "${extra[@]}" ${EXTRA:-})
-      [ "${PART:-1}" = 2 ] && flags=(--resume $D/$run/weights/last.pt)
-      CUDA_VISIBLE_DEVICES=$i timeout 590 python3 -m streamnmt train "${flags[@]}" --time-limit "$T" \
-        >> "$OUT/ttb_$run.log" 2>&1 &
-    done
-    wait
-    runs=()
-    for v in "${V[@]}"; do
-      run=${v%%:*}
-      cp $D/$run/evals.csv "$OUT/ttb_${run}_evals.csv" 2>/dev/null && runs+=("$D/$run=$run")
-      echo "== $run"; grep -E "^recipe:|^model:|wall [0-9]+ s|^done|rror" "$OUT/ttb_$run.log" | cut -c1-200
-    done
-    python3 scripts/plot_time_to_bleu.py "${runs[@]}" --out "$OUT/time_to_bleu_variants.png" ;;
+    ttb_variants /tmp/ttbv time_to_bleu_variants.png ${VARIANTS:-defaults tied:--tie-embeddings=decoder} ;;
   warm-compile)  # #31: the same --compile on run three times with one fresh STREAMNMT_HOME (cold, then warm):
                  # ready after the data, and the first step (scripts/bench_compile_cache.py)
     timeout 500 python3 scripts/bench_compile_cache.py --out "$OUT" --runs ${RUNS:-3} > "$OUT/bcc.log" 2>&1

@@ -27,11 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from streamnmt.models.attention import dense_masks, flex_masks, segment_masks, visited_fraction
 from streamnmt.bench.synthvocab import random_tokens
 from streamnmt.data import DataConfig, prepare_data
 from streamnmt.data.loader import make_loader
 from streamnmt.engine.syncstats import host_sync
+from streamnmt.models.attention import dense_masks, flex_masks, segment_masks
+from streamnmt.models.segments import visited_fraction
 
 HEADS, HEAD_DIM, LAYERS = 8, 64, 6
 # (name, block size, kernel options, autotuned): flex's defaults at 128; smaller blocks need kernel tiles
@@ -134,6 +135,7 @@ def measure(src_seg: torch.Tensor, tgt_seg: torch.Tensor, plain_flex, tuned_flex
             wait("compile")  # needed: the first call's wall time (compiling) includes its kernels
             first_s = time.time() - began
             real = (src_seg > 0)[:, None, :, None]
+            enc_in = calls[0][0]  # the encoder self-attention's q, k, v
             diff = (attend(enc_in, block_masks[0]) - sdpa(enc_in, dense[0])).abs() * real
             # needed: the largest difference is printed from the host
             max_diff = host_sync("bench_attention.check", lambda: diff.max().item())

@@ -21,12 +21,8 @@ import torch.nn.functional as F
 
 from streamnmt.data.packbatch import collate_packed
 from streamnmt.data.packing import PackSampler
-from streamnmt.models.attention import (
-    dense_masks,
-    segment_masks,
-    segment_ranges,
-    visited_fraction,
-)
+from streamnmt.models.attention import dense_masks, segment_masks
+from streamnmt.models.segments import segment_ranges, visited_fraction
 from tests.data.test_packing import corpus_of
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ recomputation: the forward keeps the log-sum-exp of each query row), bf16/fp16/f
 dropout, no host synchronization (the key ranges are device tensors the kernels read), so a CUDA
 graph captures it.
 
-The ranges (:class:`streamnmt.models.attention.SegmentRanges`, built once per batch and shared by
+The ranges (:class:`streamnmt.models.segments.SegmentRanges`, built once per batch and shared by
 the layers and heads) are the smallest and largest position of each segment id on the other side,
 so they hold whatever the segment layout; a packer that keeps segments contiguous makes them tight.
 The key tiles of padding queries in cross-attention (which see every source position) are the whole
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from streamnmt.models.attention import SegmentRanges
+from streamnmt.models.segments import SegmentRanges
 
 
 @dataclass(frozen=True)

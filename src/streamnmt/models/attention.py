@@ -113,8 +113,9 @@ def _triton_builds(index: int, head_dim: int) -> str | None:
     """None if the Triton segment kernels build and run forward and backward on GPU ``index``, else
     why not: ``import triton`` succeeds without the C compiler and ``ptxas`` that building a kernel
     needs. A tiny call, once per process (its kernels land in Triton's cache), before any capture."""
-    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     try:
+        with torch.cuda.device(index):
+            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         triton_probe(torch.device("cuda", index), dtype, head_dim)
     except Exception as e:  # a compiler missing, a kernel that does not build here: say which
         first = (str(e).strip().splitlines() or [""])[0][:160]

@@ -14,6 +14,29 @@ if [ "${PYC:-1}" = 1 ]; then
     [ -d "$site/$pkg" ] && python3 -m compileall -q -j 0 "$site/$pkg" > /dev/null 2>&1
   done
 fi
+# The packed base model (graph, bf16, 32k vocabulary, 3 repeats, one process per row) at each budget in BUDGETS
+# with each attention in ATTNS (sdpa, auto, triton or triton:QxK-wW-sS); the table last (attn-model says the knobs).
+attn_model() {
+  local DATA="" t a tiles row name
+  if [ -n "${LONGTAIL:-}" ]; then
+    python3 scripts/make_longtail.py --out /tmp/am_lt --pairs $LONGTAIL > "$OUT/am_longtail.txt" || { echo "make_longtail failed"; return 1; }
+    DATA=/tmp/am_lt
+  fi
+  for t in ${BUDGETS:-4096 16384}; do for a in ${ATTNS:-sdpa triton}; do
+    tiles=""; [ "${a#*:}" != "$a" ] && tiles=${a#*:}
+    name=am_${t}_${a/:/_}
+    STREAMNMT_ATTN_TILES=$tiles timeout 240 python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 \
+      --max-len 128 --max-tokens $t --no-references --repeats 3 ${UNCOMPILED:---compile} --strategies graph \
+      --attention ${a%%:*} ${DATA:+--data $DATA} ${PROFILE:+--profile --profile-steps 5} ${EXTRA:-} \
+      --out /tmp/$name > "$OUT/$name.log" 2>&1
+  done; done
+  for t in ${BUDGETS:-4096 16384}; do for a in ${ATTNS:-sdpa triton}; do
+    name=am_${t}_${a/:/_}
+    row=$(grep -E '^graph ' "$OUT/$name.log" | cut -c1-100)
+    printf "%6s %-22s %s\n" $t $a "${row:-failed (see $name.log)}"
+    [ -n "${PROFILE:-}" ] && grep -E "by family" -A10 "$OUT/$name.log" | cut -c1-150 | head -12
+  done; done
+}
 # Time to BLEU of several recipe variants at once, one GPU each (ttb-budgets, ttb-variants): DIR PLOT VARIANT...,
 # a VARIANT being NAME or NAME:FLAG,FLAG (flags written --flag=value); TIME, PAIRS, TTB, PART, EXTRA as those parts say.
 ttb_variants() {
@@ -265,35 +288,14 @@ for k in [k for k in rows[0] if k in ("sdpa",) or (k.startswith("triton") and "_
                                   else str(r[k])[:80] for r in rows), rows[-1].get(k + "_visited", ""))
 PY
     done
-    B="python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 --max-len 128 --max-tokens ${TOKENS:-4096}"
-    B="$B --no-references --repeats 3 --compile --strategies graph"
-    for a in ${ATTNS:-sdpa triton}; do
-      STREAMNMT_ATTN_TILES=${MODEL_TILES:-} timeout 240 $B --attention $a ${PROFILE:+--profile --profile-steps 5} \
-        --out /tmp/at_$a > "$OUT/attn_model_$a.log" 2>&1
-      echo "== model, --attention $a"; grep -E "^graph |rror" "$OUT/attn_model_$a.log" | cut -c1-140 | tail -4
-      [ -n "${PROFILE:-}" ] && grep -E "by family" -A10 "$OUT/attn_model_$a.log" | cut -c1-150 | head -12
-    done ;;
+    BUDGETS=${TOKENS:-4096} ATTNS=${ATTNS:-"sdpa triton${MODEL_TILES:+:$MODEL_TILES}"} attn_model ;;
   attn-model)  # #31: the packed base model (graph --compile, bf16, 32k vocabulary, built-in corpus) at each
                # budget in BUDGETS with each attention in ATTNS: sdpa, triton, triton:QxK-wW-sS (the kernels'
                # tiles) or auto; 3 repeats each, one process per row; the table last. UNCOMPILED=" ": graph mode
                # without --compile (what --compile auto leaves a short run); LONGTAIL=N: a long-tailed corpus of N
                # pairs (scripts/make_longtail.py) instead of the built-in one; EXTRA: more bench flags for every row
-               # (e.g. --tie-embeddings decoder)
-    DATA=""
-    if [ -n "${LONGTAIL:-}" ]; then
-      python3 scripts/make_longtail.py --out /tmp/am_lt --pairs $LONGTAIL > "$OUT/am_longtail.txt" || { echo "make_longtail failed"; exit 1; }
-      DATA=/tmp/am_lt
-    fi
-    for t in ${BUDGETS:-4096 16384}; do for a in ${ATTNS:-sdpa triton}; do
-      tiles=""; [ "${a#*:}" != "$a" ] && tiles=${a#*:}
-      STREAMNMT_ATTN_TILES=$tiles timeout 240 python3 -m streamnmt bench --model base --amp bf16 --vocab 32000 \
-        --max-len 128 --max-tokens $t --no-references --repeats 3 ${UNCOMPILED:---compile} --strategies graph --attention ${a%%:*} ${DATA:+--data $DATA} ${EXTRA:-} \
-        --out /tmp/am_${t}_${a/:/_} > "$OUT/am_${t}_${a/:/_}.log" 2>&1
-    done; done
-    for t in ${BUDGETS:-4096 16384}; do for a in ${ATTNS:-sdpa triton}; do
-      row=$(grep -E '^graph ' "$OUT/am_${t}_${a/:/_}.log" | cut -c1-100)
-      printf "%6s %-22s %s\n" $t $a "${row:-failed (see am_${t}_${a/:/_}.log)}"
-    done; done ;;
+               # (e.g. --tie-embeddings decoder); PROFILE=1: the kernel families of a profiled window
+    attn_model ;;
   attn-ttb)  # #31: does the model train alike with --attention triton? sdpa and triton side by side on one GPU
              # (the same share each), built-in corpus, the defaults, --time-limit TIME (100s); then the steps,
              # the best dev BLEU, and the mean training nll over the steps both made, in their last fifth

@@ -135,3 +135,34 @@ def test_ddp_gets_the_bucket_size(monkeypatch):
     step = make_step(model, torch.device("cpu"), d_model=32, ddp=True, bucket_cap_mb=7.5)
     step.parallel()
     assert built["bucket_cap_mb"] == 7.5 and built["gradient_as_bucket_view"] and step.world == 2
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1e3])
+def test_clipping_inside_adam_equals_clip_grad_norm(clip):
+    """The clipping handed to the fused Adam (``grad_scale``) updates as ``clip_grad_norm_`` and then
+    Adam do: a clip that binds every step (1e-3) and one that never does (1e3)."""
+    torch.manual_seed(0)
+    model = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64, dropout=0.0)
+    ref = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64, dropout=0.0)
+    ref.load_state_dict(model.state_dict())
+    ref_start = [p.detach().clone() for p in ref.parameters()]
+    step = make_step(model, torch.device("cpu"), d_model=32, warmup=10, lr=2.0, clip=clip)
+    ref_step = make_step(ref, torch.device("cpu"), d_model=32, warmup=10, lr=2.0, clip=clip)
+    params = [p for p in ref_step.model.parameters()]
+    norms = []
+    for i in range(4):
+        batch = example_batch((4, 8, 8), model.shape, i)
+        step.backward(step.forward(batch))
+        step.optimizer_step()
+        ref_step.backward(ref_step.forward(batch))
+        norms.append(torch.nn.utils.clip_grad_norm_(params, clip, foreach=True))
+        ref_step.schedule.advance()
+        ref_step.optimizer.step()  # torch's fused Adam, no grad_scale: gradients clipped in place above
+        ref_step.optimizer.zero_grad()
+        assert step.stats[0].item() == pytest.approx(norms[-1].item(), rel=1e-5)
+    assert (min(norms) > clip) if clip < 1 else (max(norms) < clip)  # the case the parameter names
+    moved = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref_start))
+    assert moved > 0.05  # the updates are large against the tolerance below
+    for a, b in zip(model.parameters(), ref.parameters()):
+        # Adam divides by sqrt(v): a gradient element near 0 turns rounding into a visible difference
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)

@@ -145,6 +145,12 @@ def test_rows_and_auto_settings(monkeypatch):
     assert BenchConfig(strategies="all", references=False).rows(torch.device("cpu"))[0][-1] == "resident"
     r = BenchConfig().resolve(torch.device("cpu"))
     assert (r.model, r.amp, r.device) == ("tiny", "off", "cpu") and r.workers >= 1
+    assert r.ema == 0.0 and BenchConfig(ema=0.99).resolve(torch.device("cpu")).ema == 0.99
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the --device check of the resolved config
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert BenchConfig().resolve(torch.device("cuda")).ema == 0.9999  # the trainer's GPU default
+    assert BenchConfig(ema=0.0).resolve(torch.device("cuda")).ema == 0.0
 
 
 def test_flops_match_a_hand_count():

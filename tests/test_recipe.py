@@ -159,9 +159,34 @@ def test_best_metric_checks():
     with pytest.raises(ConfigError, match="--keep-last.*--save-every"):
         RunConfig(keep_last=3)
     with pytest.raises(ConfigError, match="--eval-ema.*--ema"):
-        RunConfig(eval_ema=True)
+        RunConfig(eval_ema=True, ema=0.0)
     with pytest.raises(ConfigError, match="--ema"):
         RunConfig(ema=1.0)
+
+
+@pytest.mark.parametrize("cuda, ema, eval_ema, want", [
+    (True, None, None, (0.9999, True)),    # the GPU default: kept and evaluated
+    (True, None, False, (0.9999, False)),  # --no-eval-ema: kept (ema.pt), the raw weights evaluated
+    (True, 0.0, None, (0.0, False)),       # --ema 0: none
+    (True, 0.999, None, (0.999, True)),
+    (False, None, None, (0.0, False)),     # the CPU keeps none unless asked
+    (False, 0.99, None, (0.99, True)),
+])
+def test_ema_defaults_by_device(cuda, ema, eval_ema, want):
+    from streamnmt.training.recipe import resolve_ema
+
+    lines = []
+    run = resolve_ema(RunConfig(ema=ema, eval_ema=eval_ema), cuda, lines.append)
+    assert (run.ema, run.eval_ema) == want
+    assert len(lines) == (1 if ema is None and want[0] else 0)  # the start line says what auto chose
+    assert not lines or "--ema 0.9999" in lines[0] and ("best.pt" in lines[0]) == want[1]
+
+
+def test_eval_ema_on_the_cpu_needs_ema():
+    from streamnmt.training.recipe import resolve_ema
+
+    with pytest.raises(ConfigError, match="--eval-ema.*--ema"):
+        resolve_ema(RunConfig(eval_ema=True), False, print)
 
 
 # -- time limit and exact resume ------------------------------------------------------------------

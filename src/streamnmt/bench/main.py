@@ -207,7 +207,7 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
         f"{100 * (1 - env.loader(0).num_tokens()['tgt_fill']):.1f} % of the target positions; vocabulary "
         f"{shape.tgt_vocab}{' (random ids)' if cfg.vocab else ''}; attention {env.attention}; label smoothing "
         f"{cfg.label_smoothing}; dropout {cfg.dropout} (attention {cfg.attention_dropout}, activation "
-        f"{cfg.activation_dropout})"
+        f"{cfg.activation_dropout}); EMA {cfg.ema or 'none'}"
         + (f"; tied embeddings: {cfg.tie_embeddings}" if cfg.tie_embeddings != "none" else ""))
 
     try:

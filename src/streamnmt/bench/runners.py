@@ -135,7 +135,8 @@ class Env:
         step = make_step(model, self.device, d_model=self.shape.d_model, lr=1.0, warmup=4000, amp=self.cfg.amp,
                          clip=1.0, label_smoothing=self.cfg.label_smoothing, compile=self.cfg.compile and not stock,
                          shapes=len(self.loader(0).shapes()),
-                         ddp=self.dist.active, bucket_cap_mb=self.cfg.bucket_cap_mb, loss_model=loss_model)
+                         ddp=self.dist.active, bucket_cap_mb=self.cfg.bucket_cap_mb, loss_model=loss_model,
+                         ema=self.cfg.ema or 0.0)
         if self.dist.rank > 0:  # same weights everywhere, each rank its own dropout stream (as the trainer)
             torch.manual_seed(self.cfg.seed + 1_000_003 * self.dist.rank)
         return step

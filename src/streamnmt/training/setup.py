@@ -181,7 +181,7 @@ class TrainerSetup:
                                  warmup=job.optim.warmup, amp=job.optim.amp, clip=job.optim.clip_grad,
                                  label_smoothing=m.label_smoothing, compile=job.engine.compile == "on",
                                  shapes=len({*batch_shapes(self.data.train, job.data),  # validation's too
-                                             *batch_shapes(self.data.dev, job.data, train=False)}), ema=job.run.ema,
+                                             *batch_shapes(self.data.dev, job.data, train=False)}), ema=job.run.ema or 0.0,
                                  ddp=self.dist.active, bucket_cap_mb=job.engine.bucket_cap_mb)
         self.optimizer, self.schedule, self.scaler = (self.step_fn.optimizer, self.step_fn.schedule,
                                                       self.step_fn.scaler)

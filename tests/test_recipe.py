@@ -73,6 +73,32 @@ def test_ema_follows_the_recurrence_inside_the_step():
     assert all(torch.equal(p, t) for p, t in zip(step.params, trained))
 
 
+@pytest.mark.parametrize("every", [2, 4])
+def test_ema_every_n_steps_compounds_the_decay(every):
+    """--ema-every N: the average moves after every N-th update only, by the decay of N steps."""
+    torch.manual_seed(0)
+    model = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64, dropout=0.0)
+    step = make_step(model, torch.device("cpu"), d_model=32, warmup=10, ema=0.9, ema_every=every)
+    ref = [p.detach().clone() for p in step.params]
+    for n in range(1, 10):
+        assert step.ema_due() == (n % every == 0)
+        loss = step.forward(example_batch((4, 8, 8), model.shape, n))
+        step.backward(loss)
+        before = [s.clone() for s in step.ema.shadow]
+        step.optimizer_step()
+        if n % every:
+            assert all(torch.equal(a, b) for a, b in zip(before, step.ema.shadow))  # not due: untouched
+            continue
+        d = min(0.9, (1 + n) / (10 + n)) ** every
+        ref = [d * r + (1 - d) * p.detach() for r, p in zip(ref, step.params)]
+    assert step.updates == 9
+    for r, s in zip(ref, step.ema.shadow):
+        torch.testing.assert_close(s, r, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(step.ema.shadow[0], step.params[0])
+    step.count_updates(3)  # a resume after 3 updates: the 4th is due again
+    assert step.ema_due() == (4 % every == 0)
+
+
 def test_eval_ema_writes_the_average_to_best_and_resume_restores_it(tmp_path):
     t = make_trainer(tmp_path, "--name", "ema", "--epochs", "1", "--ema", "0.99", "--eval-ema")
     t.train()
@@ -84,6 +110,7 @@ def test_eval_ema_writes_the_average_to_best_and_resume_restores_it(tmp_path):
     assert not torch.equal(last["model"][names[0]], last["ema"]["shadow"][0])  # last.pt the trained ones
     resumed = Trainer.from_checkpoint(str(tmp_path / "ema" / "weights" / "last.pt"), log=lambda _: None)
     assert all(torch.equal(a, b) for a, b in zip(resumed.step_fn.ema.shadow, last["ema"]["shadow"]))
+    assert resumed.step_fn.updates == last["step"] > 0  # --ema-every counts on from the saved step
 
 
 # -- early stopping, best metric, eval-every -------------------------------------------------------
@@ -203,7 +230,8 @@ def test_parse_duration_rejects(text):
 
 
 def test_time_limit_stops_saves_and_resume_is_exact(tmp_path):
-    common = ["--epochs", "3", "--max-steps", "30", "--ema", "0.9", "--seed", "3"]
+    # --ema-every 3: the cut at step 20 falls between two updates of the average; resume counts on
+    common = ["--epochs", "3", "--max-steps", "30", "--ema", "0.9", "--ema-every", "3", "--seed", "3"]
     ref = make_trainer(tmp_path, "--name", "ref", *common)
     ref.train()
     lines: list[str] = []

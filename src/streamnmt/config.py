@@ -134,6 +134,10 @@ TIME_TO_BLEU_TOKENS = 4096
 # dev BLEU of the 40k-pair runs by 1.4-2.9 (1M pairs: within noise) and halved the swings of dev BLEU
 # between evaluations, for 4-7 % fewer steps. The CPU preset keeps none (not measured there).
 EMA_GPU = 0.9999
+# The average's update reads every weight and its shadow and writes the shadow: 0.82-0.90 ms of the
+# base model's 10.5 ms step at vocabulary 32k on an H100 (docs/PERFORMANCE.md, "The update"). Done
+# after every 4th step it costs a quarter of that; with the decay compounded it spans the same steps.
+EMA_EVERY = 4
 
 
 def recipe_max_tokens(gpu_mem_gib: float, d_model: int) -> int:
@@ -216,6 +220,8 @@ class RunConfig:
                                   "the step, with this decay (warmed up as min(decay, (1+n)/(10+n))); 0 = off; "
                                   f"default: {EMA_GPU} on a GPU (better validation loss and steadier dev BLEU "
                                   "for the same wall clock), off on the CPU")
+    ema_every: int = opt(EMA_EVERY, "update the moving average after every N-th optimizer step, its decay "
+                                    "compounded over the N steps (1 = every step)")
     eval_ema: bool | None = opt(None, "validate, score BLEU and write best.pt with the EMA weights (needs --ema); "
                                       "default: on wherever the EMA is kept")
     verbose: bool = opt(False, "print the host-sync table after every epoch (else once, at the end)")

@@ -208,6 +208,7 @@ def _run(cfg: BenchConfig, d: distributed.Dist, log: Log) -> int:
         f"{shape.tgt_vocab}{' (random ids)' if cfg.vocab else ''}; attention {env.attention}; label smoothing "
         f"{cfg.label_smoothing}; dropout {cfg.dropout} (attention {cfg.attention_dropout}, activation "
         f"{cfg.activation_dropout}); EMA {cfg.ema or 'none'}"
+        + (f" every {cfg.ema_every} steps" if cfg.ema and cfg.ema_every > 1 else "")
         + (f"; tied embeddings: {cfg.tie_embeddings}" if cfg.tie_embeddings != "none" else ""))
 
     try:

@@ -136,7 +136,7 @@ class Env:
                          clip=1.0, label_smoothing=self.cfg.label_smoothing, compile=self.cfg.compile and not stock,
                          shapes=len(self.loader(0).shapes()),
                          ddp=self.dist.active, bucket_cap_mb=self.cfg.bucket_cap_mb, loss_model=loss_model,
-                         ema=self.cfg.ema or 0.0)
+                         ema=self.cfg.ema or 0.0, ema_every=self.cfg.ema_every)
         if self.dist.rank > 0:  # same weights everywhere, each rank its own dropout stream (as the trainer)
             torch.manual_seed(self.cfg.seed + 1_000_003 * self.dist.rank)
         return step

@@ -77,6 +77,28 @@ def _injected_failure() -> str | None:
     return None
 
 
+def _ema_variants(step: StepFunction) -> tuple[bool, ...]:
+    """The optimizer steps to capture: without the moving average's update, and with it where the step
+    keeps an average that skips steps (``--ema-every`` > 1); with one updated every step, only that."""
+    ema = getattr(step, "ema", None)
+    if ema is None:
+        return (False,)
+    return (False, True) if ema.every > 1 else (True,)
+
+
+def _optimizer_step(step: StepFunction, ema: bool) -> None:
+    """``step.optimizer_step``, told whether to update the average where the step has one."""
+    if getattr(step, "ema", None) is not None:
+        step.optimizer_step(ema=ema)
+    else:
+        step.optimizer_step()
+
+
+def _ema_due(step: StepFunction) -> bool:
+    """The step's next update refreshes its average (host-side count; never a sync)."""
+    return bool(getattr(step, "ema", None) is not None and step.ema.every > 1 and step.ema_due())
+
+
 def shape_key(batch: Any) -> tuple:
     return tuple(tuple(t.shape) for t in tensors(batch))
 
@@ -99,6 +121,8 @@ class GraphStrategy(Strategy):
         self.fallback: Strategy | None = None
         self.graphs: dict[tuple, _Captured] = {}  # K == 1: whole steps; K > 1: (key, ends) -> micro steps
         self.opt_graph: torch.cuda.CUDAGraph | None = None  # K > 1: the optimizer step
+        self.opt_graph_ema: torch.cuda.CUDAGraph | None = None  # and with the average's update (--ema-every)
+        self.ema_graphs: dict[Any, _Captured] = {}  # K = 1, --ema-every > 1: the steps that update the average
         self.report: dict[str, Any] = {}
         self._warmup_s = 0.0  # host seconds of the eager warm-up steps before the captures
         self._ddp_s: float | None = None  # host seconds of building DDP (its first collective) before them
@@ -136,7 +160,8 @@ class GraphStrategy(Strategy):
             self._capture_all(step, examples)
         except (RuntimeError, NotImplementedError) as e:
             self.graphs.clear()
-            self.opt_graph = None
+            self.ema_graphs.clear()
+            self.opt_graph = self.opt_graph_ema = None
             # Needed: the failed capture's work must be finished before the fallback strategy starts.
             host_sync("graph.capture", lambda: torch.cuda.synchronize(self.device))
             msg = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
@@ -178,10 +203,14 @@ class GraphStrategy(Strategy):
         torch.cuda.current_stream(self.device).wait_stream(stream)
         saved = {t.data_ptr(): t.detach().clone() for t in step.state_tensors()}
         rng = torch.cuda.get_rng_state(self.device)
+        counted = hasattr(step, "count_updates")  # the host's count of updates, which warm-up advances
+        updates = step.count_updates(step.updates) if counted else None
         try:
             self._warm_up_and_capture(step, examples, stream)
         finally:  # also after a failed capture, so that the fallback starts from the same state
             self._restore(step, saved, rng)
+            if counted:
+                step.count_updates(updates)
 
     def _warm_up_and_capture(self, step: StepFunction, examples: list[Any], stream: torch.cuda.Stream) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -210,14 +239,17 @@ class GraphStrategy(Strategy):
             self._warmup_s += time.perf_counter() - tw
             torch.cuda.current_stream(self.device).wait_stream(stream)
             if k == 1:
-                graph = torch.cuda.CUDAGraph()
-                begin_micro(step, True)
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    static_loss = step.forward(static)
-                    step.backward(static_loss)
-                    step.optimizer_step()
-                self.graphs[key] = _Captured(graph, static, static_loss.detach())
-                del static_loss  # the next shape's warm-up and capture hold no earlier autograd graph
+                variants = _ema_variants(step)
+                for ema in variants:  # the step without and with the average's update
+                    graph = torch.cuda.CUDAGraph()
+                    begin_micro(step, True)
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        static_loss = step.forward(static)
+                        step.backward(static_loss)
+                        _optimizer_step(step, ema)
+                    extra = ema and len(variants) > 1  # the variant replayed only where the average is due
+                    (self.ema_graphs if extra else self.graphs)[key] = _Captured(graph, static, static_loss.detach())
+                    del static_loss  # the next shape's warm-up and capture hold no earlier autograd graph
                 continue
             for ends in variants:  # K > 1: forward + backward only
                 graph = torch.cuda.CUDAGraph()
@@ -228,9 +260,15 @@ class GraphStrategy(Strategy):
                 self.graphs[(key, ends)] = _Captured(graph, static, static_loss.detach())
                 del static_loss
         if k > 1 and self.opt_graph is None:
-            self.opt_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.opt_graph, pool=pool, stream=stream):
-                step.optimizer_step()
+            variants = _ema_variants(step)
+            for ema in variants:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    _optimizer_step(step, ema)
+                if ema and len(variants) > 1:
+                    self.opt_graph_ema = graph
+                else:
+                    self.opt_graph = graph
 
     def _restore(self, step: StepFunction, saved: dict[int, torch.Tensor], rng: torch.Tensor) -> None:
         """Undo the warm-up steps: restore in place (the graphs hold these addresses)."""
@@ -276,9 +314,15 @@ class GraphStrategy(Strategy):
                 else:
                     for dst, src in zip(tensors(cap.static_batch), tensors(b)):
                         dst.copy_(src)  # after the previous replay on this stream read them
+                    due = ends and _ema_due(step)  # this step's update refreshes the average
+                    if due and self.accum == 1:
+                        cap = self.ema_graphs.get(shape_key(b), cap)
                     cap.graph.replay()
                     if ends and self.opt_graph is not None:
-                        self.opt_graph.replay()  # K > 1: the optimizer step after the last micro-batch
+                        # K > 1: the optimizer step after the last micro-batch
+                        (self.opt_graph_ema if due and self.opt_graph_ema is not None else self.opt_graph).replay()
+                    if ends and hasattr(step, "count_updates"):
+                        step.count_updates()  # the replayed update, counted as an eager one counts itself
                     losses.push(gstep, cap.static_loss, **step_values(step))
                 sm.record(ev_c, self.C)
             if (i + 1) % k == 0 or last:

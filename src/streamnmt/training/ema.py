@@ -6,7 +6,12 @@ must live inside graph mode's captured step, so it is a list of device tensors b
 parameters, updated with ``torch._foreach_*`` kernels whose decay is computed on the device from
 the schedule's step counter: ``decay_n = min(decay, (1 + n) / (10 + n))`` (the usual warm-up, so
 that early averages are not dominated by the random initialisation), then
-``shadow += (1 - decay_n) * (param - shadow)`` (``lerp_``). :meth:`EMA.swapped` puts the averaged weights
+``shadow += (1 - decay_n) * (param - shadow)`` (``lerp_``). With ``every`` N > 1 (``--ema-every``) the
+average is updated after every N-th optimizer step only, with the decay compounded over the N steps
+(``1 - decay_n ** N``), so that it spans as many steps as an average updated at every step; fairseq's
+``--ema-update-freq`` also skips steps. At vocabulary 32k an update costs about a tenth of the base
+model's step (docs/PERFORMANCE.md, "The weights' moving average"). Graph mode captures the step with
+and without the update and replays the one due. :meth:`EMA.swapped` puts the averaged weights
 into the model for evaluation and restores the trained ones afterwards, in place (graph mode's
 captured kernels keep their addresses).
 """
@@ -25,17 +30,26 @@ from streamnmt.engine import host_sync
 class EMA:
     """Shadow copies of ``params`` (one per parameter; a tied tensor is listed once)."""
 
-    def __init__(self, params: list[torch.Tensor], decay: float, step_t: torch.Tensor):
+    def __init__(self, params: list[torch.Tensor], decay: float, step_t: torch.Tensor, every: int = 1):
         if not 0.0 < decay < 1.0:
             raise ValueError(f"EMA decay must be in (0, 1); got {decay}")
-        self.params, self.decay, self.step_t = params, decay, step_t
+        if every < 1:
+            raise ValueError(f"EMA update interval must be at least 1; got {every}")
+        self.params, self.decay, self.step_t, self.every = params, decay, step_t, every
         self.shadow = [p.detach().clone() for p in params]
+
+    def due(self, updates: int) -> bool:
+        """Whether the optimizer step that follows ``updates`` earlier ones updates the average (every
+        ``every``-th: steps every, 2 x every, ...)."""
+        return (updates + 1) % self.every == 0
 
     @torch.no_grad()
     def update(self) -> None:
         """One update after an optimizer step; device kernels only (graph-capturable)."""
         n = self.step_t  # optimizer steps so far, a device scalar
-        weight = 1.0 - torch.clamp((1.0 + n) / (10.0 + n), max=self.decay)  # () = 1 - decay_n
+        decay_n = torch.clamp((1.0 + n) / (10.0 + n), max=self.decay)
+        # every ``every`` steps: the decay of the steps since the last update, compounded
+        weight = 1.0 - (decay_n if self.every == 1 else decay_n ** self.every)  # () = 1 - decay_n^every
         # One pass per tensor (read both, write the average): a third of the memory traffic of the
         # foreach subtract, scale and add (which take the device weight but run three passes); at
         # vocabulary 32k the average covers 93M parameters (docs/PERFORMANCE.md, "The weights'

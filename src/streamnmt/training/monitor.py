@@ -153,9 +153,9 @@ class TimedStep:
         with self._range("step.backward"):
             self.step.backward(loss)
 
-    def optimizer_step(self) -> None:
+    def optimizer_step(self, **kw: Any) -> None:
         with self._range("step.optimizer"):
-            self.step.optimizer_step()
+            self.step.optimizer_step(**kw)
         if self.timer is not None and not _capturing():
             self.timer.stop()
 

@@ -182,6 +182,7 @@ class TrainerSetup:
                                  label_smoothing=m.label_smoothing, compile=job.engine.compile == "on",
                                  shapes=len({*batch_shapes(self.data.train, job.data),  # validation's too
                                              *batch_shapes(self.data.dev, job.data, train=False)}), ema=job.run.ema or 0.0,
+                                 ema_every=job.run.ema_every,
                                  ddp=self.dist.active, bucket_cap_mb=job.engine.bucket_cap_mb)
         self.optimizer, self.schedule, self.scaler = (self.step_fn.optimizer, self.step_fn.schedule,
                                                       self.step_fn.scaler)
@@ -310,7 +311,8 @@ class TrainerSetup:
             + f"device {self.device}; "
             f"amp {job.optim.amp}; strategy {running(self.strategy)}"
             + (f"; tied embeddings: {m.tie_embeddings}" if m.tie_embeddings != "none" else "")
-            + (f"; EMA {job.run.ema}" if job.run.ema else "")
+            + (f"; EMA {job.run.ema}" + (f" every {job.run.ema_every} steps" if job.run.ema_every > 1 else "")
+               if job.run.ema else "")
             + (f"; {d.world} processes ({d.backend}) x --accum-steps {k}" if d.active else
                f"; --accum-steps {k}" if k > 1 else ""))
         packed = getattr(self.train_loader.sampler, "shape", None)  # (rows, src width, tgt width) when packed
@@ -380,6 +382,7 @@ class TrainerSetup:
             group["lr"] = self.schedule.lr_t       # keep reading the schedule's device tensor
             group["fused"], group["capturable"] = True, self.device.type == "cuda"
         self.schedule.set_step(ckpt["step"])
+        self.step_fn.count_updates(ckpt["step"])  # which of the next updates refresh the EMA (--ema-every)
         if self.scaler is not None and ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
         self.global_step, self.evaluator.best_val = ckpt["step"], ckpt["best_val"]

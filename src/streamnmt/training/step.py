@@ -172,6 +172,7 @@ class NMTStep:
         # Test hook: from this (1-based) call on, an infinite gradient under a finite loss.
         self.inject_inf_grad_from = int(os.environ.get("STREAMNMT_INJECT_INF_GRAD_FROM", "0"))
         self.calls = 0
+        self.updates = 0  # optimizer steps so far, on the host (which of them update the EMA; set on resume)
         self.ema: EMA | None = None  # set by make_step(ema=...): averaged weights, updated in the step
         # Named device scalars the engine pushes beside each loss (``StepFunction.values``): the
         # plain NLL share of the last forward, beside its smoothed loss.
@@ -244,7 +245,20 @@ class NMTStep:
             loss = loss + _InfGrad.apply(self.params[0])
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def optimizer_step(self) -> None:
+    def count_updates(self, n: int | None = None) -> int:
+        """The host's count of updates: one more (an update graph mode replayed; eager ones count
+        themselves), or set to ``n`` (after graph mode's warm-up, on resume). Returns it."""
+        self.updates = self.updates + 1 if n is None else n
+        return self.updates
+
+    def ema_due(self) -> bool:
+        """The next optimizer step updates the weights' moving average (``--ema-every``)."""
+        return self.ema is not None and self.ema.due(self.updates)
+
+    def optimizer_step(self, ema: bool | None = None) -> None:
+        """One update. ``ema``: whether it updates the moving average too (graph mode captures both);
+        None = where due by the host's count of updates."""
+        ema = self.ema_due() if ema is None else ema and self.ema is not None
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # device-side; the scaler tells the fused Adam to skip inf steps
             # foreach norm without error_if_nonfinite: no host sync; an infinite max_norm only measures.
@@ -263,8 +277,9 @@ class NMTStep:
             # Discard a non-finite step on the device (the fused Adam skips when found_inf is 1).
             self.optimizer.found_inf = skipped
             self.optimizer.step()
-        if self.ema is not None:
+        if ema:
             self.ema.update()  # device kernels after the update, so graph mode captures them too
+        self.updates += 1
         self.loss_ok.fill_(True)
         self.optimizer.zero_grad(set_to_none=self.grads_to_none)
         if self._save_after_step is not None and not _capturing():  # host work only: never inside a capture
@@ -321,7 +336,7 @@ class _InfGrad(torch.autograd.Function):
 
 def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr: float = 1.0,
               warmup: int = 4000, amp: str = "off", clip: float = 1.0, label_smoothing: float = 0.0,
-              compile: bool = False, shapes: int = 1, ema: float = 0.0, ddp: bool = False,
+              compile: bool = False, shapes: int = 1, ema: float = 0.0, ema_every: int = 1, ddp: bool = False,
               bucket_cap_mb: float = 25.0, loss_model: nn.Module | None = None) -> NMTStep:
     """The optimizer, schedule, grad scaler and step function for ``model`` (trainer and bench).
 
@@ -360,7 +375,7 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
     step = NMTStep(step_model, optimizer, schedule, amp_dtype=amp_dtype, scaler=scaler, clip=clip,
                    label_smoothing=label_smoothing, parallelize=parallelize if ddp else None)
     if ema > 0:
-        step.ema = EMA(step.params, ema, schedule.step_t)
+        step.ema = EMA(step.params, ema, schedule.step_t, every=ema_every)
     step.compile_cache = cache
     return step
 

@@ -75,18 +75,19 @@ def test_ema_follows_the_recurrence_inside_the_step():
 
 @pytest.mark.parametrize("every", [2, 4])
 def test_ema_every_n_steps_compounds_the_decay(every):
-    """--ema-every N: the average moves after every N-th update only, by the decay of N steps."""
+    """--ema-every N: the average moves after the first update, then after every N-th only (steps 1,
+    1 + N, ...), by the decay of N steps."""
     torch.manual_seed(0)
     model = make_model(40, 40, d_model=32, n_layers=1, n_heads=4, d_ff=64, dropout=0.0)
     step = make_step(model, torch.device("cpu"), d_model=32, warmup=10, ema=0.9, ema_every=every)
     ref = [p.detach().clone() for p in step.params]
     for n in range(1, 10):
-        assert step.ema_due() == (n % every == 0)
+        assert step.ema_due() == ((n - 1) % every == 0)
         loss = step.forward(example_batch((4, 8, 8), model.shape, n))
         step.backward(loss)
         before = [s.clone() for s in step.ema.shadow]
         step.optimizer_step()
-        if n % every:
+        if (n - 1) % every:
             assert all(torch.equal(a, b) for a, b in zip(before, step.ema.shadow))  # not due: untouched
             continue
         d = min(0.9, (1 + n) / (10 + n)) ** every
@@ -95,8 +96,8 @@ def test_ema_every_n_steps_compounds_the_decay(every):
     for r, s in zip(ref, step.ema.shadow):
         torch.testing.assert_close(s, r, rtol=1e-5, atol=1e-6)
     assert not torch.equal(step.ema.shadow[0], step.params[0])
-    step.count_updates(3)  # a resume after 3 updates: the 4th is due again
-    assert step.ema_due() == (4 % every == 0)
+    step.count_updates(every)  # a resume after N updates: the next is due, the one after it not
+    assert step.ema_due() and step.count_updates() == every + 1 and not step.ema_due()
 
 
 def test_eval_ema_writes_the_average_to_best_and_resume_restores_it(tmp_path):
@@ -111,6 +112,12 @@ def test_eval_ema_writes_the_average_to_best_and_resume_restores_it(tmp_path):
     resumed = Trainer.from_checkpoint(str(tmp_path / "ema" / "weights" / "last.pt"), log=lambda _: None)
     assert all(torch.equal(a, b) for a, b in zip(resumed.step_fn.ema.shadow, last["ema"]["shadow"]))
     assert resumed.step_fn.updates == last["step"] > 0  # --ema-every counts on from the saved step
+    assert resumed.step_fn.ema.every == 4  # the default, recorded in config.yaml and the checkpoint
+    # a checkpoint from before --ema-every: its average was updated at every step, and stays so
+    old = tmp_path / "old.pt"
+    del last["config"]["run"]["ema_every"]
+    torch.save(last, old)
+    assert Trainer.from_checkpoint(str(old), log=lambda _: None).step_fn.ema.every == 1
 
 
 # -- early stopping, best metric, eval-every -------------------------------------------------------

@@ -63,7 +63,7 @@ class BenchConfig:
                                       "(needs one vocabulary: --vocab); the stock-ro peer stays untied",
                                choices=("none", "decoder", "all"))
     activation_dropout: float = opt(0.0, "dropout of the feed-forward's hidden activations (the training default)")
-    ema: float | None = opt(None, "the weights' moving average updated in each step, as the trainer's --ema (0 = "
+    ema: float | None = opt(None, "the weights' moving average updated in the step, as the trainer's --ema (0 = "
                                   "none); default: the trainer's, kept on CUDA, none on the CPU")
     ema_every: int = opt(EMA_EVERY, "update the moving average after every N-th step, as the trainer's --ema-every")
     pad_multiple: int = opt(8, "batch lengths are padded to a multiple of this; set it to --max-len for fixed "

@@ -316,7 +316,7 @@ class GraphStrategy(Strategy):
                         dst.copy_(src)  # after the previous replay on this stream read them
                     due = ends and _ema_due(step)  # this step's update refreshes the average
                     if due and self.accum == 1:
-                        cap = self.ema_graphs.get(shape_key(b), cap)
+                        cap = self.ema_graphs[shape_key(b)]  # captured beside every step graph
                     cap.graph.replay()
                     if ends and self.opt_graph is not None:
                         # K > 1: the optimizer step after the last micro-batch

@@ -7,8 +7,8 @@ parameters, updated with ``torch._foreach_*`` kernels whose decay is computed on
 the schedule's step counter: ``decay_n = min(decay, (1 + n) / (10 + n))`` (the usual warm-up, so
 that early averages are not dominated by the random initialisation), then
 ``shadow += (1 - decay_n) * (param - shadow)`` (``lerp_``). With ``every`` N > 1 (``--ema-every``) the
-average is updated after every N-th optimizer step only, with the decay compounded over the N steps
-(``1 - decay_n ** N``), so that it spans as many steps as an average updated at every step; fairseq's
+average is updated after the first optimizer step, then after every N-th only, with the decay
+compounded over the N steps (``1 - decay_n ** N``), so that it spans as many steps as an average updated at every step; fairseq's
 ``--ema-update-freq`` also skips steps. At vocabulary 32k an update costs about a tenth of the base
 model's step (docs/PERFORMANCE.md, "The weights' moving average"). Graph mode captures the step with
 and without the update and replays the one due. :meth:`EMA.swapped` puts the averaged weights
@@ -39,9 +39,10 @@ class EMA:
         self.shadow = [p.detach().clone() for p in params]
 
     def due(self, updates: int) -> bool:
-        """Whether the optimizer step that follows ``updates`` earlier ones updates the average (every
-        ``every``-th: steps every, 2 x every, ...)."""
-        return (updates + 1) % self.every == 0
+        """Whether the optimizer step that follows ``updates`` earlier ones updates the average: the
+        first, then every ``every``-th (steps 1, 1 + every, ...), so that an evaluation after the first
+        step already sees trained weights in the average."""
+        return updates % self.every == 0
 
     @torch.no_grad()
     def update(self) -> None:

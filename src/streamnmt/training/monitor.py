@@ -189,9 +189,10 @@ def time_graph_replays(strategy: Any, owner: TimedStep) -> int:
     Call after ``strategy.prepare``. Returns how many graphs were wrapped (0 for a strategy with
     no graphs, e.g. one that fell back to eager steps, which ``owner`` times already).
     """
-    graphs = getattr(strategy, "graphs", None) or {}
+    graphs = [*(getattr(strategy, "graphs", None) or {}).values(),
+              *(getattr(strategy, "ema_graphs", None) or {}).values()]  # --ema-every: the steps that update it
     n = 0
-    for captured in graphs.values():
+    for captured in graphs:
         if hasattr(captured, "graph") and not isinstance(captured.graph, _TimedReplay):
             captured.graph = _TimedReplay(captured.graph, owner)
             n += 1

@@ -348,6 +348,7 @@ class TrainerSetup:
         for key in ("attention_dropout", "activation_dropout"):  # a run from before these settings
             model_cfg.setdefault(key, model_cfg.get("dropout", ModelConfig().dropout))  # dropped there too
         config["model"] = model_cfg
+        config["run"].setdefault("ema_every", 1)  # a run from before --ema-every updated at every step
         if device is not None:  # validated here, not the device the checkpoint was written on
             config["run"]["device"] = device
         changes = dict(changes or {})

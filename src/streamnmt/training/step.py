@@ -297,7 +297,9 @@ class NMTStep:
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)  # no host sync: no error_if_nonfinite
         if self.clip > 0:
-            self.optimizer.grad_scale = torch.clamp((norm + 1e-6) / self.clip, min=1.0)
+            # finite: a huge but finite norm must scale the gradients down, not to 0
+            self.optimizer.grad_scale = torch.clamp((norm + 1e-6) / self.clip, min=1.0,
+                                                    max=torch.finfo(torch.float32).max)
         return norm
 
     def compile_ready(self, log: Callable[[str], None]) -> None:

@@ -198,29 +198,19 @@ def test_best_metric_checks():
         RunConfig(ema=1.0)
 
 
-@pytest.mark.parametrize("cuda, ema, eval_ema, want", [
-    (True, None, None, (0.9999, True)),    # the GPU default: kept and evaluated
-    (True, None, False, (0.9999, False)),  # --no-eval-ema: kept (ema.pt), the raw weights evaluated
-    (True, 0.0, None, (0.0, False)),       # --ema 0: none
-    (True, 0.999, None, (0.999, True)),
-    (False, None, None, (0.0, False)),     # the CPU keeps none unless asked
-    (False, 0.99, None, (0.99, True)),
+@pytest.mark.parametrize("ema, eval_ema, want", [
+    (None, None, (0.9999, True)),    # the default: kept and evaluated
+    (None, False, (0.9999, False)),  # --no-eval-ema: kept (ema.pt), the trained weights evaluated
+    (0.0, None, (0.0, False)),       # --ema 0: none
+    (0.999, None, (0.999, True)),
 ])
-def test_ema_defaults_by_device(cuda, ema, eval_ema, want):
+def test_ema_is_kept_and_evaluated_by_default(ema, eval_ema, want):
     from streamnmt.training.recipe import resolve_ema
 
-    lines = []
-    run = resolve_ema(RunConfig(ema=ema, eval_ema=eval_ema), cuda, lines.append)
+    kw = {"ema": ema} if ema is not None else {}
+    run = resolve_ema(RunConfig(eval_ema=eval_ema, **kw))
     assert (run.ema, run.eval_ema) == want
-    assert len(lines) == (1 if ema is None and want[0] else 0)  # the start line says what auto chose
-    assert not lines or "--ema 0.9999" in lines[0] and ("best.pt" in lines[0]) == want[1]
-
-
-def test_eval_ema_on_the_cpu_needs_ema():
-    from streamnmt.training.recipe import resolve_ema
-
-    with pytest.raises(ConfigError, match="--eval-ema.*--ema"):
-        resolve_ema(RunConfig(eval_ema=True), False, print)
+    assert build_parser().parse_args(["train", "--no-eval-ema"]).eval_ema is False
 
 
 # -- time limit and exact resume ------------------------------------------------------------------

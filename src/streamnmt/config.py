@@ -128,12 +128,13 @@ WARMUP_RANGE = (100, 4000)
 # updates. The default budget is this or what the GPU's memory holds, the smaller.
 TIME_TO_BLEU_TOKENS = 4096
 
-# The weights' moving average a GPU run keeps and evaluates by default (--ema, --eval-ema): on four
+# The weights' moving average every run keeps and evaluates by default (--ema, --eval-ema). On four
 # H100s (base, 2026-11-26, docs/PERFORMANCE.md "The weights' moving average"), two runs each, it
 # lowered the validation loss on a 40k-pair corpus in 2 minutes and on 1M pairs in 6, raised the best
 # dev BLEU of the 40k-pair runs by 1.4-2.9 (1M pairs: within noise) and halved the swings of dev BLEU
-# between evaluations, for 4-7 % fewer steps. The CPU preset keeps none (not measured there).
-EMA_GPU = 0.9999
+# between evaluations; on the CPU preset (the bare `streamnmt train`, two runs each) it raised the best
+# dev BLEU by 2.4-5.7 and lowered the validation loss by 0.14-0.18 in the same steps.
+EMA_DECAY = 0.9999
 # The average's update reads every weight and its shadow and writes the shadow: 0.82-0.90 ms of the
 # base model's 10.5 ms step at vocabulary 32k on an H100 (docs/PERFORMANCE.md, "The update"). Done
 # after every 4th step it costs a quarter of that; with the decay compounded it spans the same steps.
@@ -216,12 +217,10 @@ class RunConfig:
                                        "last.pt to fit, exit 0, --resume continues (none = no limit)")
     keep_last: int = opt(0, "with --save-every S: also keep the last N step checkpoints as weights/step_NNNNNN.pt "
                             "(for streamnmt average; 0 = none)")
-    ema: float | None = opt(None, "keep an exponential moving average of the weights on the device, updated in "
-                                  "the step, with this decay (warmed up as min(decay, (1+n)/(10+n))); 0 = off; "
-                                  f"default: {EMA_GPU} on a GPU (better validation loss and steadier dev BLEU "
-                                  "for the same wall clock), off on the CPU")
-    ema_every: int = opt(EMA_EVERY, "update the moving average after every N-th optimizer step, its decay "
-                                    "compounded over the N steps (1 = every step)")
+    ema: float = opt(EMA_DECAY, "keep an exponential moving average of the weights on the device, updated in "
+                                "the step, with this decay (warmed up as min(decay, (1+n)/(10+n))); 0 = off")
+    ema_every: int = opt(EMA_EVERY, "update the moving average after the first optimizer step, then every "
+                                    "N-th, its decay compounded over the N steps (1 = every step)")
     eval_ema: bool | None = opt(None, "validate, score BLEU and write best.pt with the EMA weights (needs --ema); "
                                       "default: on wherever the EMA is kept")
     verbose: bool = opt(False, "print the host-sync table after every epoch (else once, at the end)")

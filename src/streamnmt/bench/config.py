@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from streamnmt.config import EMA_EVERY, EMA_GPU, PRESETS, RunConfig, preset_dropout
+from streamnmt.config import EMA_DECAY, EMA_EVERY, PRESETS, RunConfig, preset_dropout
 from streamnmt.configbase import check, check_choice, opt
 from streamnmt.engine import STRATEGY_NAMES
 from streamnmt.engine.config import DIST_BACKENDS, PIPELINE_STREAMS
@@ -63,9 +63,10 @@ class BenchConfig:
                                       "(needs one vocabulary: --vocab); the stock-ro peer stays untied",
                                choices=("none", "decoder", "all"))
     activation_dropout: float = opt(0.0, "dropout of the feed-forward's hidden activations (the training default)")
-    ema: float | None = opt(None, "the weights' moving average updated in the step, as the trainer's --ema (0 = "
-                                  "none); default: the trainer's, kept on CUDA, none on the CPU")
-    ema_every: int = opt(EMA_EVERY, "update the moving average after every N-th step, as the trainer's --ema-every")
+    ema: float = opt(EMA_DECAY, "the weights' moving average updated in the step, as the trainer's --ema (0 = "
+                                "none)")
+    ema_every: int = opt(EMA_EVERY, "update the moving average after the first step, then every N-th, as the trainer's "
+                                    "--ema-every")
     pad_multiple: int = opt(8, "batch lengths are padded to a multiple of this; set it to --max-len for fixed "
                                "(batch-size x max-len) shapes")
     model: str = opt("auto", "model preset; auto = base on CUDA, tiny on CPU", choices=("auto", *PRESETS))
@@ -110,7 +111,7 @@ class BenchConfig:
         for key in ("dropout", "attention_dropout", "activation_dropout"):
             v = getattr(self, key)
             check((v is None and key == "dropout") or 0.0 <= v < 1.0, key, f"must be in [0, 1); got {v}")
-        check(self.ema is None or 0.0 <= self.ema < 1.0, "ema", f"must be in [0, 1) (0 = none); got {self.ema}")
+        check(0.0 <= self.ema < 1.0, "ema", f"must be in [0, 1) (0 = none); got {self.ema}")
         check(self.ema_every >= 1, "ema_every", f"must be at least 1; got {self.ema_every}")
         check(self.pad_multiple >= 1, "pad_multiple", f"must be a positive integer; got {self.pad_multiple}")
         check_choice(self.model, "model", ("auto", *PRESETS))
@@ -197,9 +198,8 @@ class BenchConfig:
         # the preset's training dropout (its rate does not change a step's kernels, but the row should
         # measure, and bench.json record, the model as it trains)
         dropout = self.dropout if self.dropout is not None else preset_dropout(model)
-        ema = self.ema if self.ema is not None else EMA_GPU if cuda else 0.0  # the trainer's default
         return dataclasses.replace(self, device=str(device), model=model, amp=amp, workers=workers, vocab=vocab,
-                                   dropout=dropout, ema=ema)
+                                   dropout=dropout)
 
 
 def _cpus() -> int:

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from streamnmt.config import (
-    EMA_GPU,
     EPOCHS_UNLIMITED,
     TIME_TO_BLEU_TOKENS,
     TOKENS_PER_GIB,
@@ -73,7 +72,7 @@ def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[
         optim = dataclasses.replace(optim, amp=("bf16" if device_bf16(device) else "fp16") if cuda else "off")
     if run.epochs is None:  # a time slot (--time-limit) is trained to its end, as fairseq's and Marian's defaults do
         run = dataclasses.replace(run, epochs=EPOCHS_UNLIMITED if run.time_limit else 10 if cuda else 2)
-    run = resolve_ema(run, cuda, log)
+    run = resolve_ema(run)
     if run.eval_dtype == "auto":  # the dtype rank 0 decodes BLEU in (bf16 where native, else fp32)
         run = dataclasses.replace(run, eval_dtype=dtype_name(decode_dtype(run.eval_dtype, device, "eval_dtype")))
     if data.builtin_size is None:
@@ -85,18 +84,9 @@ def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[
     engine = dataclasses.replace(job.engine, sync_strategy=strategy.value)
     return dataclasses.replace(job, model=model, optim=optim, run=run, data=data, engine=engine)
 
-def resolve_ema(run: RunConfig, cuda: bool, log: Callable[[str], None]) -> RunConfig:
-    """``--ema`` unset: the weights' moving average on a GPU (``EMA_GPU``), evaluated and saved as best.pt
-    unless ``--no-eval-ema``; none on the CPU. ``--eval-ema`` unset: on wherever the average is kept."""
-    ema = run.ema if run.ema is not None else EMA_GPU if cuda else 0.0
-    eval_ema = run.eval_ema if run.eval_ema is not None else ema > 0
-    if eval_ema and not ema:
-        raise ConfigError("--eval-ema (config key 'eval_ema'): evaluates the averaged weights, which a CPU run "
-                          "keeps only with --ema (e.g. --ema 0.9999)")
-    if run.ema is None and ema:
-        log(f"recipe: --ema {ema} (auto: the weights' moving average"
-            + (", evaluated and saved as best.pt" if eval_ema else "") + "; --ema 0 for none)")
-    return dataclasses.replace(run, ema=ema, eval_ema=eval_ema)
+def resolve_ema(run: RunConfig) -> RunConfig:
+    """``--eval-ema`` unset: on wherever the moving average is kept (``--ema`` above 0, the default)."""
+    return dataclasses.replace(run, eval_ema=run.eval_ema if run.eval_ema is not None else run.ema > 0)
 
 
 def resolve_recipe(data: DataConfig, optim: OptimConfig, model: ModelConfig, accum: int, device: torch.device,

@@ -69,9 +69,9 @@ def check_recipe(run: Any) -> None:
     check(run.keep_last >= 0, "keep_last", f"must be 0 (none) or positive; got {run.keep_last}")
     check(run.keep_last == 0 or run.save_every > 0, "keep_last",
           "keeps step checkpoints, which --save-every S writes: add --save-every (e.g. --save-every 1000)")
-    check(run.ema is None or 0.0 <= run.ema < 1.0, "ema", f"must be in [0, 1) (e.g. 0.9999; 0 = off); got {run.ema}")
+    check(0.0 <= run.ema < 1.0, "ema", f"must be in [0, 1) (e.g. 0.9999; 0 = off); got {run.ema}")
     check(run.ema_every >= 1, "ema_every", f"must be at least 1; got {run.ema_every}")
-    check(not run.eval_ema or run.ema != 0, "eval_ema", "evaluates the averaged weights: add --ema 0.9999")
+    check(not run.eval_ema or run.ema > 0, "eval_ema", "evaluates the averaged weights: add --ema 0.9999")
     check(not run.tensorboard or importlib.util.find_spec("tensorboard") is not None, "tensorboard",
           "needs the tensorboard package: pip install tensorboard (or drop --tensorboard)")
 

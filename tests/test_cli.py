@@ -104,7 +104,7 @@ def test_exist_ok_starts_fresh_logs(tmp_path):
     assert train(tmp_path, "--max-steps", "5", "--ema", "0.9") == 0
     weights = tmp_path / "runs" / "exp" / "weights"
     assert (weights / "ema.pt").exists()
-    assert train(tmp_path, "--max-steps", "3", "--exist-ok") == 0
+    assert train(tmp_path, "--max-steps", "3", "--exist-ok", "--ema", "0") == 0
     steps = read_csv(tmp_path / "runs" / "exp" / "steps.csv")
     assert [int(r["step"]) for r in steps] == [1, 2, 3]
     assert len(read_csv(tmp_path / "runs" / "exp" / "results.csv")) == 1

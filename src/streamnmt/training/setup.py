@@ -310,11 +310,11 @@ class TrainerSetup:
             + (f"packed batches attend with {self.model.attention}; " if job.data.packs else "")
             + f"device {self.device}; "
             f"amp {job.optim.amp}; strategy {running(self.strategy)}"
+            + (f"; {d.world} processes ({d.backend}) x --accum-steps {k}" if d.active else
+               f"; --accum-steps {k}" if k > 1 else "")
             + (f"; tied embeddings: {m.tie_embeddings}" if m.tie_embeddings != "none" else "")
             + (f"; EMA {job.run.ema}" + (f" every {job.run.ema_every} steps" if job.run.ema_every > 1 else "")
-               if job.run.ema else "")
-            + (f"; {d.world} processes ({d.backend}) x --accum-steps {k}" if d.active else
-               f"; --accum-steps {k}" if k > 1 else ""))
+               if job.run.ema else ""))
         packed = getattr(self.train_loader.sampler, "shape", None)  # (rows, src width, tgt width) when packed
         shapes = (f"packed rows of {packed[2]} target and {packed[1]} source positions, {packed[0]} a batch"
                   + (f" (--pack-width {job.data.pack_width})" if job.data.pack_width else "")

@@ -307,6 +307,34 @@ def test_the_next_epoch_is_planned_in_the_background_with_the_same_rows(monkeypa
     assert packrows._PLANNER is False and packrows._planner() is None
 
 
+def test_the_planner_ends_on_sigterm_even_when_forked_under_the_trainers_handler(monkeypatch):
+    """multiprocessing ends its daemon children with SIGTERM at exit and joins them: a planner forked
+    while the trainer's stop handler (which only sets a flag) was installed must still end, or the
+    trainer's (or the test session's) exit waits for it forever."""
+    import multiprocessing
+    import signal
+
+    from streamnmt.data import packrows
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork start method here")
+    monkeypatch.setattr(packrows, "_PLANNER", None)
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as stop_signals' request_stop
+    try:
+        planner = packrows._planner()
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert planner and planner._proc.is_alive()
+    planner._proc.terminate()
+    planner._proc.join(10)
+    alive = planner._proc.is_alive()
+    if alive:
+        planner._proc.kill()
+        planner._proc.join()
+    monkeypatch.setattr(packrows, "_PLANNER", None)
+    assert not alive and planner._proc.exitcode == -signal.SIGTERM
+
+
 def test_a_resumed_epoch_planned_ahead_reaches_the_loaders_sampler_and_shapes_need_no_plan(monkeypatch):
     """A resume asks the planner for its epoch before the model is built: another sampler of the same
     corpus, shape and seed takes those rows from it, and the batch shapes come without planning."""

@@ -16,9 +16,10 @@ def detach(*, ignore_sigterm: bool = True) -> None:
     the helpers too when sent to the whole process group (Ctrl-C in a terminal, torchrun stopping
     its workers); a helper that died of them would fail the trainer's next batch instead.
     ``ignore_sigterm=False`` is for a multiprocessing daemon process: multiprocessing ends those
-    with SIGTERM when the trainer exits, and joins them, so one that ignored it would hang the exit."""
-    if ignore_sigterm:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with SIGTERM when the trainer exits, and joins them, so one that ignored it would hang the exit.
+    That one gets SIGTERM's default explicitly: a fork inherits the parent's handlers, and the
+    trainer's (which only asks the loop to stop) would keep it alive through the join."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore_sigterm else signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         import ctypes

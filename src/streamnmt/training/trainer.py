@@ -114,15 +114,17 @@ class Trainer(EvaluationPoints, TrainerSetup):
 
     def _reserve(self, evaluation: bool = True) -> float:
         """Seconds the end of the run will take after the last step: its evaluation (unless not
-        ``evaluation``) and the best.pt it may write, its last.pt write (each as long as the last
-        one of its kind took; a write still in flight counts once more) and the exports and plots
-        (a small share)."""
+        ``evaluation``) and the best.pt it may write, its last.pt write and with ``--ema`` its
+        ema.pt (each as long as the last one of its kind took, ema.pt as best.pt; a write still in
+        flight counts once more) and the exports and plots (a small share)."""
         w = self.checkpointer.write_s
         cost = self.evaluator.cadence.cost_s or 0.0
         ev = cost + w.get("best", 0.0) if evaluation else 0.0
         # a pass beside training: the end waits for it (not counted where the pass itself asks)
         ev += cost if evaluation and self.evaluator.running else 0.0
         writes = w.get("last", 0.0) + (max(w.values(), default=0.0) if self.checkpointer.busy else 0.0)
+        if self.step_fn.ema is not None and self.dist.main:  # weights/ema.pt, written after the last.pt
+            writes += w.get("ema") or w.get("best") or w.get("last", 0.0)  # weights only, as best.pt
         # several ranks agree to stop every --sync-interval steps: up to that many more steps run
         agreeing = (self.job.engine.sync_interval - 1) * self._loop_s / max(self._loop_steps, 1) \
             if self.dist.active else 0.0

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from streamnmt.data.workers import detach
+from streamnmt.data.workers import detach, fork_blocked
 
 WINDOW = 8192  # pairs packed together (first-fit-decreasing inside a window)
 _PLANNER: Any = None  # this process's _Planner (False: none to be had)
@@ -146,7 +146,8 @@ class _Planner:
             warnings.simplefilter("ignore", DeprecationWarning)
             self._proc = ctx.Process(target=_planner_loop, args=(child, self._conn), daemon=True,
                                      name="streamnmt-pack-planner")
-            self._proc.start()
+            with fork_blocked():  # a SIGTERM before the child's detach() must not meet the parent's handler
+                self._proc.start()
         child.close()
         self._asked: list[tuple] = []  # keys sent, not yet answered
         self._answers: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}

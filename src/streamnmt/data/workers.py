@@ -21,6 +21,24 @@ def detach(*, ignore_sigterm: bool = True) -> None:
     trainer's (which only asks the loop to stop) would keep it alive through the join."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore_sigterm else signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # a parent that forked with them blocked (see fork_blocked)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+
+
+@contextlib.contextmanager
+def fork_blocked():
+    """Fork helpers inside this: SIGTERM and SIGINT stay blocked in this thread meanwhile, so that a
+    child gets one sent before its :func:`detach` only once its own handlers are set (else the
+    parent's handlers, which the fork copies, would take it); the parent gets one sent meanwhile
+    as soon as this ends."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
     if sys.platform.startswith("linux"):
         import ctypes
 

@@ -84,6 +84,7 @@ def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[
     engine = dataclasses.replace(job.engine, sync_strategy=strategy.value)
     return dataclasses.replace(job, model=model, optim=optim, run=run, data=data, engine=engine)
 
+
 def resolve_ema(run: RunConfig) -> RunConfig:
     """``--eval-ema`` unset: on wherever the moving average is kept (``--ema`` above 0, the default)."""
     return dataclasses.replace(run, eval_ema=run.eval_ema if run.eval_ema is not None else run.ema > 0)

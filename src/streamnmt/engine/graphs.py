@@ -204,7 +204,7 @@ class GraphStrategy(Strategy):
         saved = {t.data_ptr(): t.detach().clone() for t in step.state_tensors()}
         rng = torch.cuda.get_rng_state(self.device)
         counted = hasattr(step, "count_updates")  # the host's count of updates, which warm-up advances
-        updates = step.count_updates(step.updates) if counted else None
+        updates = step.updates if counted else None
         try:
             self._warm_up_and_capture(step, examples, stream)
         finally:  # also after a failed capture, so that the fallback starts from the same state

@@ -230,6 +230,39 @@ def test_auto_picks_triton_on_this_gpu_where_it_runs():
     assert resolve_attention("auto", cuda, lines.append, head_dim=64, attention_dropout=0.1) == "sdpa"
 
 
+def _compiled_kernels() -> int:
+    """How many kernels the four Triton functions hold compiled in this process, over all devices."""
+    from streamnmt.models import segattn_triton as st
+
+    total = 0
+    for fn in (st._fwd, st._delta, st._bwd_dkdv, st._bwd_dq):
+        caches = getattr(fn, "device_caches", None)  # Triton >= 3.2: device -> (kernels by key, ...)
+        total += sum(len(c[0]) for c in caches.values()) if caches is not None else sum(map(len, fn.cache.values()))
+    return total
+
+
+@pytest.mark.gpu
+def test_the_build_check_compiles_the_kernels_a_training_batch_launches():
+    """After the set-up's build check (one segment of 32 positions, one head), the three attentions of
+    a packed batch of other lengths and 8 heads, forward and backward, compile nothing more."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run on the GPU machine: pytest -m gpu)")
+    from streamnmt.models import segattn_triton
+    from streamnmt.models.attention import triton_probe
+    from streamnmt.models.segattn_triton import Tiles, segment_attention
+
+    segattn_triton.set_tiles(Tiles())
+    triton_probe(torch.device("cuda"), torch.bfloat16, 64)
+    before = _compiled_kernels()
+    assert before >= 3 * 3 + 1, before  # three variants of the forward and the two backward kernels; the row sums
+    src_seg, tgt_seg = (s.cuda() for s in packed_segments(rows=4, width=(200, 120), longest=30))
+    for name, (r, allowed) in attentions(src_seg, tgt_seg).items():
+        b, tq, tk = allowed.shape
+        q, k, v = (torch.randn(b, 8, n, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for n in (tq, tk, tk))
+        segment_attention(q, k, v, r).float().sum().backward()
+        assert _compiled_kernels() == before, name
+
+
 @pytest.mark.gpu
 def test_kernels_capture_in_a_cuda_graph_and_compile():
     """The forward and backward replay from a CUDA graph with the same results as eager calls, and a

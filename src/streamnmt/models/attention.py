@@ -124,19 +124,25 @@ def _triton_builds(index: int, head_dim: int) -> str | None:
 
 
 def triton_probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> torch.Tensor:
-    """One tiny forward and backward of the Triton segment kernels (what :func:`_triton_builds` runs;
-    on the CPU under Triton's interpreter in the tests): the gradient of a (1, 1, 32, head_dim) input
-    (normal, from a generator of its own seeded 0: the run's random streams stay untouched) used as
-    queries, keys and values, one segment of 32 positions."""
+    """One tiny forward and backward of each of the Triton segment kernels' three variants (encoder,
+    causal decoder, cross attention), as :func:`_triton_builds` runs them (on the CPU under Triton's
+    interpreter in the tests). The kernels are not specialised on lengths or head counts, so these
+    are the kernels the training step launches, compiled once here and not again at graph capture.
+    Returns the encoder variant's gradient of a (1, 1, 32, head_dim) input (normal, from a generator
+    of its own seeded 0: the run's random streams stay untouched) used as queries, keys and values,
+    one segment of 32 positions."""
     from streamnmt.models.segattn_triton import segment_attention
 
     on_gpu = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with on_gpu:  # Triton launches on the current device
         seg = torch.ones(1, 32, dtype=torch.int32, device=device)
         gen = torch.Generator(device=device).manual_seed(0)
-        q = torch.randn(1, 1, 32, head_dim, device=device, generator=gen).to(dtype).requires_grad_()
-        segment_attention(q, q, q, segment_ranges(seg, seg, causal=False, cross=False)).float().sum().backward()
-    return q.grad
+        grads = []
+        for causal, cross in ((False, False), (True, False), (False, True)):
+            q = torch.randn(1, 1, 32, head_dim, device=device, generator=gen).to(dtype).requires_grad_()
+            segment_attention(q, q, q, segment_ranges(seg, seg, causal=causal, cross=cross)).float().sum().backward()
+            grads.append(q.grad)
+    return grads[0]
 
 
 def triton_runs(device: torch.device, head_dim: int | None = None) -> str | None:

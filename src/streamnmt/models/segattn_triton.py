@@ -79,6 +79,13 @@ except ImportError:  # the CPU build of torch comes without Triton
     triton = None
 
 if triton is not None:
+    # The lengths and head count are plain arguments, not specialised on (Triton otherwise compiles one
+    # kernel per value class: divisible by 16, equal to 1, other), so a variant compiles once whatever
+    # the batch shape, and the set-up's build check (streamnmt.models.attention.triton_probe) compiles
+    # the very kernels the training step launches: on a machine's first run that compile is seconds of
+    # set-up (docs/PERFORMANCE.md, "Triton segment kernels").
+    _SHAPE_ARGS = ["n_q", "n_k", "n_heads"]
+
     @triton.jit
     def _allowed(seg_q, seg_k, offs_m, offs_n, n_k, CAUSAL: tl.constexpr, CROSS: tl.constexpr):
         """May query ``offs_m`` attend key ``offs_n``: the rules of dense_masks, (BM, BN)."""
@@ -141,7 +148,7 @@ if triton is not None:
         seg_k = tl.load(KSEG + b * n_k + offs_n, mask=in_k, other=-2)
         return offs_n, in_k, seg_k, _rows(K, b, h, offs_n, in_k, skb, skh, skt, D)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_SHAPE_ARGS)
     def _fwd(Q, K, V, O, LSE, QSEG, KSEG, LO, HI, sm_scale, n_q, n_k, n_heads,
              sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, CROSS: tl.constexpr,
@@ -169,7 +176,7 @@ if triton is not None:
         _put_rows(O, acc / l_safe[:, None], b, h, offs_m, in_q, sob, soh, sot, D)
         tl.store(LSE + pid_bh * n_q + offs_m, m_safe + tl.math.log2(l_safe), mask=in_q)  # base 2
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_SHAPE_ARGS)
     def _delta(O, DO, DELTA, n_q, n_heads, sob, soh, sot, sdb, sdh, sdt, D: tl.constexpr, BM: tl.constexpr):
         """rowsum(dO * O) in fp32, (B, h, Tq): the backward's correction term."""
         b, h, pid_bh, offs_m = _program(n_heads, BM)
@@ -200,7 +207,7 @@ if triton is not None:
             dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
         return dk, dv
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_SHAPE_ARGS)
     def _bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, QSEG, KSEG, QLO, QHI, ELO, EHI, sm_scale, n_q, n_k, n_heads,
                   sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sgb, sgh, sgt,
                   D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, CROSS: tl.constexpr,
@@ -227,7 +234,7 @@ if triton is not None:
         _put_rows(DK, dk * sm_scale, b, h, offs_n, in_k, sgb, sgh, sgt, D)
         _put_rows(DV, dv, b, h, offs_n, in_k, sgb, sgh, sgt, D)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_SHAPE_ARGS)
     def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, QSEG, KSEG, LO, HI, sm_scale, n_q, n_k, n_heads,
                 sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sgb, sgh, sgt,
                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, CROSS: tl.constexpr,

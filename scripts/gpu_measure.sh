@@ -524,6 +524,21 @@ case "$1" in
     fi ;;
 esac
 case "$1" in
+  first-run)  # a machine's first run: `train --time-limit 25s` (built-in corpus, defaults) with a fresh
+              # TRITON_CACHE_DIR, then again warm; BASE=COMMIT runs that tree's src (git archive) beside this one
+    python3 -c "from streamnmt.data import DataConfig, prepare_data; prepare_data(DataConfig(), log=print)" \
+      > "$OUT/first_run_prep.log" 2>&1
+    trees=("tree=src")
+    if [ -n "${BASE:-}" ]; then
+      rm -rf /tmp/first_base && mkdir -p /tmp/first_base && git archive "$BASE" src | tar -x -C /tmp/first_base
+      trees=("base=/tmp/first_base/src" "${trees[@]}")
+    fi
+    for pass in cold warm; do for t in "${trees[@]}"; do
+      name=${t%%=*}_$pass
+      TRITON_CACHE_DIR=/tmp/first_triton_${t%%=*} PYTHONPATH=${t#*=} timeout 120 python3 -m streamnmt train \
+        --time-limit 25s --project /tmp/first_runs --name $name --exist-ok > "$OUT/first_$name.log" 2>&1
+      echo "$name: $(grep -E '^set-up' "$OUT/first_$name.log" | cut -c1-230)"
+    done; done ;;
   ttb-budgets)  # #31: time to BLEU per token budget, each BUDGETS entry on its own GPU at once (nvidia-h100-x4 for
                 # four), `--time-limit ${TIME:-8m}` (a call lasts 10 minutes at most); PART=2 resumes each run for
                 # another TIME (evals.csv's wall_s counts across the resume; the corpus stays in /tmp while the

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Recipes on a real corpus (scripts/make_real_corpus.py): each variant trained for the same wall-clock
+# budget, one run per GPU at a time, then its best.pt scored on the test split; a table last.
+#
+# Usage: OUT=dir scripts/real_grid.sh CORPUS LANG TIME VARIANT...
+#   CORPUS   a folder with train/dev/test JSON ({"en": ..., LANG: ...} records)
+#   TIME     --time-limit of every run (e.g. 2m)
+#   VARIANT  NAME or NAME:FLAG,FLAG with flags written --flag=value, e.g. d03:--dropout=0.3
+#            (two variants of the same flags and other seeds: d03s2:--dropout=0.3,--seed=2)
+# Each run gets its own copy of the corpus, so runs with other vocabularies never share a tokenizer
+# folder or cache (their tokenizers are trained inside their own time, as a user's first run's are).
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-src} STREAMNMT_HOME=${STREAMNMT_HOME:-/tmp/snhome}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+corpus=$1 lang=$2 budget=$3; shift 3
+root=${GRID_ROOT:-/tmp/grid}/$(basename "$corpus"); mkdir -p "$root"
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$gpus" -ge 1 ] || gpus=1
+V=("$@")
+
+train_one() {  # GPU NAME FLAGS...
+  local gpu=$1 name=$2; shift 2
+  rm -rf "$root/$name" "$root/data_$name"; cp -r "$corpus" "$root/data_$name"
+  CUDA_VISIBLE_DEVICES=$gpu timeout 900 python3 -m streamnmt train --data "$root/data_$name" --src-lang en \
+    --tgt-lang "$lang" --time-limit "$budget" --project "$root" --name "$name" "$@" > "$OUT/grid_$name.log" 2>&1
+  CUDA_VISIBLE_DEVICES=$gpu timeout 300 python3 -m streamnmt eval --weights "$root/$name/weights/best.pt" \
+    --data "$root/data_$name" --split test > "$OUT/grid_${name}_test.txt" 2>&1
+}
+
+for ((i = 0; i < ${#V[@]}; i += gpus)); do  # one wave: a run on every GPU
+  for ((g = 0; g < gpus && i + g < ${#V[@]}; g++)); do
+    v=${V[$((i + g))]}; name=${v%%:*}; flags=()
+    [ "${v#*:}" != "$v" ] && IFS=, read -ra flags <<< "${v#*:}"
+    train_one "$g" "$name" "${flags[@]}" &
+  done
+  wait
+done
+
+printf "%-14s %8s %10s %8s %s\n" run test_BLEU best_dev at_step "end line"
+for v in "${V[@]}"; do
+  name=${v%%:*}
+  bleu=$(grep -oE "^BLEU = [0-9.]+" "$OUT/grid_${name}_test.txt" 2>/dev/null | awk '{print $3}')
+  dev=$(python3 - "$root/$name/evals.csv" <<'PY' 2>/dev/null
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+col = next(c for c in rows[0] if "bleu" in c.lower())
+best = max(rows, key=lambda r: float(r[col] or "nan"))
+print(f"{float(best[col]):.2f} {best.get('step', '?')}")
+PY
+)
+  endline=$(grep -E "wall [0-9]+ s" "$OUT/grid_$name.log" | tail -1 | cut -c1-90)
+  printf "%-14s %8s %10s %8s %s\n" "$name" "${bleu:-failed}" "${dev% *}" "${dev#* }" "$endline"
+  cp "$root/$name/evals.csv" "$OUT/grid_${name}_evals.csv" 2>/dev/null
+done

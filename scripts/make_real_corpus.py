@@ -32,7 +32,7 @@ What is kept, in order (each rule counted in the summary):
   one space.
 - Dropped: an empty side, a target equal to its source (untranslated), and non-sentences: a
   source with no run of two letters once placeholders (``%s``, ``%1$d``, ``%(name)s``, ``{0}``,
-  ``$VAR``, ``<tag>``) are removed, or a target with no letter at all.
+  ``$VAR``, ``<tag>``) are removed, or a target with no letter once they are.
 - One pair per source: its most common translation over all catalogues read, ties to the
   smallest string, so the result does not depend on the order catalogues are read in.
 
@@ -183,8 +183,8 @@ def clean(text: str) -> str:
 
 
 def is_sentence(src: str, tgt: str) -> bool:
-    """A source with a run of two letters outside placeholders, and a target with a letter."""
-    return bool(_WORD2.search(_PLACEHOLDER.sub(" ", src))) and any(c.isalpha() for c in tgt)
+    """A source with a run of two letters outside placeholders, and a target with a letter outside them."""
+    return bool(_WORD2.search(_PLACEHOLDER.sub(" ", src))) and any(c.isalpha() for c in _PLACEHOLDER.sub(" ", tgt))
 
 
 # ---- languages and catalogues -----------------------------------------------------------------

@@ -206,8 +206,8 @@ def parse_langs(spec: str) -> list[str]:
     keys = [lang_key(x) for x in langs]
     dup = next((k for k in keys if keys.count(k) > 1), None)
     if dup:
-        raise CorpusError(f"--lang: language {dup!r} named twice ({spec}); --variants reads its regional "
-                          f"directories into one")
+        raise CorpusError(f"--lang: language {dup!r} named twice ({spec}): its records would share the tag "
+                          f"<2{dup}> (--variants merges one name's regional directories)")
     return langs
 
 

@@ -492,7 +492,7 @@ def parser() -> argparse.ArgumentParser:
                     help="keep a seeded sample of N training pairs (dev/test unchanged)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the --max-pairs sample")
     ap.add_argument("--eval-size", type=int, default=0, metavar="N",
-                    help=f"pairs in dev and in test each (default {EVAL_FRACTION:.0%} of the pairs, "
+                    help=f"pairs in dev and in test each (default {EVAL_FRACTION * 100:.0f}%% of the pairs, "
                          f"{EVAL_MIN}-{EVAL_MAX}, at most a tenth)")
     ap.add_argument("--force", action="store_true", help="replace splits already in OUTDIR")
     return ap

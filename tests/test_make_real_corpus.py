@@ -249,3 +249,11 @@ def test_unpacked_package_catalogues_are_found_anywhere_in_the_tree(tmp_path):
     write_mo(root / "usr" / "lib" / "office" / "resource", "de", "b", [("Insert Table", "Tabelle einfügen")])
     found = mrc.find_catalogues([root], "de", False)
     assert sorted(p.name for p in found) == ["a.mo", "b.mo"]
+
+
+@pytest.mark.parametrize("script", ["make_real_corpus.py", "eole_compare.py"])
+def test_help_prints_every_flag(script):
+    out = subprocess.run([sys.executable, str(SCRIPT.parent / script), "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr.strip().splitlines()[-1:]
+    assert "--" in out.stdout and "usage:" in out.stdout

@@ -6,7 +6,9 @@
 #   CORPUS   a folder with train/dev/test JSON ({"en": ..., LANG: ...} records)
 #   TIME     --time-limit of every run (e.g. 2m)
 #   VARIANT  NAME or NAME:FLAG,FLAG with flags written --flag=value, e.g. d03:--dropout=0.3
-#            (two variants of the same flags and other seeds: d03s2:--dropout=0.3,--seed=2)
+#            (two variants of the same flags and other seeds: d03s2:--dropout=0.3,--seed=2);
+#            a NAME starting with "eole" runs scripts/eole_compare.py instead (its flags after the colon),
+#            its training loop given TIME (its set-up not counted: the peer gets the benefit of the doubt)
 # Each run gets its own copy of the corpus, so runs with other vocabularies never share a tokenizer
 # folder or cache (their tokenizers are trained inside their own time, as a user's first run's are).
 set -u
@@ -17,9 +19,20 @@ root=${GRID_ROOT:-/tmp/grid}/$(basename "$corpus"); mkdir -p "$root"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$gpus" -ge 1 ] || gpus=1
 V=("$@")
 
+seconds() {  # 2m, 90s, 1h30m, 120 -> seconds
+  python3 -c "import re,sys; s=sys.argv[1]; print(sum(int(n)*{'h':3600,'m':60,'s':1,'':1}[u] for n,u in re.findall(r'(\d+)([hms]?)', s)))" "$1"
+}
+
 train_one() {  # GPU NAME FLAGS...
   local gpu=$1 name=$2; shift 2
   rm -rf "$root/$name" "$root/data_$name"; cp -r "$corpus" "$root/data_$name"
+  if [[ $name == eole* ]]; then
+    CUDA_VISIBLE_DEVICES=$gpu timeout 900 python3 scripts/eole_compare.py --data "$root/data_$name" --src-lang en \
+      --tgt-lang "$lang" --time-limit "$(seconds "$budget")" --work "$root/$name" "$@" > "$OUT/grid_$name.log" 2>&1
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"BLEU = {r['bleu']:.2f}\"); print(r)" \
+      "$root/$name/result.json" > "$OUT/grid_${name}_test.txt" 2>&1
+    return
+  fi
   CUDA_VISIBLE_DEVICES=$gpu timeout 900 python3 -m streamnmt train --data "$root/data_$name" --src-lang en \
     --tgt-lang "$lang" --time-limit "$budget" --project "$root" --name "$name" "$@" > "$OUT/grid_$name.log" 2>&1
   CUDA_VISIBLE_DEVICES=$gpu timeout 300 python3 -m streamnmt eval --weights "$root/$name/weights/best.pt" \
@@ -47,7 +60,7 @@ best = max(rows, key=lambda r: float(r[col] or "nan"))
 print(f"{float(best[col]):.2f} {best.get('step', '?')}")
 PY
 )
-  endline=$(grep -E "wall [0-9]+ s" "$OUT/grid_$name.log" | tail -1 | cut -c1-90)
+  endline=$(grep -E "wall [0-9]+ s|^eole" "$OUT/grid_$name.log" | tail -1 | cut -c1-110)
   printf "%-14s %8s %10s %8s %s\n" "$name" "${bleu:-failed}" "${dev% *}" "${dev#* }" "$endline"
   cp "$root/$name/evals.csv" "$OUT/grid_${name}_evals.csv" 2>/dev/null
 done

@@ -20,7 +20,8 @@ def sample() -> tuple[str, dict]:
 
 def _node(i: int, kind: str, body: str = "") -> str:
     """A node as cudaGraphDebugDotPrint (verbose) writes it."""
-    return f'"graph_1_node_{i}"[style="bold" shape="record" label="{{{kind}\n| {{ID | {i} (topoId: 0) | {body}}}\n}}"];\n'
+    label = f"{{{kind}\n| {{ID | {i} (topoId: 0) | {body}}}\n}}"
+    return f'"graph_1_node_{i}"[style="bold" shape="record" label="{label}"];\n'
 
 
 def kernel_node(i: int, name: str, grid: str = "1", block: str = "32") -> str:

@@ -102,7 +102,8 @@ def test_profile_on_cpu_writes_a_trace(tmp_path, capsys):
     assert "bench.window" in names and "step.forward" in names  # CPU ops and our ranges
     assert "need CUDA" in capsys.readouterr().out
     assert not (out / "timeline.png").exists()
-    assert json.loads((out / "bench.json").read_text())["profile"]["baseline"]["gpu"] is None
+    profile = json.loads((out / "bench.json").read_text())["profile"]["baseline"]
+    assert profile["gpu"] is None and profile["critical_path"] is None  # no GPU op: no step view
 
 
 def test_tied_embeddings_as_the_trainer_ties_them(tmp_path, capsys):

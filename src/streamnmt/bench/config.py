@@ -83,7 +83,8 @@ class BenchConfig:
     builtin_size: int = opt(40000, "sentence pairs in the built-in corpus's training split")
     out: str | None = opt(None, "output directory (default runs/bench/exp, exp2, ...)")
     profile: bool = opt(False, "also profile a few steps per row: Chrome/Perfetto traces, timeline.png, "
-                               "GPU idle breakdown, kernels per stream")
+                               "GPU idle breakdown, kernels per stream, per step kernel time, span, overlap and "
+                               "critical path (graph rows capture their graphs' topology for it)")
     profile_steps: int = opt(10, "steps profiled per row with --profile")
     seed: int = opt(0, "seed of every row's model initialisation and of the batch order")
     nproc: str | None = opt(None, "run the rows on N processes of this host (one per GPU, DDP; starts torchrun "

@@ -32,6 +32,7 @@ import torch
 from streamnmt import dist as distributed
 from streamnmt.bench.apart import ChildRow, rows_apart, run_apart
 from streamnmt.bench.config import BenchConfig
+from streamnmt.bench.critical import analyze_steps, format_view, load_dot
 from streamnmt.bench.flops import peak_flops, precision
 from streamnmt.bench.provenance import git_commit
 from streamnmt.bench.profile import (ALL_REDUCE, GRAPH_BRANCHES, analyze_trace, format_summary, load_trace,
@@ -113,12 +114,22 @@ def _profile(runners: list[Runner], cfg: BenchConfig, out: Path, log: Log, recor
         return {}
     result: dict[str, Any] = {}
     timelines: dict[str, dict[str, Any]] = {}
-    texts = []
+    texts, views = [], []
     for runner in runners:
         path = runner.profile(cfg.profile_steps, out / f"trace_{runner.name}.json")
-        summary = analyze_trace(load_trace(path))
+        trace = load_trace(path)
+        summary = analyze_trace(trace)
         result[runner.name] = {"trace": path.name, **(summary.to_dict() if summary else {"gpu": None})}
         texts.append(format_summary(runner.name, summary))
+        graphs = []
+        for dot in runner.dump_graphs(out / f"graphs_{runner.name}"):
+            try:
+                graphs.append(load_dot(dot))
+            except ValueError as e:
+                log(f"bench: {e}; left out of the critical path")
+        view = analyze_steps(trace, graphs)
+        result[runner.name]["critical_path"] = view.to_dict() if view else None
+        views.append(format_view(runner.name, view))
         if summary is not None:
             labels = {GRAPH_BRANCHES: stream_label(GRAPH_BRANCHES)}
             labels.update({st: f"{stream_label(st)} (NCCL)" for st in summary.streams.get(ALL_REDUCE, {})})
@@ -130,6 +141,8 @@ def _profile(runners: list[Runner], cfg: BenchConfig, out: Path, log: Log, recor
     else:
         log("bench: the traces hold CPU ops only: the stream timeline and the GPU idle breakdown need CUDA")
     log("\n".join(texts))
+    log("bench: per step, from the profiled steps' kernel trace (graph rows: per replay, the critical path over the "
+        "captured graph's edges; see streamnmt.bench.critical):\n" + "\n".join(views))
     return result
 
 

@@ -38,6 +38,11 @@ the profiled window than in an unprofiled run. Kernel time itself is not slowed:
 
 Graph replays run some of their kernels on streams of the graph's own (parallel branches); those
 streams are shown merged as one pseudo-stream, ``GRAPH_BRANCHES`` (-1).
+
+**Per step** (:mod:`streamnmt.bench.critical`, which states each figure's approximations): kernel
+time summed, the step's span, the share of the span with two or more ops at once, and the critical
+path, the longest chain of dependent ops: over the captured graph's edges in graph mode (the graphs
+dumped as DOT), and in eager mode only a lower bound, the longest single-stream chain.
 """
 
 from __future__ import annotations

@@ -195,6 +195,10 @@ class Runner:
         """Device memory this row holds besides its model and optimizer state."""
         return 0
 
+    def dump_graphs(self, directory: Path) -> list[Path]:
+        """The topology of the CUDA graphs this row replays, as DOT files (graph mode under --profile)."""
+        return []
+
     # -- the two stages ------------------------------------------------------------------------
     def run_once(self, repeat: int) -> dict[str, Any]:
         cfg, env, cuda = self.env.cfg, self.env, self.env.cuda
@@ -301,6 +305,8 @@ class StrategyRunner(Runner):
         ecfg = EngineConfig(sync_strategy=engine_name, sync_interval=cfg.sync_interval,
                             loss_interval=cfg.loss_interval, compile=cfg.compile, streams=streams)
         self.strategy = make_strategy(engine_name, self.device, ecfg, log=env.log)
+        if cfg.profile and hasattr(self.strategy, "keep_topology"):
+            self.strategy.keep_topology = True  # graphs keep their topology for the critical path (dump_graphs)
         self.resident = resident
         if resident:
             self.kind = "reference"
@@ -331,6 +337,10 @@ class StrategyRunner(Runner):
         # Needed (inside drain/flush, counted): a run's time must include the work it queued.
         self.strategy.drain(f"{site}.drain")
         self.losses.flush(f"{site}.losses")
+
+    def dump_graphs(self, directory: Path) -> list[Path]:
+        dump = getattr(self.strategy, "dump_graphs", None)
+        return dump(directory) if dump is not None else []
 
     def extra_bytes(self) -> int:
         pool = self.report.get("pool_mb") or 0.0  # graph memory pool (activations live there)

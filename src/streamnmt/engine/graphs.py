@@ -42,13 +42,21 @@ peer ends the run with one ``PeerLost`` line instead of a hang.
 
 Where capture is impossible (no CUDA, an error during capture) the strategy says so in one line
 and runs the ``full`` strategy instead.
+
+Topology for profiling: with ``keep_topology`` set before ``prepare`` (the benchmark's ``--profile``;
+off otherwise, so training captures as before), each graph keeps its captured ``cudaGraph_t``
+(``CUDAGraph(keep_graph=True)`` where the torch version accepts it, debug mode otherwise), and
+``dump_graphs`` writes its nodes and dependency edges as Graphviz DOT (``cudaGraphDebugDotPrint``),
+from which ``streamnmt.bench.critical`` derives the step's critical path.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,6 +67,7 @@ from streamnmt.engine.config import EngineConfig
 from streamnmt.engine.losses import DeferredLosses
 from streamnmt.engine.strategies import FullPipeline
 from streamnmt.engine.syncstats import host_sync
+from streamnmt.fsutil import atomic_path
 
 DDP_WARMUP_STEPS = 11  # PyTorch's notes on DDP with CUDA graphs: at least 11 eager iterations first
 INJECT_ENV = "STREAMNMT_TEST_CAPTURE_FAIL_RANK"  # test hook: capture "fails" on this rank
@@ -118,6 +127,8 @@ class GraphStrategy(Strategy):
         self.log = log
         self.cfg = cfg
         self.warmup_steps = warmup_steps
+        self.keep_topology = False  # set before prepare() to dump the graphs later (dump_graphs)
+        self._deferred: list[torch.cuda.CUDAGraph] = []  # kept graphs, instantiated after their capture
         self.fallback: Strategy | None = None
         self.graphs: dict[tuple, _Captured] = {}  # K == 1: whole steps; K > 1: (key, ends) -> micro steps
         self.opt_graph: torch.cuda.CUDAGraph | None = None  # K > 1: the optimizer step
@@ -162,6 +173,7 @@ class GraphStrategy(Strategy):
             self.graphs.clear()
             self.ema_graphs.clear()
             self.opt_graph = self.opt_graph_ema = None
+            self._deferred.clear()
             # Needed: the failed capture's work must be finished before the fallback strategy starts.
             host_sync("graph.capture", lambda: torch.cuda.synchronize(self.device))
             msg = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
@@ -241,7 +253,7 @@ class GraphStrategy(Strategy):
             if k == 1:
                 variants = _ema_variants(step)
                 for ema in variants:  # the step without and with the average's update
-                    graph = torch.cuda.CUDAGraph()
+                    graph = self._new_graph()
                     begin_micro(step, True)
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
                         static_loss = step.forward(static)
@@ -252,7 +264,7 @@ class GraphStrategy(Strategy):
                     del static_loss  # the next shape's warm-up and capture hold no earlier autograd graph
                 continue
             for ends in variants:  # K > 1: forward + backward only
-                graph = torch.cuda.CUDAGraph()
+                graph = self._new_graph()
                 begin_micro(step, ends)
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     static_loss = step.forward(static)
@@ -262,13 +274,55 @@ class GraphStrategy(Strategy):
         if k > 1 and self.opt_graph is None:
             variants = _ema_variants(step)
             for ema in variants:
-                graph = torch.cuda.CUDAGraph()
+                graph = self._new_graph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     _optimizer_step(step, ema)
                 if ema and len(variants) > 1:
                     self.opt_graph_ema = graph
                 else:
                     self.opt_graph = graph
+        for graph in self._deferred:  # keep_graph defers instantiation to the first replay: do it now
+            graph.instantiate()
+        self._deferred.clear()
+
+    def _new_graph(self) -> torch.cuda.CUDAGraph:
+        """A graph to capture into; with ``keep_topology`` one that keeps its topology for ``dump_graphs``."""
+        if not self.keep_topology:
+            return torch.cuda.CUDAGraph()
+        try:
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            self._deferred.append(graph)
+        except TypeError:  # a torch without keep_graph: debug mode alone keeps the topology until dumped
+            graph = torch.cuda.CUDAGraph()
+        graph.enable_debug_mode()
+        return graph
+
+    def captured_graphs(self) -> list[Any]:
+        """Every captured graph: step (or micro-step) graphs, their average-updating variants, optimizer graphs."""
+        return [*(c.graph for c in self.graphs.values()), *(c.graph for c in self.ema_graphs.values()),
+                *(g for g in (self.opt_graph, self.opt_graph_ema) if g is not None)]
+
+    def dump_graphs(self, directory: str | os.PathLike) -> list[Path]:
+        """Write each captured graph as a Graphviz DOT file (``cudaGraphDebugDotPrint``'s verbose format:
+        nodes with their type, capture ID and kernel, and the dependency edges) into ``directory``, as
+        ``graph_<i>.dot``. Only graphs captured with ``keep_topology`` can be dumped; the files written
+        are returned (none without it, on a fallback, or where torch wrote nothing). Once per capture:
+        without ``keep_graph`` torch frees a graph's topology when it dumps it."""
+        if not self.keep_topology or self.fallback is not None:
+            return []
+        written = []
+        for i, graph in enumerate(self.captured_graphs()):
+            path = Path(directory) / f"graph_{i}.dot"
+            try:
+                with atomic_path(path, suffix=".dot") as tmp, warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # torch announces each dump with a "DEBUG:" warning
+                    graph.debug_dump(str(tmp))
+                    if tmp.stat().st_size == 0:
+                        raise FileNotFoundError(path)  # nothing dumped: leave no empty file behind
+            except FileNotFoundError:
+                continue
+            written.append(path)
+        return written
 
     def _restore(self, step: StepFunction, saved: dict[int, torch.Tensor], rng: torch.Tensor) -> None:
         """Undo the warm-up steps: restore in place (the graphs hold these addresses)."""

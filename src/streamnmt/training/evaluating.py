@@ -66,7 +66,16 @@ class EvaluationPoints:
         first = self.last_eval is None and self.device.type == "cuda"
         before = torch.cuda.memory_reserved(self.device) if first else 0  # host-side counters: no sync
         best_s: list[float] = []
-        result = ev.evaluate(self.global_step, ema, on_better=lambda: best_s.append(self._write_best()), stop=stop)
+        result = ev.evaluate(self.global_step, ema, on_better=lambda: best_s.append(self._write_best()), stop=stop,
+                             interrupted=lambda: self.signalled)
+        if result.deferred:  # a signal cut the BLEU pass: undecided, last.pt records it (see Evaluator.record)
+            self.waits["stats"].append(STATS.reset())
+            STATS.sites = held
+            cost = self.clock() - te
+            self._account(evaluation=cost)
+            self.launched = {"step": self.global_step, "epoch": epoch + 1, "wall_s": wall_s, "eval_s": cost}
+            self.last_eval, self.last_eval_step = result, self.global_step
+            return losses
         if first:  # what the evaluation's graphs (validation, decoding buckets) hold for the rest of the run
             grown = (torch.cuda.memory_reserved(self.device) - before) / 2 ** 20
             took = self.clock() - te

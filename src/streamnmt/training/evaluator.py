@@ -308,12 +308,13 @@ class Evaluator:
         pending = self.pending  # read once: the loop may clear it meanwhile
         return pending is not None and not pending[2].done
 
-    def collect(self, on_better: Callable[[dict[str, torch.Tensor]], None] | None = None,
-                wait: bool = False) -> tuple[Evaluation, dict[str, dict[str, float]]] | None:
+    def collect(self, on_better: Callable[[dict[str, torch.Tensor]], None] | None = None, wait: bool = False,
+                interrupted: Callable[[], bool] | None = None) -> tuple[Evaluation, dict[str, dict[str, float]]] | None:
         """The pending evaluation (a pass beside training, or one to decode on the loop now), once
         its pass has finished (``wait``: wait for it), decided as :meth:`evaluate` decides;
         ``on_better`` gets the evaluated step's weights (the snapshot). Returns it and the pass's
-        host waits; None where none is ready."""
+        host waits; None where none is ready, or where ``interrupted()`` (a signal) cut the pass:
+        then it stays pending, undecided (see :meth:`record`)."""
         if self.pending is None or (not wait and self.running):
             return None
         launched, weights, task = self.pending
@@ -321,6 +322,9 @@ class Evaluator:
             bleu, bleu_s, bleu_n = task.join()
         finally:
             self.pending = None  # after the join: the pass asks `running` while it decodes
+        if interrupted is not None and bleu is not None and bleu_n < len(self._pairs or ()) and interrupted():
+            self.pending = (launched, weights, self._deferred(weights))
+            return None
         better = self._decide(launched.step, launched.val_loss, bleu, bleu_n, len(self._pairs or ()))
         if better and on_better is not None:
             on_better(weights)

@@ -240,6 +240,8 @@ class TrainerSetup:
         self.fresh_bleu: float | None = None  # a pass beside training's BLEU, for the next epoch line
         self.best_on_disk: float | None = None  # the --best-metric value of the model best.pt holds
         self.last_eval_step = self.last_save_step = -1
+        # an evaluation a signal kept from running at its step ({step, epoch, beside}): a resume runs it first
+        self.eval_due: dict[str, Any] | None = None
         # The wall clock of the run's earlier processes up to the state a resume starts from, so that
         # evals.csv's wall_s (time to BLEU) counts across resumes.
         self.wall_before: float | None = 0.0
@@ -402,6 +404,7 @@ class TrainerSetup:
         # the loader converts a position saved at another world size; the trainer counts in its units
         self.epoch, self.epoch_pos = self.train_loader.epoch, self.train_loader.position
         self.evaluator.load_state_dict(ckpt.get("stopping"))
+        self.eval_due = ckpt.get("eval_due")
         pending = ckpt.get("pending_eval")
         if pending:  # an evaluation the interrupted run had not decided: decided again where it would have
             self.evaluator.restore(pending)
@@ -471,6 +474,7 @@ class TrainerSetup:
             "step": self.global_step, "best_val": self.best_val,
             "last_eval_step": self.last_eval_step if pending else self.decided_eval_step,
             "pending_eval": pending,
+            "eval_due": self.eval_due if self.eval_due and self.eval_due["step"] == self.global_step else None,
             "wall_s": self.run_wall_s(),
             "recipe_device": dataclasses.asdict(self.recipe_device),
             "sampler": {**self.train_loader.state_dict(), "epoch": self.epoch, "position": self.epoch_pos},

@@ -92,8 +92,7 @@ class Trainer(EvaluationPoints, TrainerSetup):
         self.times["set-up"] = time.monotonic() - self.t_command  # from the command's start to the first step
         loop_start = self.clock()
         with stop_signals(self):
-            if self.evaluator.pending is not None and not self.evaluator.beside:
-                self._collect_eval(wait=True)  # a resumed evaluation that a signal cut: decided at its step
+            self._resume_evaluations()
             self.log(f"{'Epoch':>7}{'GPU_mem':>9}{'batches':>9}{'tokens/s':>10}{'train_loss':>12}"
                      f"{'train_nll':>11}{'ppl':>9}{'val_loss':>10}{'BLEU':>7}{'time':>8}")
             while self.epoch < r.epochs and not self._done():
@@ -122,6 +121,20 @@ class Trainer(EvaluationPoints, TrainerSetup):
         result["wall_s"] = time.monotonic() - self.t_command
         self.log(time_line(self.times, result["wall_s"]))
         return result
+
+    def _resume_evaluations(self) -> None:
+        """A resumed run first does what a signal kept the interrupted one from doing at the
+        checkpoint's step: decide an evaluation whose pass was on the loop, run an evaluation that
+        was due (it decides a pass beside training first), and stop where --patience ran out."""
+        due, self.eval_due = self.eval_due, None
+        if due is not None and due["step"] == self.global_step:
+            self._evaluate(due["epoch"], beside=due["beside"])
+        elif self.evaluator.pending is not None and not self.evaluator.beside:
+            self._collect_eval(wait=True)
+        else:
+            return
+        if self.evaluator.stopper.should_stop and not self.stop_requested:
+            self._request_stop(self.evaluator.stopper.reason())
 
     def _close_logs(self) -> float:
         """The sync table, the logs closed and the plots drawn while the last last.pt is written;

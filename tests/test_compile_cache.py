@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,11 +66,54 @@ def test_key_changes_with_what_makes_the_compiled_code_valid():
         "dropout site": key(model={**MODEL, "attention_dropout": 0.1}),
         "attention": key(attention="flex"),
         "inductor options": key(inductor={}),
+        "DDP buckets": key(bucket_cap_mb=100.0),
+        "the package's code": key(code="another version of streamnmt"),
     }
     digests = {what: cc.key_digest(k) for what, k in changed.items()}
     for what, digest in digests.items():
         assert digest != same, what
     assert len(set(digests.values())) == len(digests)
+
+
+def test_the_key_holds_the_packages_code_and_the_jobs_buckets(tmp_path, monkeypatch):
+    """The default key digests streamnmt's own source files: an edit to one keys another cache."""
+    import streamnmt
+
+    pkg = tmp_path / "pkg"
+    (pkg / "training").mkdir(parents=True)
+    (pkg / "training" / "x.py").write_text("a = 1\n")
+    monkeypatch.setattr(cc, "__file__", str(pkg / "training" / "compile_cache.py"))
+    cc.package_digest.cache_clear()
+    try:
+        before = cc.package_digest()
+        (pkg / "training" / "x.py").write_text("a = 2\n")
+        cc.package_digest.cache_clear()
+        assert cc.package_digest() != before
+    finally:
+        monkeypatch.undo()
+        cc.package_digest.cache_clear()
+    assert key()["code"] == cc.package_digest() and len(cc.package_digest()) == 64
+    assert any(Path(streamnmt.__file__).parent.rglob("*.py"))
+    job = build_job({"device": "cpu", "model": "tiny", "bucket_cap_mb": 50.0})
+    monkeypatch.setattr(cc, "tokenizer_vocab", lambda data: (100, 100))
+    assert cc.job_key(job, [(8, 16, 16)], CPU, 2, {})["bucket_cap_mb"] == 50.0
+
+
+@pytest.mark.skipif(not cc.mega_cache(), reason="torch without save/load_cache_artifacts")
+def test_a_stale_mega_cache_is_refreshed(tmp_path, monkeypatch):
+    """A loaded artifacts.bin whose compile still missed torch's caches is written afresh; one
+    that served is left as it is."""
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda blob: None)
+    cold = cc.CompileCache(key()).stage(None)
+    cold.save(None)
+    for misses, expect in ((0, b"artefacts"), (3, b"fresh artefacts")):
+        monkeypatch.setenv(cc.INDUCTOR_ENV, str(tmp_path / f"fresh{misses}"))  # the directories lack them
+        monkeypatch.setattr(cc, "_cache_misses", lambda: misses)
+        monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"fresh artefacts", None))
+        warm = cc.CompileCache(key()).stage(None)
+        assert warm.warm and warm.loaded
+        warm.save(None)
+        assert (cold.dir / cc.ARTIFACTS).read_bytes() == expect, misses
 
 
 def test_the_environment_names_the_software_and_the_device(monkeypatch):

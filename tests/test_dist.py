@@ -289,10 +289,12 @@ def test_fresh_corpus_is_prepared_once(tmp_path, home):
     assert bundle.tgt_tok.sha256 == file_sha256(fresh / "tokenizer" / "chn.model")
 
 
-def _prepare_once_rank(rank: int, port: int, out: str, differ: bool) -> None:
-    """One rank of a gloo group: ``prepare_once`` with a preparation that records when it ran."""
+def _prepare_once_rank(rank: int, port: int, out: str, differ: bool, hosts: int = 1) -> None:
+    """One rank of a gloo group: ``prepare_once`` with a preparation that records when it ran
+    (``hosts`` 2: each rank the local rank 0 of a host of its own)."""
+    local = "0" if hosts == 2 else str(rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+                      LOCAL_RANK=local, LOCAL_WORLD_SIZE=str(2 // hosts))
     from streamnmt import dist
     from streamnmt.errors import InputError
     d = dist.init("gloo", "cpu", 30)
@@ -314,9 +316,12 @@ def _prepare_once_rank(rank: int, port: int, out: str, differ: bool) -> None:
     d.close()
 
 
-@pytest.mark.parametrize("differ", [False, True])
-def test_prepare_once_waits_for_rank0_then_checks_fingerprints(tmp_path, differ):
-    torch.multiprocessing.spawn(_prepare_once_rank, args=(free_port(), str(tmp_path), differ), nprocs=2, join=True)
+@pytest.mark.parametrize("differ,hosts", [(False, 1), (True, 1), (False, 2)])
+def test_prepare_once_waits_for_rank0_then_checks_fingerprints(tmp_path, differ, hosts):
+    """Rank 0 prepares first; on two hosts too, where each rank is its host's local rank 0 (a shared
+    data directory: the other host's preparation must find rank 0's files, not write beside it)."""
+    torch.multiprocessing.spawn(_prepare_once_rank, args=(free_port(), str(tmp_path), differ, hosts), nprocs=2,
+                                join=True)
     times = {r: dict(line.split() for line in (tmp_path / f"rank{r}").read_text().splitlines()) for r in (0, 1)}
     assert float(times[1]["start"]) >= float(times[0]["end"])  # rank 1 prepared only after rank 0 had
     results = [(tmp_path / f"result{r}").read_text() for r in (0, 1)]
@@ -350,6 +355,78 @@ def test_killed_rank_ends_the_others_with_one_line(tmp_path, home):
     errors = [ln for ln in err.splitlines() if ln.startswith("streamnmt: error:")]
     assert len(errors) == 1 and errors[0].startswith("streamnmt: error: rank 0 of 2: a collective failed"), err[-3000:]
     assert "Traceback" not in err
+
+
+def two_hosts(args: list[str], home: str) -> list[subprocess.Popen]:
+    """Two launchers as two hosts start them (``torchrun --nnodes 2 --nproc-per-node 1
+    --rdzv-backend c10d``) on one machine: the first hosts the rendezvous store, the second joins."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-hosts",
+           "-m", "streamnmt", "train", *args]
+    first = launch(cmd, home, None, wait=False)
+    deadline = time.time() + 60
+    while time.time() < deadline and first.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            break
+        time.sleep(0.1)
+    return [first, launch(cmd, home, None, wait=False)]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 180) -> list[tuple[int, str]]:
+    """Each launcher's exit code and its stdout and stderr; nothing they started outlives them."""
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+        return [(p.returncode, out + err) for p, (out, err) in zip(procs, outs)]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_two_hosts_prepare_once_and_train_as_one_host_with_two_processes(two_ranks, tmp_path, home):
+    """Two launchers on one shared corpus directory (no tokenizer, no cache yet) and one run
+    directory: one preparation (rank 0's), one run directory, and the training of one host's two
+    processes (the module's reference run, on the same corpus as the built-in one)."""
+    from streamnmt.data import synthetic
+
+    corpus = tmp_path / "corpus"
+    synthetic.write_builtin(corpus, 500, seed=0)  # the built-in corpus the reference trained on
+    runs = tmp_path / "runs"
+    args = [*common(runs), "--batch-size", "8", "--save-every", "10", "--keep-last", "2", "--data", str(corpus),
+            "--name", "hosts"]
+    results = finish(two_hosts(args, home))
+    assert [code for code, _ in results] == [0, 0], "\n".join(text[-3000:] for _, text in results)
+    text = "".join(t for _, t in results)
+    assert text.count("data: trained source tokenizer and target tokenizer") == 1
+    assert sorted(p.name for p in (corpus / "tokenizer").iterdir()) == ["chn.model", "eng.model"]
+    assert sorted(p.name.split("-")[0] for p in (corpus / "cache").iterdir()) == ["dev", "test", "train"]
+    assert sorted(p.name for p in runs.iterdir()) == ["hosts"]
+    assert [(r["step"], r["loss"]) for r in read_csv(runs / "hosts" / "steps.csv")] == \
+           [(r["step"], r["loss"]) for r in read_csv(two_ranks / "steps.csv")]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the rank's environment from /proc")
+def test_a_killed_host_ends_the_other_within_the_timeout_with_one_line(tmp_path, home):
+    """kill -9 of one host's launcher (its rank dies with it): the other host's rank sees its
+    collective fail and ends well within --dist-timeout, with one line naming the lost host."""
+    args = [*TINY, "--epochs", "50", "--batch-size", "8", "--loss-interval", "1", "--dist-timeout", "30",
+            "--project", str(tmp_path), "--name", "k"]
+    procs = two_hosts(args, home)
+    try:
+        wait_for_rows(tmp_path / "k" / "steps.csv", 4, procs[0])
+        rank = next(c for c in psutil.Process(procs[1].pid).children(recursive=True) if "streamnmt" in c.cmdline())
+        node = rank.environ()["GROUP_RANK"]
+        procs[1].kill()
+        t0 = time.time()
+        (code, text), _ = finish(procs, timeout=60)
+        took = time.time() - t0
+    finally:
+        finish(procs, timeout=1) if any(p.poll() is None for p in procs) else None
+    errors = [ln for ln in text.splitlines() if ln.startswith("streamnmt: error:")]
+    assert code != 0 and took < 30, (took, text[-3000:])
+    assert len(errors) == 1 and "a collective failed" in errors[0], text[-3000:]
+    assert f"lost host: node {node} (" in errors[0], errors[0]
 
 
 def test_launcher_blames_the_rank_that_failed_for_its_own_reason():

@@ -64,10 +64,12 @@ def test_two_gpus_equal_one_gpu_double_budget_packed(tmp_path, home, strategy): 
 
 def test_killed_rank_under_nccl_graph_then_resume_on_two_and_one_gpus(tmp_path, home):  # noqa: F811
     """SIGKILL of rank 1 mid-run (graph mode, all-reduce captured): the launcher exits non-zero
-    with a line naming rank 1 (rank 0 may add its own PeerLost line) within --dist-timeout plus
-    torchrun's grace; last.pt loads; --resume on 2 GPUs replays the uninterrupted run exactly; the
-    same last.pt resumed on 1 GPU says what changed and finishes."""
-    common = [*GPU, "--sync-strategy", "graph", "--batch-size", "16", "--save-every", "10", "--dist-timeout", "30",
+    within --dist-timeout plus torchrun's grace, and every error line names rank 1: the launcher's
+    and rank 0's PeerLost, whichever come (rank 0's deadline, --dist-timeout 15, ends well inside
+    torchrun's 30-s SIGTERM grace, and it names the rank of its host whose process ended); last.pt
+    loads; --resume on 2 GPUs replays the uninterrupted run exactly; the same last.pt resumed on 1
+    GPU says what changed and finishes."""
+    common = [*GPU, "--sync-strategy", "graph", "--batch-size", "16", "--save-every", "10", "--dist-timeout", "15",
               "--project", str(tmp_path)]
     ref = torchrun([*common, "--name", "ref"], home)
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -75,12 +77,9 @@ def test_killed_rank_under_nccl_graph_then_resume_on_two_and_one_gpus(tmp_path, 
     _, err, took = kill_rank_after(proc, tmp_path / "k" / "steps.csv", 25, timeout=120)
     errors = [ln for ln in err.splitlines() if ln.startswith("streamnmt: error:")]
     print(f"kill to launcher exit: {took:.1f} s")
-    # rank 0 may say first that its collective failed (PeerLost after --dist-timeout 30 s, when
-    # torchrun's own SIGTERM grace of ~30 s has not ended it before); the launcher names rank 1
-    assert proc.returncode not in (0, None) and took < 65, (took, err[-3000:])
-    assert any(ln.startswith("streamnmt: error: rank 1 failed (killed by SIGKILL)") for ln in errors), err[-3000:]
-    assert len(errors) <= 2 and all("rank 1" in ln or ln.startswith("streamnmt: error: rank 0 of 2: a collective "
-                                                                     "failed") for ln in errors), errors
+    assert proc.returncode not in (0, None) and took < 15 + 30, (took, err[-3000:])
+    named = ("streamnmt: error: rank 1 failed (killed by SIGKILL)", "rank 1 of this host ended")
+    assert 1 <= len(errors) <= 2 and all(any(n in ln for n in named) for ln in errors), err[-3000:]
     last = tmp_path / "k" / "weights" / "last.pt"
     saved = torch.load(last, weights_only=True)
     assert saved["step"] >= 20 and len(saved["rng_ranks"]) == 2

@@ -196,6 +196,22 @@ def save_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadat
             f.write(b)
 
 
+def safetensors_metadata(path: str | Path) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file, read from its header alone."""
+    import json
+
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if not 0 < n < 100_000_000:
+            raise InputError(f"{path}: not a valid safetensors file (header length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise InputError(f"{path}: not a valid safetensors file ({e})") from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta if isinstance(meta, dict) else {}
+
+
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     import json
 

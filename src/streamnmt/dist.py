@@ -207,6 +207,14 @@ def init(backend: str, device: str | None, timeout_s: int) -> Dist:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
     lockstep = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    import socket
+
+    from streamnmt.engine.syncstats import host_sync
+    peers: list[Any] = [None] * world
+    # Needed: every rank's node, host and pid, to name the host a failed collective lost (once, host-side).
+    host_sync("dist.init", lambda: dist.all_gather_object(peers, (_node(), socket.gethostname(), os.getpid()),
+                                                         group=lockstep))
+    _PEERS[:] = peers
     return Dist(rank=rank, world=world, local_rank=local, backend=backend, device=dev, control=control,
                 lockstep=lockstep, timeout_s=float(timeout_s))
 
@@ -235,8 +243,11 @@ def parallelize(model: torch.nn.Module, device: torch.device, bucket_cap_mb: flo
 
 def prepare_once(d: Dist, prepare: Callable[[], T], fingerprint: Callable[[T], dict[str, str]],
                  prepared: Callable[[], T] | None = None) -> T:
-    """Run ``prepare`` (tokenizers, tokenized cache) on local rank 0 first while the other ranks
-    wait at a barrier, then on them (they find rank 0's files); then every rank checks that its
+    """Run ``prepare`` (tokenizers, tokenized cache) on rank 0 first while the other ranks wait at
+    a barrier; on several hosts then on each other host's local rank 0 while the rest wait again
+    (on a shared data directory they find rank 0's files, on a host's own one each host prepares
+    its own, one process a host: two local rank 0s never write one folder at once); then on the
+    remaining ranks (they find their host's files); then every rank checks that its
     ``fingerprint`` (tokenizer hashes, cache keys) equals rank 0's. ``prepared``: what the other
     ranks try beside local rank 0 first, the files an earlier run left, read without writing
     anything (``prepare_data(build=False)``); where it finds them (it raises NotPrepared where it
@@ -249,7 +260,7 @@ def prepare_once(d: Dist, prepare: Callable[[], T], fingerprint: Callable[[T], d
     if not d.active:
         return prepare()
     result = None
-    if d.local_rank == 0:
+    if d.rank == 0:
         result = prepare()
     elif prepared is not None:
         try:
@@ -257,6 +268,10 @@ def prepare_once(d: Dist, prepare: Callable[[], T], fingerprint: Callable[[T], d
         except (NotPrepared, InputError, OSError):  # not there yet, or an error prepare() will say after
             result = None
     d.barrier("dist.data")
+    if int(os.environ.get("LOCAL_WORLD_SIZE", d.world)) < d.world:  # several hosts
+        if result is None and d.local_rank == 0:
+            result = prepare()
+        d.barrier("dist.data")
     if result is None:
         result = prepare()
     prints = d.gather(fingerprint(result), "dist.data", long_wait=True)  # the others may tokenize afresh
@@ -282,7 +297,8 @@ def wait_event(event: Any, timeout_s: float, what: str = "the GPU") -> None:
         if time.monotonic() > deadline:
             rank, world, _ = world_from_env()
             raise PeerLost(f"rank {rank} of {world}: {what} did not finish its queued work within --dist-timeout "
-                           f"{timeout_s:g} s; another rank died or stopped responding (the last checkpoint is intact)")
+                           f"{timeout_s:g} s; another rank died or stopped responding ({lost_peers(rank)}; the "
+                           f"last checkpoint is intact)")
         time.sleep(POLL_S)
 
 
@@ -334,7 +350,45 @@ def peer_lost(d: Dist, e: BaseException) -> PeerLost:
     """The one-line error for a failed collective on rank ``d.rank``."""
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
     return PeerLost(f"rank {d.rank} of {d.world}: a collective failed, another rank died or stopped "
-                    f"responding (the launcher names it); the last checkpoint is intact ({first})")
+                    f"responding ({lost_peers(d.rank)}); the last checkpoint is intact ({first})")
+
+
+# Every rank's (node, host name, pid), gathered once at init: which host a failed collective lost.
+_PEERS: list[tuple[str, str, int]] = []
+
+
+def _node() -> str:
+    """This rank's node: torchrun's GROUP_RANK (its launcher's index), else the host name."""
+    import socket
+    return os.environ.get("GROUP_RANK") or socket.gethostname()
+
+
+def lost_peers(rank: int) -> str:
+    """Who is gone, as this rank can tell: a rank of its own node whose process has ended, else the
+    other node where there is one (its launcher cannot say: it died with it), else the launcher's word."""
+    if not _PEERS or rank >= len(_PEERS):
+        return "the launcher names it"
+    import psutil
+    mine = _PEERS[rank][0]
+    def ended(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return True
+
+    here = [r for r, (node, _, pid) in enumerate(_PEERS) if node == mine and r != rank and ended(pid)]
+    if here:
+        return f"rank {', '.join(map(str, here))} of this host ended"
+    others: dict[str, list[int]] = {}
+    for r, (node, _, _) in enumerate(_PEERS):
+        if node != mine:
+            others.setdefault(node, []).append(r)
+    if len(others) == 1:
+        (node, ranks), = others.items()
+        return f"lost host: node {node} ({_PEERS[ranks[0]][1]}, rank {', '.join(map(str, ranks))})"
+    if others:
+        return f"a rank of another host: nodes {', '.join(sorted(others))}; their launchers name it"
+    return "the launcher names it"
 
 
 def is_collective_error(e: BaseException) -> bool:

@@ -241,7 +241,7 @@ def test_prepared_only_reads_what_an_earlier_preparation_wrote(corpus_dir: Path,
 class _Ranks:
     """A stand-in process group of 2 on one host, seen from local rank 1."""
 
-    active, local_rank, world = True, 1, 2
+    active, rank, local_rank, world = True, 1, 1, 2
 
     def __init__(self) -> None:
         self.calls: list[str] = []

@@ -123,7 +123,8 @@ KILLED_RUN = textwrap.dedent("""
 def test_a_kill_mid_write_leaves_the_last_good_checkpoint_exact_to_resume(tmp_path, home):
     common = [*TINY, "--epochs", "3", "--max-steps", "9", "--save-every", "3", "--project", str(tmp_path)]
     assert main(["train", *common, "--name", "ref"]) == 0
-    env = dict(os.environ, STREAMNMT_HOME=str(home), PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ, STREAMNMT_HOME=str(home), PYTHONPATH=os.pathsep.join(sys.path),
+               OMP_NUM_THREADS="1")  # as the in-process reference (one_thread): the same sums
     proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, "train", *common, "--name", "killed"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -99,3 +99,20 @@ class Beside:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+class Deferred:
+    """A BLEU pass that has not run: ``fn()`` runs on the caller's thread at :meth:`join` (a
+    resumed run's pending evaluation, or one a signal cut short). Never running beside training."""
+
+    done = True
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+        self.stats: dict[str, dict[str, float]] = {}
+
+    def join(self) -> Any:
+        with STATS.own() as sites:
+            result = self.fn()
+        self.stats = {site: s.as_dict() for site, s in sorted(sites.items())}
+        return result

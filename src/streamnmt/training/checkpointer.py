@@ -28,13 +28,16 @@ import contextlib
 import json
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from streamnmt.checkpoint import keep_step_copy, save_checkpoint, save_safetensors
+from streamnmt.checkpoint import (keep_step_copy, load_safetensors, safetensors_metadata, save_checkpoint,
+                                  save_safetensors)
+from streamnmt.errors import InputError
 from streamnmt.engine.syncstats import host_sync
 
 # What best.pt and ema.pt keep: enough to translate, evaluate, export, average and start a run
@@ -53,7 +56,9 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         # how long the last write of each kind (last, best, ema) took on the writer (serialise,
-        # fsync, rename): last.pt holds the optimizer's moments too, best.pt a third of that
+        # fsync, rename): last.pt holds the optimizer's moments too, best.pt a third of that.
+        # Replaced, never changed in place: a BLEU pass's thread reads it (the run's time reserve)
+        # while the writer records a write.
         self.write_s: dict[str, float] = {}
         self.writes = 0
 
@@ -155,7 +160,7 @@ class Checkpointer:
             keep_step_copy(path, step, keep)
         if then is not None:
             then(state)
-        self.write_s[kind] = time.perf_counter() - t0
+        self.write_s = {**self.write_s, kind: time.perf_counter() - t0}
         self.writes += 1
 
 
@@ -172,8 +177,48 @@ def remove_stale_temporaries(weights_dir: Path) -> None:
 
 def safetensors_beside(path: Path) -> Callable[[dict[str, Any]], None]:
     """A writer's follow-up: the weights of a checkpoint just written to ``path`` also as
-    ``path.safetensors`` (for tools that read safetensors; the .pt file stays the reference)."""
+    ``path.safetensors`` (for tools that read safetensors; the .pt file stays the reference), from
+    the same staged state, tagged with the checkpoint's ``weights_id`` (see :func:`new_weights_id`)
+    so that a kill between the two writes is found and repaired (:func:`repair_safetensors_beside`)."""
     def write(state: dict[str, Any]) -> None:
-        save_safetensors(path.with_suffix(".safetensors"), state["model"],
-                         {"model_shape": json.dumps(state["model_shape"])})
+        _write_safetensors(path.with_suffix(".safetensors"), state)
     return write
+
+
+def new_weights_id() -> str:
+    """A fresh tag for one best.pt write, kept in best.pt and in best.safetensors' metadata."""
+    return uuid.uuid4().hex
+
+
+def _write_safetensors(path: Path, state: dict[str, Any]) -> None:
+    save_safetensors(path, state["model"], {"model_shape": json.dumps(state["model_shape"]),
+                                            "weights_id": str(state.get("weights_id") or "")})
+
+
+def repair_safetensors_beside(pt: Path, log: Callable[[str], None]) -> bool:
+    """Make ``pt``'s .safetensors hold ``pt``'s weights where a kill came between the two writes
+    (best.pt is written first: the .safetensors file is then missing or an older model's). The tags
+    decide; a best.pt without one (an earlier version) is compared tensor by tensor. Returns
+    whether the file was rewritten."""
+    st = pt.with_suffix(".safetensors")
+    if not pt.is_file():
+        return False
+    try:
+        ckpt = torch.load(pt, map_location="cpu", weights_only=True, mmap=True)
+        model, want = ckpt["model"], ckpt.get("weights_id")
+    except Exception:  # noqa: BLE001 - an unreadable best.pt: nothing to repair from (last.pt is whole)
+        return False
+    if st.is_file():
+        try:
+            have = safetensors_metadata(st).get("weights_id")
+            if want and have == want:
+                return False
+            if not want:
+                tensors = load_safetensors(st)
+                if tensors.keys() == model.keys() and all(torch.equal(tensors[k], model[k]) for k in model):
+                    return False
+        except (InputError, OSError, ValueError):
+            pass  # a torn or foreign file: rewritten
+    _write_safetensors(st, {**ckpt, "model": {k: v.contiguous() for k, v in model.items()}})
+    log(f"{st}: did not hold {pt.name}'s weights (a kill between the two writes); rewritten from {pt.name}")
+    return True

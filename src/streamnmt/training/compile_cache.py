@@ -32,6 +32,7 @@ a directory that cannot be written gives one warning line, and the run compiles 
 
 from __future__ import annotations
 
+import functools
 import getpass
 import hashlib
 import json
@@ -49,7 +50,7 @@ import torch
 
 from streamnmt.fsutil import atomic_write
 
-KEY_VERSION = 1  # bump when the key's layout or what the files hold changes
+KEY_VERSION = 2  # bump when the key's layout or what the files hold changes (2: the package's code, buckets)
 INDUCTOR_ENV, TRITON_ENV = "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"
 MANIFEST, ARTIFACTS = "key.json", "artifacts.bin"
 Log = Callable[[str], None]
@@ -91,15 +92,40 @@ def _triton_version() -> str | None:
 
 def compile_key(*, model: dict[str, Any], batch_shapes: Iterable[Iterable[int]], packed: bool, amp: str,
                 attention: str, world: int, deterministic: bool, inductor: dict[str, Any],
-                env: dict[str, Any]) -> dict[str, Any]:
+                env: dict[str, Any], bucket_cap_mb: float = 25.0, code: str | None = None) -> dict[str, Any]:
     """What the compiled training step depends on: the model's sizes and dropout sites (``model``),
     the static batch shapes (B, S, T) and whether they are packed (segment tensors), the autocast
-    dtype, the attention kernel, DDP's world size (DDP splits the graph at its buckets),
-    deterministic algorithms, the Inductor options the step sets and the environment."""
+    dtype, the attention kernel, DDP's world size and ``--bucket-cap-mb`` (DDP splits the graph at
+    its buckets), deterministic algorithms, the Inductor options the step sets, the environment,
+    and the package's own code (``code``, default :func:`package_digest`: the traced step is ours)."""
     shapes = sorted(list(map(int, s)) for s in batch_shapes)
     return {"version": KEY_VERSION, "model": dict(model), "batch_shapes": shapes, "packed": bool(packed),
-            "amp": amp, "attention": attention, "world": int(world), "deterministic": bool(deterministic),
-            "inductor": dict(inductor), "env": dict(env)}
+            "amp": amp, "attention": attention, "world": int(world), "bucket_cap_mb": float(bucket_cap_mb),
+            "deterministic": bool(deterministic), "inductor": dict(inductor), "env": dict(env),
+            "code": package_digest() if code is None else code}
+
+
+@functools.lru_cache(maxsize=1)
+def package_digest() -> str:
+    """sha256 of streamnmt's source files (their paths and bytes): a change to the model, the step
+    or anything they call traces another graph, which an unchanged key would call warm."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _cache_misses() -> int:
+    """Compiles of this process that torch's caches did not hold (Inductor's FX graph cache and
+    the AOTAutograd cache); 0 where this torch keeps no such counters."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["inductor"].get("fxgraph_cache_miss", 0)) + \
+        int(counters["aot_autograd"].get("autograd_cache_miss", 0))
 
 
 def model_facts(shape: Any, max_len: int) -> dict[str, Any]:
@@ -128,7 +154,7 @@ def job_key(job: Any, batch_shapes: Iterable[Iterable[int]], device: torch.devic
              "max_len": job.data.max_len}
     return compile_key(model=model, batch_shapes=batch_shapes, packed=job.data.packs, amp=job.optim.amp,
                        attention=m.attention, world=world, deterministic=job.run.deterministic,
-                       inductor=inductor, env=environment(device))
+                       inductor=inductor, env=environment(device), bucket_cap_mb=job.engine.bucket_cap_mb)
 
 
 def tokenizer_vocab(cfg: Any) -> tuple[int, int] | None:
@@ -250,21 +276,24 @@ class CompileCache:
 
     def save(self, log: Log | None) -> None:
         """Once per run, after the first compiled steps: the mega-cache (torch >= 2.7), then the
-        manifest, each written atomically. A warm run whose directories held everything writes nothing."""
+        manifest, each written atomically. A warm run whose directories held everything writes
+        nothing; one whose compile still missed torch's caches (the saved artefacts were stale)
+        writes them afresh."""
         if self.saved or self.facts is None or self.disabled:
             return
         self.saved = True
-        if (self.warm and not self.loaded) or _rank() != 0:  # rank 0 writes for all (same artefacts)
+        stale = self.warm and _cache_misses() > 0
+        if (self.warm and not self.loaded and not stale) or _rank() != 0:  # rank 0 writes for all
             return
         assert self.dir is not None
         try:
             blob = None
-            if mega_cache() and not self.loaded:  # a loaded blob is on disk already
+            if mega_cache() and (not self.loaded or stale):  # a loaded blob that served is on disk already
                 artefacts = torch.compiler.save_cache_artifacts()
                 blob = artefacts[0] if artefacts else None
             if blob:
                 atomic_write(self.dir / ARTIFACTS, blob)
-            manifest = {"key": self.facts, "dirs": self.dirs(), "artifacts": bool(blob) or self.loaded,
+            manifest = {"key": self.facts, "dirs": self.dirs(), "artifacts": bool(blob) or (self.loaded and not stale),
                         "saved": time.strftime("%Y-%m-%d %H:%M:%S")}
             atomic_write(self.dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, default=str))
         except Exception as e:  # noqa: BLE001 - OSError, or a torch that cannot serialise: never fatal

@@ -35,8 +35,12 @@ class EvaluationPoints:
         ``beside`` (not at the run's end), after the first evaluation: validation now, the BLEU pass
         beside training (:meth:`_collect_eval` decides later). Returns the drained losses."""
         ev = self.evaluator
-        if ev.pending is not None:  # --eval-every N came round before the last pass ended
+        if ev.pending is not None:  # the last pass is decided now (it may still run: wait for it)
             self._collect_eval(wait=True)
+            if self.signalled:  # before or while it was collected: the run stops after this step;
+                ev.interrupt()  # last.pt records that pass undecided and this evaluation as due,
+                self.eval_due = {"step": self.global_step, "epoch": epoch, "beside": beside}
+                return []       # and the resumed run does both first, as this run would have now
         te = self.clock()
         losses = self._drain("eval")
         wall_s = self.run_wall_s()  # when the run reached the evaluated weights (the drain: the GPU too)
@@ -66,7 +70,16 @@ class EvaluationPoints:
         first = self.last_eval is None and self.device.type == "cuda"
         before = torch.cuda.memory_reserved(self.device) if first else 0  # host-side counters: no sync
         best_s: list[float] = []
-        result = ev.evaluate(self.global_step, ema, on_better=lambda: best_s.append(self._write_best()), stop=stop)
+        result = ev.evaluate(self.global_step, ema, on_better=lambda: best_s.append(self._write_best()), stop=stop,
+                             interrupted=lambda: self.signalled)
+        if result.deferred:  # a signal cut the BLEU pass: undecided, last.pt records it (see Evaluator.record)
+            self.waits["stats"].append(STATS.reset())
+            STATS.sites = held
+            cost = self.clock() - te
+            self._account(evaluation=cost)
+            self.launched = {"step": self.global_step, "epoch": epoch + 1, "wall_s": wall_s, "eval_s": cost}
+            self.last_eval, self.last_eval_step = result, self.global_step
+            return losses
         if first:  # what the evaluation's graphs (validation, decoding buckets) hold for the rest of the run
             grown = (torch.cuda.memory_reserved(self.device) - before) / 2 ** 20
             took = self.clock() - te
@@ -90,7 +103,7 @@ class EvaluationPoints:
         best_s: list[float] = []
         launched = self.launched
         got = self.evaluator.collect(lambda weights: best_s.append(self._write_best(weights, launched["step"])),
-                                     wait=wait) if launched else None
+                                     wait=wait, interrupted=lambda: self.signalled) if launched else None
         if got is None:
             return False
         result, stats = got

@@ -17,7 +17,13 @@ and checkpoints in a run"). Three things keep evaluation a bounded share of the 
 * ``--async-eval`` (on a GPU with one process): after the first evaluation, which captures the
   decoding graphs on the loop, the BLEU pass runs on a thread beside training
   (:mod:`streamnmt.training.beside`): :meth:`Evaluator.launch` starts it, :meth:`Evaluator.collect`
-  decides with its result at a later step.
+  decides with its result at the next evaluation or the end of the run, steps that do not depend
+  on how fast the pass ran, so that a run replays exactly from its last.pt.
+
+An evaluation whose BLEU is not decided yet (a pass beside training, or one a signal cut short) is
+``pending``: a last.pt written meanwhile records it, its evaluated weights included
+(:meth:`Evaluator.record`), and a resumed run decodes those weights again (:meth:`Evaluator.restore`)
+and decides where the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from streamnmt.engine.syncstats import host_sync
 from streamnmt.inference.decoding import SearchOptions, decoding_copy
 from streamnmt.inference.scoring import ScorePool, bleu_on_pairs
 from streamnmt.models import masks
-from streamnmt.training.beside import Beside, Snapshot
+from streamnmt.training.beside import Beside, Deferred, Snapshot
 from streamnmt.training.step import LossModel
 from streamnmt.training.stopping import EarlyStopping, best_metric, parse_duration
 
@@ -99,6 +105,7 @@ class Evaluation:
     bleu_n: int = 0  # dev sentences scored: fewer than --bleu-samples when the time limit cut the pass
     val_s: float = 0.0  # seconds of the validation loss (the first: its graph's capture included)
     step: int = 0  # the step whose weights were evaluated (its BLEU None while its pass runs beside training)
+    deferred: bool = False  # a signal cut its BLEU pass: not decided, pending (a resume decodes it again)
 
 
 class CapturedLoss:
@@ -187,17 +194,20 @@ class Evaluator:
         self.beside = wanted and not dist.active and bool(run.bleu_samples)
         self._side = torch.cuda.Stream(device) if self.beside and device.type == "cuda" else None
         self._snapshot = Snapshot()  # the evaluated step's weights, for best.pt (device buffers)
-        self.pending: tuple[Evaluation, dict[str, torch.Tensor], Beside] | None = None
+        self.pending: tuple[Evaluation, dict[str, torch.Tensor], Beside | Deferred] | None = None
         self.passes = 0  # BLEU passes made
+        self.aborted = False  # train() raised: a pass beside training stops at its next batch
 
     # -- what the loop calls ------------------------------------------------------------------
     def evaluate(self, step: int, ema: Any = None, on_better: Callable[[], None] | None = None,
-                 stop: Callable[[], bool] | None = None) -> Evaluation:
+                 stop: Callable[[], bool] | None = None, interrupted: Callable[[], bool] | None = None) -> Evaluation:
         """Validate and score (with the EMA weights when ``ema`` is given); ``on_better`` runs with
         those weights in the model when --best-metric improved (it writes best.pt). ``stop()``
         (rank 0's, asked between decoding batches) cuts the BLEU pass short for a time limit: that
         BLEU is reported with its sentence count, and not compared for best.pt or --patience (it
-        writes best.pt only where no full pass has set a best yet)."""
+        writes best.pt only where no full pass has set a best yet). One process, a pass cut where
+        ``interrupted()`` (a signal: the run stops after this step): nothing is decided, the
+        evaluation is pending (``deferred``) and last.pt records it for the resumed run."""
         with ema.swapped() if ema is not None else contextlib.nullcontext():
             if self.dist.main:
                 t0 = time.perf_counter()
@@ -205,6 +215,13 @@ class Evaluator:
                 val_s = time.perf_counter() - t0
                 bleu, bleu_s, bleu_n = self.bleu(stop)
                 asked = len(self._pairs or ())
+                if (not self.dist.active and bleu is not None and bleu_n < asked and interrupted is not None
+                        and interrupted()):
+                    weights = self._snapshot.take(self.model.state_dict())
+                    self.best_val = min(self.best_val, val_loss)
+                    result = Evaluation(val_loss, None, 0.0, False, 0, val_s, step, deferred=True)
+                    self.pending = (result, weights, self._deferred(weights))
+                    return result
             else:
                 val_loss, val_s, bleu, bleu_s, bleu_n, asked = math.nan, 0.0, None, 0.0, 0, 0
             # every rank learns rank 0's results (best.pt and --patience decide alike everywhere)
@@ -231,8 +248,59 @@ class Evaluator:
         if self._side is not None:
             self._side.wait_stream(torch.cuda.current_stream(self.device))  # the copies (done already)
         result = Evaluation(val_loss, None, 0.0, False, 0, val_s, step)
-        self.pending = (result, weights, Beside(lambda: self._decode(stop), self.device, self._side))
+        self.pending = (result, weights, Beside(lambda: self._decode(self._or_aborted(stop)), self.device, self._side))
         return result
+
+    def _or_aborted(self, stop: Callable[[], bool] | None) -> Callable[[], bool]:
+        return lambda: self.aborted or (stop is not None and stop())
+
+    def _deferred(self, weights: dict[str, torch.Tensor]) -> Deferred:
+        """A BLEU pass of ``weights`` that runs on the loop when collected (its own decoding copy,
+        loaded with them: the model trains on meanwhile)."""
+        def decode() -> tuple[float | None, float, int]:
+            self.bleu_model = decoding_copy(self.model, self.bleu_dtype, self.bleu_model, separate=True)
+            self.bleu_model.load_state_dict(weights)
+            return self._decode(None)
+        return Deferred(decode)
+
+    def record(self) -> dict[str, Any] | None:
+        """The pending evaluation as last.pt keeps it (its BLEU pass is decoded again on resume),
+        or None. The weights are the evaluated step's (the snapshot, staged by the writer)."""
+        if self.pending is None:
+            return None
+        launched, weights, _ = self.pending
+        return {"step": launched.step, "val_loss": launched.val_loss, "val_s": launched.val_s, "model": weights}
+
+    def restore(self, record: dict[str, Any] | None) -> None:
+        """A resumed run's pending evaluation (:meth:`record`): decided at :meth:`collect`, where the
+        interrupted run would have decided it, after a pass of the recorded weights on the loop."""
+        if not record:
+            return
+        weights = self._snapshot.take({k: v.to(self.device) for k, v in record["model"].items()})
+        launched = Evaluation(record["val_loss"], None, 0.0, False, 0, record["val_s"], record["step"])
+        self.pending = (launched, weights, self._deferred(weights))
+
+    def interrupt(self) -> None:
+        """A signal stops the run: a pass beside training stops (it asks the run's stop rule,
+        which the signal answers) and its result is dropped; the evaluation stays pending for
+        last.pt, as a pass of its weights on the loop."""
+        if self.pending is None:
+            return
+        launched, weights, task = self.pending
+        if isinstance(task, Beside):
+            with contextlib.suppress(Exception):  # a cut pass: its result, or its error, is not used
+                task.join()
+            self.pending = (launched, weights, self._deferred(weights))
+
+    def abort(self) -> None:
+        """train() raised: a pass beside training stops at its next decoding batch and is waited
+        for (its error, if any, is not the one to report), and the scoring workers exit."""
+        self.aborted = True
+        pending, self.pending = self.pending, None
+        if pending is not None and isinstance(pending[2], Beside):
+            with contextlib.suppress(BaseException):
+                pending[2].join()
+        self.close()
 
     @property
     def running(self) -> bool:
@@ -240,11 +308,13 @@ class Evaluator:
         pending = self.pending  # read once: the loop may clear it meanwhile
         return pending is not None and not pending[2].done
 
-    def collect(self, on_better: Callable[[dict[str, torch.Tensor]], None] | None = None,
-                wait: bool = False) -> tuple[Evaluation, dict[str, dict[str, float]]] | None:
-        """The evaluation whose BLEU pass ran beside training, once the pass has finished (``wait``:
-        wait for it), decided as :meth:`evaluate` decides; ``on_better`` gets the evaluated step's
-        weights (the snapshot). Returns it and the pass's host waits; None where none is ready."""
+    def collect(self, on_better: Callable[[dict[str, torch.Tensor]], None] | None = None, wait: bool = False,
+                interrupted: Callable[[], bool] | None = None) -> tuple[Evaluation, dict[str, dict[str, float]]] | None:
+        """The pending evaluation (a pass beside training, or one to decode on the loop now), once
+        its pass has finished (``wait``: wait for it), decided as :meth:`evaluate` decides;
+        ``on_better`` gets the evaluated step's weights (the snapshot). Returns it and the pass's
+        host waits; None where none is ready, or where ``interrupted()`` (a signal) cut the pass:
+        then it stays pending, undecided (see :meth:`record`)."""
         if self.pending is None or (not wait and self.running):
             return None
         launched, weights, task = self.pending
@@ -252,6 +322,9 @@ class Evaluator:
             bleu, bleu_s, bleu_n = task.join()
         finally:
             self.pending = None  # after the join: the pass asks `running` while it decodes
+        if interrupted is not None and bleu is not None and bleu_n < len(self._pairs or ()) and interrupted():
+            self.pending = (launched, weights, self._deferred(weights))
+            return None
         better = self._decide(launched.step, launched.val_loss, bleu, bleu_n, len(self._pairs or ()))
         if better and on_better is not None:
             on_better(weights)

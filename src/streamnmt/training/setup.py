@@ -33,7 +33,7 @@ from streamnmt.fsutil import atomic_write
 from streamnmt.inference.decoding import decode_dtype
 from streamnmt.models.attention import resolve_attention
 from streamnmt.models.transformer import ModelShape, Transformer
-from streamnmt.training.checkpointer import Checkpointer, remove_stale_temporaries
+from streamnmt.training.checkpointer import Checkpointer, remove_stale_temporaries, repair_safetensors_beside
 from streamnmt.training.evaluator import Cadence, Evaluation, Evaluator
 from streamnmt.training.recipe import resolve_compile_for_ranks, resolve_job_for_ranks
 from streamnmt.training.reporting import Scalars, overlong_note, running
@@ -240,6 +240,8 @@ class TrainerSetup:
         self.fresh_bleu: float | None = None  # a pass beside training's BLEU, for the next epoch line
         self.best_on_disk: float | None = None  # the --best-metric value of the model best.pt holds
         self.last_eval_step = self.last_save_step = -1
+        # an evaluation a signal kept from running at its step ({step, epoch, beside}): a resume runs it first
+        self.eval_due: dict[str, Any] | None = None
         # The wall clock of the run's earlier processes up to the state a resume starts from, so that
         # evals.csv's wall_s (time to BLEU) counts across resumes.
         self.wall_before: float | None = 0.0
@@ -261,8 +263,9 @@ class TrainerSetup:
         r = self.job.run
         if resume is not None:
             self.save_dir = self.save_dir_of_resume()
-            if self.dist.main:  # a write that a kill interrupted left its temporary file
-                remove_stale_temporaries(self.save_dir / "weights")
+            if self.dist.main:  # a write that a kill interrupted left its temporary file, or
+                remove_stale_temporaries(self.save_dir / "weights")  # came between best.pt and its .safetensors
+                repair_safetensors_beside(self.save_dir / "weights" / "best.pt", self.log)
         elif not self.dist.main:
             self.save_dir = Path(self.dist.broadcast(None, "dist.setup"))  # rank 0's choice
         else:
@@ -284,8 +287,11 @@ class TrainerSetup:
             if main else distributed.NullLog()
         self.results_log = CsvLog(self.save_dir / "results.csv", RESULT_COLUMNS, truncate_after=self.epoch) \
             if main else distributed.NullLog()
-        self.evals_log = CsvLog(self.save_dir / "evals.csv", EVAL_COLUMNS, truncate_after=self.global_step) \
-            if main else distributed.NullLog()
+        # evals.csv: up to the checkpoint's step, less an evaluation it recorded undecided (written
+        # again when the resumed run decides it)
+        pending = self.launched["step"] - 1 if self.evaluator.pending is not None and self.launched else self.global_step
+        self.evals_log = CsvLog(self.save_dir / "evals.csv", EVAL_COLUMNS,
+                                truncate_after=min(self.global_step, pending)) if main else distributed.NullLog()
         self.scalars = Scalars(self.save_dir, self.job.run.tensorboard and main)
         stats_path = self.save_dir / "sync_stats.json"
         self.sync_stats: list[dict[str, Any]] = []
@@ -398,6 +404,12 @@ class TrainerSetup:
         # the loader converts a position saved at another world size; the trainer counts in its units
         self.epoch, self.epoch_pos = self.train_loader.epoch, self.train_loader.position
         self.evaluator.load_state_dict(ckpt.get("stopping"))
+        self.eval_due = ckpt.get("eval_due")
+        pending = ckpt.get("pending_eval")
+        if pending:  # an evaluation the interrupted run had not decided: decided again where it would have
+            self.evaluator.restore(pending)
+            self.launched = {"step": pending["step"], **{k: pending.get(k) for k in ("epoch", "wall_s", "eval_s")}}
+            self.launched["eval_s"] = self.launched["eval_s"] or 0.0
         self._read_best_on_disk()
         if self.step_fn.ema is not None and ckpt.get("ema"):
             self.step_fn.ema.load_state_dict(ckpt["ema"])
@@ -446,6 +458,9 @@ class TrainerSetup:
         return Path(self.job.run.resume).resolve().parent.parent
 
     def checkpoint_state(self) -> dict[str, Any]:
+        pending = self.evaluator.record()
+        if pending is not None and self.launched is not None:
+            pending.update({k: self.launched[k] for k in ("epoch", "wall_s", "eval_s")})
         return {
             "model": self.model.state_dict(),
             "model_shape": dataclasses.asdict(self.shape),
@@ -454,9 +469,12 @@ class TrainerSetup:
             "tokenizers": {side: tokenizer_entry(tok) for side, tok in (("src", self.data.src_tok),
                                                                           ("tgt", self.data.tgt_tok))},
             "config": self.job.to_dict(),
-            # the last evaluation decided (a pass still beside training is not in this state: a
-            # resume evaluates that step again where its rule says)
-            "step": self.global_step, "best_val": self.best_val, "last_eval_step": self.decided_eval_step,
+            # the last evaluation: decided, or pending (a BLEU pass beside training, one a signal cut),
+            # recorded with its weights in pending_eval (Evaluator.record): a resume decides it
+            "step": self.global_step, "best_val": self.best_val,
+            "last_eval_step": self.last_eval_step if pending else self.decided_eval_step,
+            "pending_eval": pending,
+            "eval_due": self.eval_due if self.eval_due and self.eval_due["step"] == self.global_step else None,
             "wall_s": self.run_wall_s(),
             "recipe_device": dataclasses.asdict(self.recipe_device),
             "sampler": {**self.train_loader.state_dict(), "epoch": self.epoch, "position": self.epoch_pos},

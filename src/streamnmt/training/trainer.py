@@ -15,6 +15,7 @@ rank 0 alone writes the run directory.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -30,7 +31,7 @@ from streamnmt.engine import STATS
 from streamnmt.engine.losses import StepLoss
 from streamnmt.engine.syncstats import format_table
 from streamnmt.errors import NonFiniteLoss
-from streamnmt.training.checkpointer import safetensors_beside, weights_only
+from streamnmt.training.checkpointer import new_weights_id, safetensors_beside, weights_only
 from streamnmt.training.evaluating import EvaluationPoints
 from streamnmt.training.monitor import CpuSampler, NvmlSampler
 from streamnmt.training.plots import plot_results
@@ -50,11 +51,48 @@ class Trainer(EvaluationPoints, TrainerSetup):
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
+        """The run; however it ends, every background write and BLEU pass is waited for or, where
+        the run stops before deciding a pass, recorded in last.pt (:meth:`_abandon` for an error)."""
+        try:
+            return self._train()
+        except BaseException as e:
+            self._abandon(e)
+            raise
+
+    def _abandon(self, error: BaseException) -> None:
+        """train() raised (an error, a lost peer, a second Ctrl-C): a pass beside training stops
+        and the scoring workers exit; the write in flight lands, so that the run leaves whole files
+        and its error line names a checkpoint that exists (only a kill leaves a write unfinished: its
+        temporary file goes at the next start)."""
+        with contextlib.suppress(Exception):
+            self.evaluator.abort()
+        try:
+            self.checkpointer.close()
+        except Exception as e:  # noqa: BLE001 - the run's own error is the one raised
+            self.log(f"warning: the checkpoint write in flight failed as well ({type(e).__name__}: "
+                     f"{str(e).splitlines()[0][:200] if str(e) else ''}); the files before it are whole")
+        for log in (self.steps_log, self.results_log, self.evals_log, self.scalars):
+            with contextlib.suppress(Exception):
+                log.close()
+        if isinstance(error, NonFiniteLoss):
+            error.args = (f"{error}; {self._last_good()}",)
+
+    def _last_good(self) -> str:
+        """The checkpoint a failed run leaves to go on from, as it is on disk now."""
+        last = self.save_dir / "weights" / "last.pt"
+        try:
+            step = torch.load(last, map_location="cpu", weights_only=True, mmap=True)["step"]
+        except Exception:  # noqa: BLE001 - absent, or not whole: not one to name
+            return "no checkpoint was written (weights/last.pt does not exist)"
+        return f"the last good checkpoint is {last} (step {step})"
+
+    def _train(self) -> dict[str, Any]:
         r = self.job.run
         row: dict[str, Any] = {}
         self.times["set-up"] = time.monotonic() - self.t_command  # from the command's start to the first step
         loop_start = self.clock()
         with stop_signals(self):
+            self._resume_evaluations()
             self.log(f"{'Epoch':>7}{'GPU_mem':>9}{'batches':>9}{'tokens/s':>10}{'train_loss':>12}"
                      f"{'train_nll':>11}{'ppl':>9}{'val_loss':>10}{'BLEU':>7}{'time':>8}")
             while self.epoch < r.epochs and not self._done():
@@ -83,6 +121,20 @@ class Trainer(EvaluationPoints, TrainerSetup):
         result["wall_s"] = time.monotonic() - self.t_command
         self.log(time_line(self.times, result["wall_s"]))
         return result
+
+    def _resume_evaluations(self) -> None:
+        """A resumed run first does what a signal kept the interrupted one from doing at the
+        checkpoint's step: decide an evaluation whose pass was on the loop, run an evaluation that
+        was due (it decides a pass beside training first), and stop where --patience ran out."""
+        due, self.eval_due = self.eval_due, None
+        if due is not None and due["step"] == self.global_step:
+            self._evaluate(due["epoch"], beside=due["beside"])
+        elif self.evaluator.pending is not None and not self.evaluator.beside:
+            self._collect_eval(wait=True)
+        else:
+            return
+        if self.evaluator.stopper.should_stop and not self.stop_requested:
+            self._request_stop(self.evaluator.stopper.reason())
 
     def _close_logs(self) -> float:
         """The sync table, the logs closed and the plots drawn while the last last.pt is written;
@@ -181,9 +233,8 @@ class Trainer(EvaluationPoints, TrainerSetup):
                 bar.set_postfix_str(f"loss {self.last_loss:.4f} (as of last extraction)", refresh=False)
             now = self.clock()
             self._trained(now - mark)
-            ev = self.evaluator
-            if ev.pending is not None and not ev.running and not self.checkpointer.busy:
-                self._collect_eval()  # a BLEU pass beside training has ended (its best.pt: no write to wait for)
+            # (a BLEU pass beside training is decided at the next evaluation or the end of the run,
+            # not when it ends: a step that does not depend on its speed, so a resume replays it)
             # 3. the time budget; then whether to stop and whether to evaluate (host flags; several
             # ranks: one agreement); evaluation before a save of the same step, so that the
             # checkpoint holds its early-stopping state; mid-epoch checkpoint; kill test hook
@@ -304,8 +355,14 @@ class Trainer(EvaluationPoints, TrainerSetup):
         # one rank's signal; rank 0 may still be waiting for a write alone
         signalled = self.dist.agree(self.signalled, "dist.stop", long_wait=True) if self.dist.active else self.signalled
         self.signalled = signalled  # any rank's: what the last line says
-        # a BLEU pass beside training ends first; it changed the early-stopping state that last.pt keeps
-        evaluated = self._collect_eval(wait=True)
+        # a BLEU pass beside training ends first; it changed the early-stopping state that last.pt
+        # keeps. After a signal it stops short instead and last.pt records it undecided (a resume
+        # decodes it again and decides where this run would have)
+        if signalled:
+            self.evaluator.interrupt()
+            evaluated = False
+        else:
+            evaluated = self._collect_eval(wait=True)
         if self.global_step and self.last_eval_step != self.global_step and not signalled:
             losses += self._evaluate(self.epoch, beside=False)
             evaluated = True
@@ -350,19 +407,17 @@ class Trainer(EvaluationPoints, TrainerSetup):
     def _check_step(self, step: int, loss: float, grad_norm: float, skipped: bool) -> None:
         """--on-nan for a non-finite loss or gradient (with fp16, the grad scaler's overflow skips
         are its own business); --max-skipped-steps for a run that no longer updates at all."""
-        r, last = self.job.run, self.save_dir / "weights" / "last.pt"
+        r = self.job.run
         self.skipped_in_row = self.skipped_in_row + 1 if skipped else 0
         if not math.isfinite(loss) or (skipped and self.scaler is None):
             self.nonfinite_steps.append(step)
             what = f"loss ({loss})" if not math.isfinite(loss) else f"gradient norm ({grad_norm}, loss {loss:.4f})"
             if r.on_nan == "stop":
-                raise NonFiniteLoss(f"non-finite {what} at step {step} (--on-nan stop); the last good "
-                                    f"checkpoint is {last}")
+                raise NonFiniteLoss(f"non-finite {what} at step {step} (--on-nan stop)")  # + the checkpoint: _abandon
             self.log(f"warning: non-finite {what} at step {step}; the update was skipped (--on-nan skip)")
         if r.max_skipped_steps and self.skipped_in_row >= r.max_skipped_steps:
             raise NonFiniteLoss(f"{self.skipped_in_row} updates in a row skipped (non-finite loss or gradient) up "
-                                f"to step {step} (--max-skipped-steps {r.max_skipped_steps}); the last good "
-                                f"checkpoint is {last}")
+                                f"to step {step} (--max-skipped-steps {r.max_skipped_steps})")
 
     def _drain(self, why: str) -> list[StepLoss]:
         # Needed: a checkpoint or an evaluation sees finished work only, and every loss up to it is logged first.
@@ -392,7 +447,7 @@ class Trainer(EvaluationPoints, TrainerSetup):
         if kind == "best":
             stopper = self.evaluator.stopper
             state = {**weights_only(state), "best": {"metric": stopper.metric, "value": stopper.best,
-                                                     "step": stopper.best_step}}
+                                                     "step": stopper.best_step}, "weights_id": new_weights_id()}
             then = safetensors_beside(path)
         return self.checkpointer.save(path, state, kind=kind, keep=keep, step=self.global_step, then=then)
 

@@ -1,0 +1,393 @@
+"""Fault injection: a run's files under a slow disk, a kill -9 at each stage of a write, an error in
+the BLEU pass, SIGTERM during a pass, a non-finite loss, a full disk and a damaged last.pt.
+
+After each fault: last.pt loads, best.pt and best.safetensors hold the same weights, and the run
+resumed from last.pt equals the uninterrupted one (steps.csv, evals.csv, the early-stopping record
+in last.pt, best.pt), with ``--async-eval`` on and off. Each faulted run is a forked child of the
+test process (the imports are paid once), which a kill ends as ``kill -9`` would; the resumes and
+the uninterrupted runs run in the test process. BLEU is a stand-in that is a function of the
+decoded weights (a resume must decode the very weights the run evaluated), so that --patience and
+best.pt see improvements and stalls in a few steps of a tiny model. The parametrized ids list the
+cases; pytest's report gives each one's result.
+"""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamnmt import fsutil
+from streamnmt.checkpoint import load_checkpoint, load_safetensors
+from streamnmt.cli import build_parser, main
+from streamnmt.config import build_job
+from streamnmt.training import checkpointer as ckpt_mod
+from streamnmt.training import evaluator as evaluator_mod
+from streamnmt.training.checkpointer import Checkpointer
+from streamnmt.training.runs import read_csv
+from streamnmt.training.trainer import Trainer
+from tests.conftest import single_thread
+
+MODES = ("off", "on")  # --async-eval
+FLAGS = ["--device", "cpu", "--model", "tiny", "--builtin-size", "200", "--batch-size", "16", "--max-len", "32",
+         "--dropout", "0", "--sync-strategy", "event", "--loss-interval", "1", "--seed", "3", "--epochs", "3",
+         "--eval-every", "5", "--bleu-samples", "4", "--beam-size", "1", "--patience", "3", "--best-metric", "bleu",
+         "--save-every", "4", "--ema", "0"]
+EVAL_COLS = ("step", "epoch", "val_loss", "bleu", "bleu_n", "best")
+
+
+def fake_bleu(model, src_tok, tgt_tok, pairs, *, stop=None, **_):
+    """A BLEU of the decoded weights (their sum, scrambled): the same weights, the same score."""
+    total = sum(float(p.detach().double().sum()) for p in model.parameters())
+    if threading.current_thread() is not threading.main_thread():
+        time.sleep(0.2)  # a pass beside training lasts a few steps: a last.pt is written meanwhile
+    hook = FAULT.get("bleu")
+    if hook is not None:
+        return hook(total, pairs, stop)
+    return {"bleu": abs(total * 1e3) % 10.0, "n": len(pairs)}
+
+
+FAULT: dict[str, Callable] = {}  # a child's injected behaviour of the BLEU pass
+
+
+class Pool:
+    """The scoring workers' stand-in (the stand-in BLEU scores nothing): counts the open ones."""
+
+    open = 0
+
+    def __init__(self, tgt_lang: str):
+        Pool.open += 1
+
+    def close(self) -> None:
+        Pool.open -= 1
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """One thread, a STREAMNMT_HOME of the module's, the stand-in BLEU; the two uninterrupted runs."""
+    mp = pytest.MonkeyPatch()
+    root = tmp_path_factory.mktemp("faults")
+    mp.setenv("STREAMNMT_HOME", str(root / "home"))
+    mp.setattr(evaluator_mod, "bleu_on_pairs", fake_bleu)
+    mp.setattr(evaluator_mod, "ScorePool", Pool)
+    with single_thread():
+        refs = {}
+        for mode in MODES:
+            t = trainer(root, "ref-" + mode, mode)
+            t.train()
+            refs[mode] = root / ("ref-" + mode)
+        yield root, refs
+    mp.undo()
+
+
+def trainer(project: Path, name: str, mode: str, *extra: str) -> Trainer:
+    args = vars(build_parser().parse_args(["train", *FLAGS, "--async-eval", mode, "--project", str(project),
+                                           "--name", name, *extra]))
+    for key in ("_run", "command"):
+        args.pop(key)
+    return Trainer(build_job(args), log=lambda _: None)
+
+
+def in_child(fn: Callable[[], int], timeout: float = 120.0) -> int:
+    """``fn()`` in a forked child; its return value is the exit code (-9: killed by SIGKILL)."""
+    def body() -> None:
+        code = 99
+        try:
+            code = fn()
+        except BaseException as e:  # noqa: BLE001 - reported through the exit code
+            print(f"child raised {type(e).__name__}: {e}", file=sys.stderr)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    proc = multiprocessing.get_context("fork").Process(target=body)
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        pytest.fail("the faulted run hung")
+    return proc.exitcode
+
+
+def kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(path)["model"]
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def check_after_fault(run: Path) -> None:
+    """last.pt loads; best.pt and best.safetensors (where written) hold the same weights."""
+    w = run / "weights"
+    assert load_checkpoint(w / "last.pt")["step"] > 0
+    if (w / "best.pt").exists():
+        assert same(weights(w / "best.pt"), load_safetensors(w / "best.safetensors"))
+
+
+def resume_and_compare(run: Path, ref: Path) -> None:
+    last = run / "weights" / "last.pt"
+    Trainer.from_checkpoint(str(last), log=lambda _: None).train()
+    w, rw = run / "weights", ref / "weights"
+    assert [(r["step"], r["epoch"], r["loss"]) for r in read_csv(run / "steps.csv")] == \
+           [(r["step"], r["epoch"], r["loss"]) for r in read_csv(ref / "steps.csv")]
+    assert [{c: r[c] for c in EVAL_COLS} for r in read_csv(run / "evals.csv")] == \
+           [{c: r[c] for c in EVAL_COLS} for r in read_csv(ref / "evals.csv")]
+    got, want = load_checkpoint(w / "last.pt"), load_checkpoint(rw / "last.pt")
+    def record(ckpt):  # the early-stopping state (the time rule's seconds aside: not replayed)
+        return ckpt["step"], {k: v for k, v in ckpt["stopping"].items() if k != "cadence"}, ckpt["last_eval_step"]
+    assert record(got) == record(want)
+    assert same(got["model"], want["model"])
+    best, ref_best = load_checkpoint(w / "best.pt"), load_checkpoint(rw / "best.pt")
+    assert (best["step"], best["best"]) == (ref_best["step"], ref_best["best"]) and same(best["model"], ref_best["model"])
+    assert same(best["model"], load_safetensors(w / "best.safetensors"))
+    assert not list(w.glob(".*.tmp"))
+
+
+def test_the_uninterrupted_runs_stop_early_and_agree(env):
+    """The reference: --patience stops it, best.pt was replaced during the run, and a run whose
+    passes ran beside training evaluated and stopped as the one that waited for them, but for the
+    one evaluation a pass beside training decides later."""
+    _, refs = env
+    rows = {m: read_csv(refs[m] / "evals.csv") for m in MODES}
+    assert sum(r["best"] == "1" for r in rows["off"]) >= 2 and rows["off"][-1]["best"] == "0"
+    assert Pool.open == 0  # each run closed its scoring workers
+    for m in MODES:
+        assert load_checkpoint(refs[m] / "weights" / "last.pt")["stopping"]["bad"] >= 3  # stopped by --patience
+    cols = [{c: r[c] for c in EVAL_COLS} for r in rows["off"]]
+    assert [{c: r[c] for c in EVAL_COLS} for r in rows["on"]][:len(cols)] == cols
+
+
+# -- kills: a write's stages --------------------------------------------------------------------
+
+def _kill_in_write(stage: str, target: str, nth: int) -> None:
+    """Patch the write path of this (child) process: SIGKILL at ``stage`` of the ``nth`` write of
+    ``target`` (last.pt or best.pt)."""
+    seen = {"n": 0}
+
+    def mine(name: str) -> bool:
+        return name == target or name.startswith(f".{target}.")
+
+    if stage == "staging":  # the loop's copy done, the writer not started
+        real_stage = Checkpointer._stage
+
+        def stage_then_kill(self, kind, state):
+            staged = real_stage(self, kind, state)
+            if (kind == "last") == (target == "last.pt"):
+                seen["n"] += 1
+                if seen["n"] == nth:
+                    kill_self()
+            return staged
+        Checkpointer._stage = stage_then_kill
+    elif stage == "temp-file":  # half of the temporary file written
+        real_save = torch.save
+
+        def half_then_kill(obj, f, *a, **k):
+            if isinstance(f, (str, Path)) and mine(Path(f).name):
+                seen["n"] += 1
+                if seen["n"] == nth:
+                    Path(f).write_bytes(b"PK\x03\x04 half of a checkpoint")
+                    kill_self()
+            return real_save(obj, f, *a, **k)
+        torch.save = half_then_kill
+    elif stage in ("rename", "renamed"):  # the temporary file whole; before / after its rename
+        real_replace = os.replace
+
+        def replace_kill(src, dst, *a, **k):
+            hit = mine(Path(dst).name)
+            if hit:
+                seen["n"] += 1
+            if hit and seen["n"] == nth and stage == "rename":
+                kill_self()
+            real_replace(src, dst, *a, **k)
+            if hit and seen["n"] == nth:
+                kill_self()
+        fsutil.os.replace = replace_kill
+    elif stage == "safetensors":  # best.pt in place, best.safetensors not yet
+        def kill_before(path, *a, **k):
+            seen["n"] += 1
+            if seen["n"] == nth:
+                kill_self()
+            real_st(path, *a, **k)
+        real_st = ckpt_mod.save_safetensors
+        ckpt_mod.save_safetensors = kill_before
+
+
+# the fourth last.pt write (step 14's: last.pt then holds step 12, written while --async-eval's
+# pass of step 10 ran), the second best.pt write (an older best.pt and best.safetensors exist)
+KILLS = [("staging", "last.pt", 4), ("temp-file", "last.pt", 4), ("rename", "last.pt", 4),
+         ("renamed", "best.pt", 2), ("safetensors", "best.pt", 2)]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"async-{m}")
+@pytest.mark.parametrize("stage,target,nth", KILLS, ids=[f"kill9-{s}-{t}" for s, t, _ in KILLS])
+def test_a_kill_at_a_stage_of_a_write(env, mode, stage, target, nth):
+    root, refs = env
+    name = f"kill-{stage}-{target}-{mode}"
+
+    def run() -> int:
+        _kill_in_write(stage, target, nth)
+        trainer(root, name, mode).train()
+        return 0
+
+    assert in_child(run) == -signal.SIGKILL
+    run_dir = root / name
+    last = load_checkpoint(run_dir / "weights" / "last.pt")  # the last whole one
+    if target == "last.pt":
+        assert last["step"] == 12 and (last.get("pending_eval") or {}).get("step") in ((10, None) if mode == "on" else (None,))
+    resume_and_compare(run_dir, refs[mode])  # the resume repairs best.safetensors where it must
+
+
+# -- errors and signals -------------------------------------------------------------------------
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="tells a file's fsync by its /proc/self/fd link")
+def test_a_slow_disk_and_a_non_finite_loss_leave_the_checkpoint_the_error_names(env, mode_on_and_off):
+    """--on-nan stop while a last.pt write is in flight on a slow disk: the run waits for the write,
+    and its one error line names that file and its step."""
+    root, refs = env
+    mode = mode_on_and_off
+    name = f"nan-{mode}"
+    err = root / f"{name}.err"
+
+    def run() -> int:
+        real_fsync = fsutil.os.fsync
+
+        def slow(fd):  # a .pt file's fsync takes seconds
+            if ".last.pt." in os.readlink(f"/proc/self/fd/{fd}"):
+                time.sleep(1.5)
+            real_fsync(fd)
+        fsutil.os.fsync = slow
+        os.environ["STREAMNMT_INJECT_INF_STEP"] = "7"  # the write of step 4 still in flight
+        sys.stderr = open(err, "w")
+        return main(["train", *FLAGS, "--async-eval", mode, "--on-nan", "stop", "--project", str(root),
+                     "--name", name])
+
+    assert in_child(run) == 1
+    lines = [ln for ln in err.read_text().splitlines() if ln.startswith("streamnmt: error:")]
+    last = root / name / "weights" / "last.pt"
+    assert len(lines) == 1 and "step 7" in lines[0], err.read_text()[-2000:]
+    assert f"the last good checkpoint is {last} (step 4)" in lines[0]
+    check_after_fault(root / name)
+    resume_and_compare(root / name, refs[mode])
+
+
+@pytest.fixture(params=MODES, ids=lambda m: f"async-{m}")
+def mode_on_and_off(request):
+    return request.param
+
+
+def test_an_error_in_the_bleu_pass_closes_the_run_and_resumes_exactly(env, mode_on_and_off):
+    root, refs = env
+    mode = mode_on_and_off
+    name = f"bleu-error-{mode}"
+
+    def run() -> int:
+        calls = {"n": 0}
+
+        def failing(total, pairs, stop):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("the BLEU pass failed")
+            return {"bleu": abs(total * 1e3) % 10.0, "n": len(pairs)}
+        FAULT["bleu"] = failing
+        t = trainer(root, name, mode)
+        try:
+            t.train()
+        except RuntimeError as e:
+            assert "the BLEU pass failed" in str(e)
+            assert t.evaluator.pool is None and Pool.open == 0  # the scoring workers closed
+            assert t.evaluator.pending is None and not t.checkpointer.busy
+            assert not [th for th in threading.enumerate() if th.name.startswith("streamnmt-")]
+            return 7
+        return 0
+
+    assert in_child(run) == 7
+    check_after_fault(root / name)
+    resume_and_compare(root / name, refs[mode])
+
+
+def test_sigterm_during_a_bleu_pass_saves_a_checkpoint_that_resumes_exactly(env, mode_on_and_off):
+    """The signal cuts the pass short; last.pt records the evaluation undecided, with its weights,
+    and the resumed run decides it where the uninterrupted run did."""
+    root, refs = env
+    mode = mode_on_and_off
+    name = f"sigterm-{mode}"
+
+    def run() -> int:
+        calls = {"n": 0}
+
+        def signalled(total, pairs, stop):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+                deadline = time.monotonic() + 10
+                while not stop() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                return {"bleu": 99.0, "n": 1}  # cut: a score no full pass would give
+            return {"bleu": abs(total * 1e3) % 10.0, "n": len(pairs)}
+        FAULT["bleu"] = signalled
+        result = trainer(root, name, mode).train()
+        return 5 if result["stopped"] else 0
+
+    assert in_child(run) == 5
+    check_after_fault(root / name)
+    last = load_checkpoint(root / name / "weights" / "last.pt")
+    assert last["pending_eval"] is not None and last["pending_eval"]["step"] == last["last_eval_step"]
+    resume_and_compare(root / name, refs[mode])
+
+
+def test_a_full_disk_leaves_the_last_whole_checkpoint(env, mode_on_and_off):
+    root, refs = env
+    mode = mode_on_and_off
+    name = f"enospc-{mode}"
+    err = root / f"{name}.err"
+
+    def run() -> int:
+        real_save = torch.save
+        seen = {"n": 0}
+
+        def full(obj, f, *a, **k):
+            if isinstance(f, (str, Path)) and Path(f).name.startswith(".last.pt."):
+                seen["n"] += 1
+                if seen["n"] == 3:
+                    Path(f).write_bytes(b"PK\x03\x04 as far as the disk went")
+                    raise OSError(errno.ENOSPC, "No space left on device", str(f))
+            return real_save(obj, f, *a, **k)
+        torch.save = full
+        sys.stderr = open(err, "w")
+        return main(["train", *FLAGS, "--async-eval", mode, "--project", str(root), "--name", name])
+
+    assert in_child(run) == 1
+    lines = [ln for ln in err.read_text().splitlines() if ln.startswith("streamnmt: error:")]
+    assert len(lines) == 1 and "No space left on device" in lines[0], err.read_text()[-2000:]
+    assert not list((root / name / "weights").glob(".*.tmp"))
+    assert load_checkpoint(root / name / "weights" / "last.pt")["step"] == 8  # the write before the full disk
+    check_after_fault(root / name)
+    resume_and_compare(root / name, refs[mode])
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt", "empty"])
+def test_a_damaged_last_pt_is_refused_in_one_line(env, damage, capsys):
+    root, refs = env
+    path = root / f"{damage}.pt"
+    good = (refs["off"] / "weights" / "last.pt").read_bytes()
+    path.write_bytes({"truncated": good[:len(good) // 2], "corrupt": b"\x00garbage" * 64, "empty": b""}[damage])
+    assert main(["train", "--resume", str(path)]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("streamnmt: error: --resume:") and str(path) in err[0], err
+

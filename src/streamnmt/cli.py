@@ -129,8 +129,24 @@ def _exec_torchrun(nproc: str, args: dict, config_file: str | None, parser: argp
             del os.environ["STREAMNMT_COMMAND_START"]
 
 
-def _prebuild_kernels(job, resume, device) -> None:
-    pass
+def _prebuild_kernels(job: Any, resume: str | None, device: str | None) -> None:
+    """Start building the Triton segment kernels in a child process now, where the run's build check
+    will build them (:mod:`streamnmt.models.prebuild`): the build overlaps the imports and the set-up
+    up to the check. A resumed run: its checkpoint's job, on ``--device`` where given."""
+    from streamnmt.config import job_from_dict
+    from streamnmt.models import prebuild
+
+    if job is None:
+        saved = _saved_config(resume) if resume else {}
+        try:
+            job = job_from_dict(saved) if saved else None
+        except (ConfigError, TypeError, ValueError):
+            job = None
+        if job is None:  # the trainer says what is wrong with the checkpoint
+            return
+        if device is not None:
+            job.run.device = device
+    prebuild.start_for(job)
 
 
 def _saved_config(path: str) -> dict[str, Any]:

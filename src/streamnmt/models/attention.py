@@ -197,7 +197,8 @@ def auto_attention(device: torch.device, head_dim: int | None = None, attention_
     made the packed base-model step 2-7 % faster than SDPA's dense masks on an H100, compiled or not,
     at 4,096 and 16,384 tokens, and trained to the same dev BLEU (docs/PERFORMANCE.md, "Triton segment
     kernels"); older GPUs were not measured, nor AMD's (ROCm builds keep ``sdpa``). Silent, but for
-    one line where Triton is installed on such a GPU and its kernels do not build."""
+    one line where Triton is installed on such a GPU and its kernels do not build, and one where their
+    build in a child process (:mod:`streamnmt.models.prebuild`) failed and this process builds them."""
     if (attention_dropout or torch.version.hip is not None or triton_available(device, head_dim) is not None
             or (head_dim or 64) > AUTO_TRITON_MAX_HEAD_DIM or torch.cuda.get_device_capability(device) < (8, 0)):
         return "sdpa"

@@ -206,6 +206,52 @@ def test_kernels_equal_dense_masks_under_the_interpreter():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+def _check_eager_needs_no_torchdynamo() -> None:
+    """A tiny packed model trains a step with the Triton kernels and with SDPA, and the set-up's build
+    check runs, without importing TorchDynamo (the custom op's first call would)."""
+    from streamnmt.models.attention import triton_probe
+    from streamnmt.models.transformer import make_model
+
+    src_seg, tgt_seg = packed_segments(rows=1, width=(64, 48))
+    src, tgt = torch.where(src_seg > 0, 7 + src_seg % 40, 0), torch.where(tgt_seg > 0, 9 + tgt_seg % 40, 0)
+    pos = [torch.arange(s.size(1)).expand_as(s) for s in (src_seg, tgt_seg)]
+    triton_probe(torch.device("cpu"), torch.float32, 16)
+    for kind in ("sdpa", "triton"):
+        model = make_model(60, 60, d_model=32, n_layers=1, n_heads=1, d_ff=64, dropout=0.0, max_positions=64)
+        model.set_attention(kind)
+        model(src, tgt, src != 0, segments=(src_seg, tgt_seg, *pos)).float().logsumexp(-1).mean().backward()
+    assert "torch._dynamo" not in sys.modules, "an eager model imported TorchDynamo"
+
+
+def _check_function_equals_custom_op(dtype=torch.float32) -> None:
+    """The autograd Function (eager) and the custom op (compiled) give identical outputs and gradients."""
+    from streamnmt.models.segattn_triton import segment_attention, segment_attention_op
+
+    torch.manual_seed(0)
+    src_seg, tgt_seg = packed_segments(rows=1, width=(64, 48))
+    for name, (r, allowed) in attentions(src_seg, tgt_seg).items():
+        b, tq, tk = allowed.shape
+        q, k, v = (torch.randn(b, 1, n, 16, dtype=dtype, requires_grad=True) for n in (tq, tk, tk))
+        grad = torch.randn(b, 1, tq, 16, dtype=dtype)
+        results = []
+        for entry in (segment_attention, segment_attention_op):
+            out = entry(q, k, v, r)
+            results.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
+        for what, x, y in zip(("out", "dq", "dk", "dv"), *results):
+            assert x.shape == y.shape and x.stride() == y.stride() and torch.equal(x, y), (name, what)
+
+
+@needs_triton
+def test_eager_runs_the_kernels_without_torchdynamo_and_both_entries_agree():
+    """Under Triton's interpreter, in a fresh process: an eager tiny model (Triton kernels and SDPA)
+    and the build check import no TorchDynamo; the Function and the custom op agree exactly (fp32, fp16)."""
+    code = ("import torch, tests.test_segattn_triton as t; t._check_eager_needs_no_torchdynamo(); "
+            "t._check_function_equals_custom_op(); t._check_function_equals_custom_op(torch.float16); print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          check=False, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_kernels_equal_dense_masks_on_the_gpu(dtype, tol):

@@ -2,4 +2,5 @@ import sys
 
 from streamnmt.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not again in a child process that re-imports the main module (spawn)
+    sys.exit(main())

@@ -3,6 +3,9 @@
 Flags are generated from the config dataclasses (see ``configbase.add_args``), so defaults,
 validation, YAML keys and flags have one source. Errors the user can fix print one line and exit
 non-zero (2 for a bad flag or config value, 1 for a bad input file); no traceback.
+
+Only the command given is imported, and ``train`` checks its flags and config before torch is
+imported (:mod:`streamnmt.lazyinit`): ``--help`` and a bad flag answer at once.
 """
 
 from __future__ import annotations
@@ -18,9 +21,13 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from streamnmt import lazyinit
 from streamnmt.configbase import add_args, from_dict
 from streamnmt.dist import CaptureFailed, PeerLost
 from streamnmt.errors import ConfigError, DeviceError, InputError, NonFiniteLoss
+
+# The packages that hold config classes of ``train`` beside modules that import torch
+CONFIG_PACKAGES = ("streamnmt.data", "streamnmt.engine")
 
 
 def _train(args: dict, parser: argparse.ArgumentParser) -> int:
@@ -43,7 +50,6 @@ def _train(args: dict, parser: argparse.ArgumentParser) -> int:
 
 def _run_trainer(args: dict, config_file: str | None, resume: str | None) -> int:
     from streamnmt.config import RESUME_SETTINGS, build_job
-    from streamnmt.training.trainer import Trainer
 
     if resume is not None:
         extra = sorted(set(args) - {"device", *RESUME_SETTINGS})
@@ -51,10 +57,18 @@ def _run_trainer(args: dict, config_file: str | None, resume: str | None) -> int
             raise ConfigError(f"--resume continues a run with the settings in its checkpoint (it takes new "
                               f"--device and limits only: {', '.join('--' + k.replace('_', '-') for k in RESUME_SETTINGS)}"
                               f"); drop {', '.join('--' + k.replace('_', '-') for k in extra) or '--config'}")
+        job = None
+    else:
+        job = build_job(args, config_file)  # a bad setting stops here, before the trainer's imports
+    _prebuild_kernels(job, resume, args.get("device"))
+    lazyinit.finish()
+    from streamnmt.training.trainer import Trainer
+
+    if job is None:
         trainer = Trainer.from_checkpoint(resume, device=args.get("device"),
                                           changes={k: args[k] for k in RESUME_SETTINGS if k in args})
     else:
-        trainer = Trainer(build_job(args, config_file))
+        trainer = Trainer(job)
     result = trainer.train()
     d, stopper = trainer.dist, trainer.evaluator.stopper  # what chose best.pt, and at which step
     # The trainer's CUDA graphs captured NCCL collectives: destroying the process group while they
@@ -115,6 +129,26 @@ def _exec_torchrun(nproc: str, args: dict, config_file: str | None, parser: argp
             del os.environ["STREAMNMT_COMMAND_START"]
 
 
+def _prebuild_kernels(job: Any, resume: str | None, device: str | None) -> None:
+    """Start building the Triton segment kernels in a child process now, where the run's build check
+    will build them (:mod:`streamnmt.models.prebuild`): the build overlaps the imports and the set-up
+    up to the check. A resumed run: its checkpoint's job, on ``--device`` where given."""
+    from streamnmt.config import job_from_dict
+    from streamnmt.models import prebuild
+
+    if job is None:
+        saved = _saved_config(resume) if resume else {}
+        try:
+            job = job_from_dict(saved) if saved else None
+        except (ConfigError, TypeError, ValueError):
+            job = None
+        if job is None:  # the trainer says what is wrong with the checkpoint
+            return
+        if device is not None:
+            job.run.device = device
+    prebuild.start_for(job)
+
+
 def _saved_config(path: str) -> dict[str, Any]:
     """The job a checkpoint was trained with, read without loading its tensors (memory-mapped);
     empty where it cannot be read (the ranks then say why, in one line)."""
@@ -171,6 +205,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _sub(module: str, cfg_name: str, fn_name: str) -> Callable[[dict], int]:
     def run(args: dict) -> int:
+        lazyinit.finish()
         mod = importlib.import_module(f"streamnmt.{module}")
         return getattr(mod, fn_name)(from_dict(getattr(mod, cfg_name), args))
     return run
@@ -205,26 +240,45 @@ def _add_command(sub: argparse._SubParsersAction, command: str, module: str, cfg
     p.set_defaults(_run=_sub(module, cfg_name, fn_name))
 
 
-def build_parser() -> argparse.ArgumentParser:
+TRAIN_HELP = "train a model (built-in English->Chinese corpus without --data)"
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``streamnmt`` parser. No parser takes abbreviations (allow_abbrev=False): ``--np 2`` is
     refused instead of silently meaning ``--nproc 2``, and a flag added later cannot change what an
-    abbreviation in someone's script means."""
-    from streamnmt.config import SECTIONS
-
+    abbreviation in someone's script means. With ``command``, only that command gets its flags (and
+    its module is imported); the others are listed with their help line."""
     parser = _Parser(prog="streamnmt", description="Transformer NMT training that keeps the GPU busy",
                      allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train a model (built-in English->Chinese corpus without --data)",
-                       allow_abbrev=False)
-    p.add_argument("--config", default=argparse.SUPPRESS, help="YAML config file; flags override it")
-    p.add_argument("--nproc", default=argparse.SUPPRESS, metavar="N",
-                   help="train on N processes of this host (one per GPU): starts torchrun for you")
-    for name, cls in SECTIONS.items():
-        add_args(p.add_argument_group(name), cls)
-    p.set_defaults(_run=functools.partial(_train, parser=p))
-    for command in COMMANDS:
-        _add_command(sub, *command)
+    if command in (None, "train"):
+        from streamnmt.config import SECTIONS
+
+        p = sub.add_parser("train", help=TRAIN_HELP, allow_abbrev=False)
+        p.add_argument("--config", default=argparse.SUPPRESS, help="YAML config file; flags override it")
+        p.add_argument("--nproc", default=argparse.SUPPRESS, metavar="N",
+                       help="train on N processes of this host (one per GPU): starts torchrun for you")
+        for name, cls in SECTIONS.items():
+            add_args(p.add_argument_group(name), cls)
+        p.set_defaults(_run=functools.partial(_train, parser=p))
+    else:
+        sub.add_parser("train", help=TRAIN_HELP, allow_abbrev=False)
+    for name, module, cfg_name, fn_name, help_text in COMMANDS:
+        if command in (None, name):
+            _add_command(sub, name, module, cfg_name, fn_name, help_text)
+        else:
+            sub.add_parser(name, help=help_text, allow_abbrev=False)
     return parser
+
+
+def _command_of(argv: Sequence[str]) -> str:
+    """The command ``argv`` names first ("" for none, e.g. ``streamnmt --help``: every command is
+    listed, none imported)."""
+    names = {"train", *(c[0] for c in COMMANDS)}
+    for token in argv:
+        if not token.startswith("-"):
+            return token if token in names else ""
+    return ""
 
 
 def _unknown_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
@@ -259,7 +313,12 @@ def command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.Argum
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse(build_parser(), argv)
+    """Run the command of ``argv``; None: this process's command line (``sys.argv``), whose config
+    packages then import torch only once the flags are checked (:mod:`streamnmt.lazyinit`)."""
+    if argv is None:
+        argv = sys.argv[1:]
+        lazyinit.defer(*CONFIG_PACKAGES)
+    args = parse(build_parser(_command_of(argv)), argv)
     run = args.pop("_run")
     args.pop("command")
     try:

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from streamnmt import setupclock
+from streamnmt.models import prebuild
 from streamnmt.models.segments import SegmentRanges, segment_ranges
 
 ATTENTION_CHOICES = ("auto", "sdpa", "flex", "triton")
@@ -114,13 +116,35 @@ def _triton_builds(index: int, head_dim: int) -> str | None:
     why not: ``import triton`` succeeds without the C compiler and ``ptxas`` that building a kernel
     needs. A tiny call, once per process (its kernels land in Triton's cache), before any capture."""
     try:
-        with torch.cuda.device(index):
-            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        triton_probe(torch.device("cuda", index), dtype, head_dim)
+        with setupclock.timed("Triton kernel build check"):
+            triton_probe(torch.device("cuda", index), _check_dtype(index), head_dim)
     except Exception as e:  # a compiler missing, a kernel that does not build here: say which
         first = (str(e).strip().splitlines() or [""])[0][:160]
         return f"the Triton kernels do not build here ({type(e).__name__}: {first})"
     return None
+
+
+def _check_dtype(index: int) -> torch.dtype:
+    """The dtype the build check runs the kernels in: the training's under ``--amp auto``."""
+    with torch.cuda.device(index):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def build_in_child(argv: list[str]) -> int:
+    """The build check of :mod:`streamnmt.models.prebuild`'s child process (``INDEX HEAD_DIM AMP``):
+    the kernels of :func:`_triton_builds`, and those of the training's dtype where ``--amp`` names
+    another, into Triton's on-disk cache. Nothing on a GPU ``auto`` does not pick them for."""
+    index, head_dim, amp = int(argv[0]), int(argv[1]), argv[2]
+    device = torch.device("cuda", index)
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return 0
+    dtypes = [_check_dtype(index)]
+    trained = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": torch.float32}.get(amp)
+    if trained is not None and trained not in dtypes:
+        dtypes.append(trained)
+    for dtype in dtypes:
+        triton_probe(device, dtype, head_dim)
+    return 0
 
 
 def triton_probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> torch.Tensor:
@@ -145,19 +169,24 @@ def triton_probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> tor
     return grads[0]
 
 
-def triton_runs(device: torch.device, head_dim: int | None = None) -> str | None:
+def triton_runs(device: torch.device, head_dim: int | None = None, log=print) -> str | None:
     """None if the Triton segment kernels can train on ``device`` at ``head_dim``, built and run once
-    to make sure (:func:`triton_available`, then a tiny call), else why not."""
+    to make sure (:func:`triton_available`, then a tiny call), else why not. Where a child process
+    builds them (:mod:`streamnmt.models.prebuild`), waits for it first; one line where it failed."""
     why = triton_available(device, head_dim)
     if why is None:
         index = device.index if device.index is not None else torch.cuda.current_device()
+        with setupclock.timed("waiting for the Triton kernels' build in a child process"):
+            note = prebuild.wait(index, head_dim or 64)
+        if note is not None:
+            log(f"model: {note}")
         why = _triton_builds(index, head_dim or 64)
     return why
 
 
 # ``auto`` picks the kernels only at the head dims measured (64, docs/PERFORMANCE.md) and up to 128:
 # larger tiles of keys and values than that may not fit a GPU's shared memory at the fixed tiles.
-AUTO_TRITON_MAX_HEAD_DIM = 128
+AUTO_TRITON_MAX_HEAD_DIM = prebuild.AUTO_TRITON_MAX_HEAD_DIM
 
 
 def auto_attention(device: torch.device, head_dim: int | None = None, attention_dropout: float = 0.0,
@@ -168,11 +197,12 @@ def auto_attention(device: torch.device, head_dim: int | None = None, attention_
     made the packed base-model step 2-7 % faster than SDPA's dense masks on an H100, compiled or not,
     at 4,096 and 16,384 tokens, and trained to the same dev BLEU (docs/PERFORMANCE.md, "Triton segment
     kernels"); older GPUs were not measured, nor AMD's (ROCm builds keep ``sdpa``). Silent, but for
-    one line where Triton is installed on such a GPU and its kernels do not build."""
+    one line where Triton is installed on such a GPU and its kernels do not build, and one where their
+    build in a child process (:mod:`streamnmt.models.prebuild`) failed and this process builds them."""
     if (attention_dropout or torch.version.hip is not None or triton_available(device, head_dim) is not None
             or (head_dim or 64) > AUTO_TRITON_MAX_HEAD_DIM or torch.cuda.get_device_capability(device) < (8, 0)):
         return "sdpa"
-    why = triton_runs(device, head_dim)
+    why = triton_runs(device, head_dim, log)
     if why is not None:
         log(f"model: --attention auto: {why}; using sdpa")
         return "sdpa"
@@ -188,7 +218,7 @@ def resolve_attention(choice: str, device: torch.device, log=print, head_dim: in
     if choice == "auto":
         return auto_attention(device, head_dim, attention_dropout, log)
     if choice in ("flex", "triton"):
-        why = flex_available(device) if choice == "flex" else triton_runs(device, head_dim)
+        why = flex_available(device) if choice == "flex" else triton_runs(device, head_dim, log)
         if why is None:
             return choice
         log(f"model: --attention {choice} unavailable ({why}); using sdpa")

@@ -17,9 +17,15 @@ row; on the key side, a key tile of real source positions also visits the paddin
 (``extra``), tiles its own range did not visit.
 
 The kernels run on CUDA, and on the CPU under Triton's interpreter (``TRITON_INTERPRET=1`` set
-before Triton is imported; the tests use it). :func:`segment_attention` is a ``torch.library``
-custom op with its own backward, so ``torch.compile`` keeps it opaque. (No ``from __future__ import
-annotations`` here: the custom ops' schemas are read from their annotations.)
+before Triton is imported; the tests use it). Two entries call the same kernels with the same
+numerics: a plain ``torch.autograd.Function`` (:class:`_SegmentAttention`), which eager steps and the
+CUDA graphs captured from them call, and a ``torch.library`` custom op with its own backward, which
+``torch.compile`` keeps opaque and :func:`segment_attention` calls only while TorchDynamo traces it.
+Calling a custom op imports TorchDynamo (its kernels run under ``torch._disable_dynamo``), seconds of
+a run's set-up that an eager run does not need; defining one imports nothing more, so the op is
+defined with the kernels: defining it inside a trace fails, and every compile site (the step, the
+benchmark's compiled peer, tests) then finds it. (No ``from __future__ import annotations`` here:
+the custom ops' schemas are read from their annotations.)
 """
 
 import math
@@ -361,11 +367,37 @@ def _backward_rule(ctx, do, _dlse):
 _segment_attention_op.register_autograd(_backward_rule, setup_context=_setup_context)
 
 
+class _SegmentAttention(torch.autograd.Function):
+    """The kernels as a plain autograd Function: what an eager step runs (and a CUDA graph captures),
+    without the custom op's dispatch, which imports TorchDynamo on its first call."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_seg, k_seg, lo, hi, qlo, qhi, elo, ehi, causal: bool, cross: bool):
+        o, lse = _forward(q, k, v, q_seg, k_seg, lo, hi, causal, cross)
+        ctx.save_for_backward(q, k, v, o, lse, q_seg, k_seg, lo, hi, qlo, qhi, elo, ehi)
+        ctx.causal, ctx.cross = causal, cross
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, q_seg, k_seg, lo, hi, qlo, qhi, elo, ehi = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, o, lse, q_seg, k_seg, lo, hi, qlo, qhi, elo, ehi, ctx.causal, ctx.cross)
+        return dq, dk, dv, *([None] * 10)
+
+
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: SegmentRanges) -> torch.Tensor:
     """Attention of (B, h, T, D) tensors under the segment rules of ``r``: (B, h, Tq, D), laid out
-    (B, Tq, h, D). D a power of two >= 16; CUDA (or the CPU under Triton's interpreter)."""
+    (B, Tq, h, D). D a power of two >= 16; CUDA (or the CPU under Triton's interpreter). The custom
+    op while TorchDynamo traces the call, the autograd Function otherwise (see the module docstring)."""
     if triton is None:
         raise RuntimeError("--attention triton needs Triton (it comes with torch's CUDA builds)")
-    o, _ = _segment_attention_op(q, k, v, r.q_seg, r.k_seg, r.lo, r.hi, r.qlo, r.qhi, r.elo, r.ehi,
-                                 r.causal, r.cross)
-    return o
+    args = (q, k, v, r.q_seg, r.k_seg, r.lo, r.hi, r.qlo, r.qhi, r.elo, r.ehi, r.causal, r.cross)
+    if torch.compiler.is_compiling():
+        return _segment_attention_op(*args)[0]
+    return _SegmentAttention.apply(*args)
+
+
+def segment_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: SegmentRanges) -> torch.Tensor:
+    """:func:`segment_attention` through the custom op, traced or not (the tests compare the two entries)."""
+    return _segment_attention_op(q, k, v, r.q_seg, r.k_seg, r.lo, r.hi, r.qlo, r.qhi, r.elo, r.ehi, r.causal,
+                                 r.cross)[0]

@@ -185,7 +185,7 @@ def resolve_job_for_ranks(job: TrainJob, device: torch.device, d: Dist, log: Cal
     if not d.active:
         if not resumed:
             job = resolve_job(job, device, d.world, log)
-        mine = rank_device(device, job)
+        mine = rank_device(device, job, log)
         error = device_error(job, mine, first, 0, 1, label) if first is not None else None
         if error:
             raise ConfigError(error + RESUME_HINT)
@@ -194,7 +194,7 @@ def resolve_job_for_ranks(job: TrainJob, device: torch.device, d: Dist, log: Cal
         try:
             if not resumed:
                 job = resolve_job(job, device, d.world, log)
-            shared = {"job": job.to_dict(), "device": rank_device(device, job)}
+            shared = {"job": job.to_dict(), "device": rank_device(device, job, log)}
         except (ConfigError, InputError) as e:  # the others would wait for a job that never comes
             d.broadcast({"error": e}, "dist.recipe")
             raise
@@ -206,7 +206,7 @@ def resolve_job_for_ranks(job: TrainJob, device: torch.device, d: Dist, log: Cal
         if not resumed:  # a resumed run's job is the checkpoint's on every rank already
             job = job_from_dict(shared["job"])
             job = dataclasses.replace(job, run=dataclasses.replace(job.run, device=str(device)))
-    mine = shared["device"] if d.main else rank_device(device, job)
+    mine = shared["device"] if d.main else rank_device(device, job, log)
     first = first or shared["device"]
     errors = d.gather(device_error(job, mine, first, d.rank, d.world, label), "dist.recipe")
     failed = [e for e in errors if e is not None]
@@ -252,11 +252,11 @@ class RankDevice:
     triton: str | None = None
 
 
-def rank_device(device: torch.device, job: TrainJob) -> RankDevice:
+def rank_device(device: torch.device, job: TrainJob, log: Callable[[str], None] = print) -> RankDevice:
     name = f"{device}, {torch.cuda.get_device_name(device)}" if device.type == "cuda" else str(device)
     m = job.model
     flex = flex_available(device) if m.attention == "flex" else None
-    triton = triton_runs(device, m.d_model // m.n_heads) if m.attention == "triton" and m.n_heads else None
+    triton = triton_runs(device, m.d_model // m.n_heads, log) if m.attention == "triton" and m.n_heads else None
     return RankDevice(name, device_memory_gib(device), device_bf16(device), flex, triton)
 
 

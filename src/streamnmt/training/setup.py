@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from streamnmt import dist as distributed
+from streamnmt import setupclock
 from streamnmt.checkpoint import (embedded_tokenizers, load_checkpoint, load_model_weights, rng_state, set_rng_state,
                                   tokenizer_entry, tokenizers_of_weights)
 from streamnmt.config import RESUME_SETTINGS, ModelConfig, TrainJob, job_from_dict
@@ -100,6 +101,7 @@ class TrainerSetup:
             yield
         finally:
             self.setup_s[name] = self.setup_s.get(name, 0.0) + time.monotonic() - t0
+            setupclock.close(name)  # what dominated it, said in the set-up line
 
     def setup_line(self) -> str:
         """``set-up N s: start-up (interpreter and imports) N s, device N s, recipe N s, data N s, ...``,
@@ -109,7 +111,7 @@ class TrainerSetup:
                  "imports": "waiting for TorchDynamo's import",
                  "engine": ("graph capture" if getattr(self.strategy, "name", "") == "graph" else "engine")
                  + (" and compile" if self.job.engine.compile == "on" else "")}
-        parts = ", ".join(f"{names.get(k, k)} {v:.1f} s" for k, v in self.setup_s.items())
+        parts = ", ".join(f"{names.get(k, k)} {v:.1f} s{setupclock.detail(k)}" for k, v in self.setup_s.items())
         return f"set-up {sum(self.setup_s.values()):.1f} s: {parts}"
 
     def _build_process(self, job: TrainJob, log: Callable[[str], None]) -> None:

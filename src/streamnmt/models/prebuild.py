@@ -1,0 +1,159 @@
+"""The Triton segment kernels built in a child process while the run starts.
+
+On a machine's first run Triton compiles the kernels of the set-up's build check
+(:func:`streamnmt.models.attention.triton_probe`: forward and backward of the three variants at the
+run's head dim) in seconds, and its compiler holds the interpreter lock, so a thread would not
+overlap it with anything. :func:`start_for`, called at the command's start, runs that build check in
+a child process (a fresh interpreter, not a fork of this one) where the run will check the kernels:
+it fills Triton's on-disk cache while this process imports, makes its CUDA context and reads the
+config. The build check (:func:`streamnmt.models.attention.triton_runs`) first waits for the child
+(:func:`wait`) and then loads the kernels from that cache; a child that failed or did not finish in
+:data:`TIMEOUT_S` leaves the build to this process, said in one line.
+
+Started only where the build check will run: CUDA present, Triton installed, not ROCm, the job's
+attention ``auto`` or ``triton`` at a head dim the kernels take, and on one process per host (the
+other ranks of a torchrun check after rank 0 did, from the cache). The child itself returns at once
+on a GPU ``auto`` does not pick the kernels for (compute capability under 8.0).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+# ``auto`` picks the kernels only up to this head dim (see streamnmt.models.attention.auto_attention)
+AUTO_TRITON_MAX_HEAD_DIM = 128
+TIMEOUT_S = 180.0  # a cold build of the kernels takes seconds; this covers a loaded machine's too
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the build check will build: on GPU ``index``, at ``head_dim``, for a run of ``--amp amp``."""
+
+    index: int
+    head_dim: int
+    amp: str
+
+
+def plan(job: Any, *, cuda: bool, triton: bool, hip: bool) -> Request | None:
+    """The build the run's build check will ask for (``job``: a :class:`streamnmt.config.TrainJob`
+    as given, before its auto settings are resolved), or None where it will not run the kernels."""
+    m, device = job.model, job.run.device
+    if not cuda or not triton or hip or (device is not None and not device.startswith("cuda")):
+        return None
+    if m.attention not in ("auto", "triton") or (m.attention == "auto" and m.attention_dropout):
+        return None
+    resolved = m.resolve("base" if m.model == "auto" else m.model)  # auto is base on a GPU
+    head_dim = resolved.d_model // resolved.n_heads
+    if head_dim < 16 or head_dim & (head_dim - 1) or (m.attention == "auto" and head_dim > AUTO_TRITON_MAX_HEAD_DIM):
+        return None
+    index = int(device[5:]) if device and device.startswith("cuda:") else int(os.environ.get("LOCAL_RANK", "0"))
+    return Request(index, head_dim, job.optim.amp)
+
+
+def child_argv(request: Request) -> list[str]:
+    """The child's command line: :func:`streamnmt.models.attention.build_in_child` in a fresh interpreter."""
+    code = "import sys; from streamnmt.models.attention import build_in_child; sys.exit(build_in_child(sys.argv[1:]))"
+    return [sys.executable, "-c", code, str(request.index), str(request.head_dim), request.amp]
+
+
+class Child:
+    """A started child: the process and the file its output goes to (a pipe could fill and stall it)."""
+
+    def __init__(self, argv: Sequence[str]):
+        import streamnmt
+
+        env = dict(os.environ)
+        src = str(Path(streamnmt.__file__).resolve().parent.parent)  # the child imports this very package
+        env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+        self.output: IO[bytes] = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=self.output,
+                                        stderr=subprocess.STDOUT, env=env)
+
+    def wait(self, timeout: float) -> int:
+        """The exit code; raises subprocess.TimeoutExpired after ``timeout`` seconds."""
+        return self.process.wait(timeout)
+
+    def stop(self) -> None:
+        """Kill the child if it still runs (Triton writes its cache files whole: nothing is left half written)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def last_line(self) -> str:
+        self.output.seek(0)
+        lines = self.output.read().decode(errors="replace").strip().splitlines()
+        return lines[-1][:200] if lines else ""
+
+
+@dataclass
+class _Pending:
+    request: Request
+    child: Any  # a Child, or what a test puts in its place
+
+
+_PENDING: _Pending | None = None
+
+
+def start(request: Request, launch: Callable[[Sequence[str]], Any] = Child) -> None:
+    """Start the child for ``request`` (``launch``: how a command line is started, a test's fake)."""
+    global _PENDING
+    stop()
+    _PENDING = _Pending(request, launch(child_argv(request)))
+
+
+def start_for(job: Any, launch: Callable[[Sequence[str]], Any] = Child) -> Request | None:
+    """At the command's start: start the child where the run's build check will build the kernels
+    (:func:`plan`), on the first process of a host only; the request, or None where none started."""
+    import importlib.util
+
+    import torch
+
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return None
+    request = plan(job, cuda=torch.cuda.is_available(), triton=importlib.util.find_spec("triton") is not None,
+                   hip=torch.version.hip is not None)
+    if request is not None:
+        start(request, launch)
+    return request
+
+
+def wait(index: int, head_dim: int, timeout: float = TIMEOUT_S) -> str | None:
+    """Wait for the child building the kernels for GPU ``index`` at ``head_dim``, if one was started:
+    None where it built them (or none was started for them), else one line saying why this process
+    builds them itself. Once: the child is forgotten after."""
+    global _PENDING
+    pending = _PENDING
+    if pending is None or (pending.request.index, pending.request.head_dim) != (index, head_dim):
+        return None
+    _PENDING = None
+    t0 = time.monotonic()
+    try:
+        code = pending.child.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pending.child.stop()
+        return f"the Triton kernels' build in a child process did not finish in {timeout:.0f} s; building them here"
+    if code != 0:
+        last = pending.child.last_line()
+        return (f"the Triton kernels' build in a child process failed (exit {code}{': ' + last if last else ''}, "
+                f"after {time.monotonic() - t0:.1f} s of waiting); building them here")
+    return None
+
+
+def stop() -> None:
+    """Stop a child nobody waited for (at exit, or when another is started)."""
+    global _PENDING
+    pending, _PENDING = _PENDING, None
+    if pending is not None:
+        pending.child.stop()
+
+
+atexit.register(stop)

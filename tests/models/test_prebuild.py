@@ -1,0 +1,155 @@
+"""The Triton kernels' build in a child process: when one is started, what the build check waits for,
+and the one line where the child failed or was late (a fake child on the CPU; the real one on a GPU)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from streamnmt.config import build_job
+from streamnmt.models import attention, prebuild
+from streamnmt.models.prebuild import Request
+
+
+class FakeChild:
+    """Stands in for the child process: exits with ``code`` (None: still running at the timeout)."""
+
+    def __init__(self, argv, code=0, last="", started=None):
+        self.argv, self.code, self.last, self.timeouts, self.stopped = list(argv), code, last, [], False
+        if started is not None:
+            started.append(self)
+
+    def wait(self, timeout):
+        self.timeouts.append(timeout)
+        if self.code is None:
+            raise subprocess.TimeoutExpired(self.argv, timeout)
+        return self.code
+
+    def stop(self):
+        self.stopped = True
+
+    def last_line(self):
+        return self.last
+
+
+@pytest.fixture(autouse=True)
+def _no_child_left():
+    prebuild.stop()
+    yield
+    prebuild.stop()
+
+
+def plan_of(cuda=True, triton=True, hip=False, device=None, **flags):
+    job = build_job(flags)
+    job.run.device = device  # as given on a GPU machine (this one may have none to validate it against)
+    return prebuild.plan(job, cuda=cuda, triton=triton, hip=hip)
+
+
+def test_the_child_builds_what_the_build_check_will_build():
+    assert plan_of() == Request(0, 64, "auto")  # auto: the base preset on a GPU, 512 / 8 heads
+    assert plan_of(model="big", device="cuda:1", amp="fp16") == Request(1, 64, "fp16")
+    assert plan_of(model="tiny", attention="triton") == Request(0, 16, "auto")
+    assert plan_of(d_model=256, n_heads=2, attention="triton") == Request(0, 128, "auto")
+    assert plan_of(attention="triton", attention_dropout=0.1) == Request(0, 64, "auto")  # asked for: checked
+    for why_not in (dict(cuda=False), dict(triton=False), dict(hip=True), dict(device="cpu"),
+                    dict(attention="sdpa"), dict(attention="flex"), dict(attention_dropout=0.1),  # auto: sdpa
+                    dict(d_model=480, n_heads=10), dict(d_model=1024, n_heads=4)):  # head dims 48, 256 (auto)
+        assert plan_of(**why_not) is None, why_not
+
+
+def test_start_for_starts_a_child_only_with_cuda_and_on_a_hosts_first_process(monkeypatch):
+    started: list[FakeChild] = []
+    launch = lambda argv: FakeChild(argv, started=started)  # noqa: E731
+    job = build_job({})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert prebuild.start_for(job, launch) is None and started == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert prebuild.start_for(job, launch) is None and started == []
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    if prebuild.plan(job, cuda=True, triton=True, hip=False) is None or attention.triton_available(
+            torch.device("cuda", 0)) == "Triton is not installed":
+        pytest.skip("Triton is not installed")
+    assert prebuild.start_for(job, launch) == Request(0, 64, "auto")
+    (child,) = started
+    assert child.argv[0] == sys.executable and child.argv[-3:] == ["0", "64", "auto"]
+    assert "build_in_child" in child.argv[2]
+
+
+def test_the_check_waits_once_for_a_child_that_built_the_kernels():
+    started: list[FakeChild] = []
+    prebuild.start(Request(0, 64, "auto"), lambda argv: FakeChild(argv, started=started))
+    assert prebuild.wait(0, 32) is None and prebuild.wait(1, 64) is None  # another build: not waited for
+    assert started[0].timeouts == []
+    assert prebuild.wait(0, 64, timeout=7.0) is None and started[0].timeouts == [7.0]
+    assert prebuild.wait(0, 64) is None and started[0].timeouts == [7.0]  # forgotten after
+
+
+def test_a_child_that_failed_or_was_late_leaves_the_build_here_in_one_line():
+    prebuild.start(Request(0, 64, "auto"), lambda argv: FakeChild(argv, code=1, last="RuntimeError: no ptxas"))
+    line = prebuild.wait(0, 64)
+    assert line.startswith("the Triton kernels' build in a child process failed (exit 1: RuntimeError: no ptxas")
+    assert line.endswith("building them here") and "\n" not in line
+    started: list[FakeChild] = []
+    prebuild.start(Request(0, 64, "auto"), lambda argv: FakeChild(argv, code=None, started=started))
+    assert prebuild.wait(0, 64, timeout=2.0) == ("the Triton kernels' build in a child process did not finish in "
+                                                 "2 s; building them here")
+    assert started[0].stopped  # killed, not left compiling beside the run
+
+
+def test_the_build_check_waits_for_the_child_then_builds_and_says_why(monkeypatch):
+    """triton_runs: the child first (one line where it failed), then the build check itself, which
+    finds the child's kernels in Triton's cache or builds them."""
+    events: list[str] = []
+    monkeypatch.setattr(attention, "triton_available", lambda device, head_dim=None: None)
+    monkeypatch.setattr(attention, "_triton_builds", lambda index, head_dim: events.append(f"build {head_dim}"))
+    monkeypatch.setattr(prebuild, "wait", lambda index, head_dim: events.append(f"wait {index} {head_dim}") or
+                        "the Triton kernels' build in a child process failed (exit 1); building them here")
+    lines: list[str] = []
+    assert attention.triton_runs(torch.device("cuda", 2), 64, lines.append) is None
+    assert events == ["wait 2 64", "build 64"]
+    assert lines == ["model: the Triton kernels' build in a child process failed (exit 1); building them here"]
+
+
+def test_the_child_process_runs_its_command_and_its_last_line_is_read():
+    child = prebuild.Child([sys.executable, "-c", "import sys; print('compiling'); print('RuntimeError: no ptxas', "
+                                                  "file=sys.stderr); sys.exit(3)"])
+    assert child.wait(30) == 3 and child.last_line() == "RuntimeError: no ptxas"
+    sleeper = prebuild.Child([sys.executable, "-c", "import time; time.sleep(60)"])
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeper.wait(0.1)
+    sleeper.stop()
+    assert sleeper.process.poll() is not None
+
+
+def test_train_starts_the_child_from_its_job_and_from_a_checkpoints(monkeypatch, tmp_path):
+    from streamnmt import cli
+
+    jobs = []
+    monkeypatch.setattr(prebuild, "start_for", jobs.append)
+    job = build_job({"model": "tiny"})
+    cli._prebuild_kernels(job, None, None)
+    torch.save({"config": build_job({"model": "small", "device": "cpu"}).to_dict()}, tmp_path / "last.pt")
+    cli._prebuild_kernels(None, str(tmp_path / "last.pt"), "cuda:1")
+    cli._prebuild_kernels(None, str(tmp_path / "missing.pt"), None)  # the trainer says what is wrong
+    assert [j.model.model for j in jobs] == ["tiny", "small"] and jobs[1].run.device == "cuda:1"
+
+
+@pytest.mark.gpu
+def test_a_child_fills_tritons_cache_with_the_build_checks_kernels(tmp_path, monkeypatch):
+    """On a GPU: the child builds the kernels into a fresh Triton cache, and this process's build
+    check then compiles nothing more (no new file in the cache)."""
+    if not torch.cuda.is_available() or attention.triton_available(torch.device("cuda")) is not None:
+        pytest.skip("needs CUDA and Triton (run on the GPU machine: pytest -m gpu)")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    index = torch.cuda.current_device()
+    prebuild.start(Request(index, 64, "auto"))
+    assert prebuild.wait(index, 64) is None
+    files = sorted(tmp_path.rglob("*"))
+    assert any(p.suffix == ".cubin" for p in files), files
+    attention.triton_probe(torch.device("cuda", index), attention._check_dtype(index), 64)
+    assert sorted(tmp_path.rglob("*")) == files

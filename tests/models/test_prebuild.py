@@ -151,5 +151,55 @@ def test_a_child_fills_tritons_cache_with_the_build_checks_kernels(tmp_path, mon
     assert prebuild.wait(index, 64) is None
     files = sorted(tmp_path.rglob("*"))
     assert any(p.suffix == ".cubin" for p in files), files
+    assert prebuild.marker(Request(index, 64, "auto"), prebuild.gpu_of(index)) in files  # the next run starts none
     attention.triton_probe(torch.device("cuda", index), attention._check_dtype(index), 64)
     assert sorted(tmp_path.rglob("*")) == files
+
+
+def test_the_marker_lives_in_tritons_cache_and_names_what_the_kernels_depend_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    req = Request(0, 64, "auto")
+    path = prebuild.marker(req, "GPU sm90")
+    assert path.parent == tmp_path / "cache" and path == prebuild.marker(Request(1, 64, "auto"), "GPU sm90")
+    others = {prebuild.marker(Request(0, 32, "auto"), "GPU sm90"), prebuild.marker(Request(0, 64, "fp16"), "GPU sm90"),
+              prebuild.marker(req, "GPU sm80")}
+    assert path not in others and len(others) == 3
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path / "home"))
+    assert prebuild.marker(req, "GPU sm90").parent == tmp_path / "home" / ".triton" / "cache"
+
+
+def test_mark_built_writes_whole_and_never_fails_the_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    req = Request(0, 64, "auto")
+    prebuild.mark_built(req, "GPU sm90")
+    assert prebuild.marker(req, "GPU sm90").read_text().startswith("GPU sm90")
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [prebuild.marker(req, "GPU sm90").name]
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "file" / "cache"))  # cannot be made: no marker, no error
+    prebuild.mark_built(req, "GPU sm90")
+
+
+def test_a_build_marked_in_the_cache_starts_no_child(tmp_path, monkeypatch):
+    import importlib.util
+
+    started: list[FakeChild] = []
+    launch = lambda argv: FakeChild(argv, started=started)  # noqa: E731
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(prebuild, "gpu_of", lambda index: f"GPU{index} sm90")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    job = build_job({})
+    assert prebuild.start_for(job, launch) == Request(0, 64, "auto") and len(started) == 1
+    prebuild.stop()
+    prebuild.mark_built(Request(0, 32, "auto"), "GPU0 sm90")  # another head dim's kernels: still a child
+    assert prebuild.start_for(job, launch) == Request(0, 64, "auto") and len(started) == 2
+    prebuild.stop()
+    prebuild.mark_built(Request(0, 64, "auto"), "GPU0 sm90")
+    assert prebuild.start_for(job, launch) is None and len(started) == 2
+    assert prebuild.wait(0, 64) is None  # the build check then builds (loads) them itself
+    monkeypatch.setattr(prebuild, "gpu_of", lambda index: (_ for _ in ()).throw(RuntimeError("no GPU")))
+    assert prebuild.start_for(job, launch) == Request(0, 64, "auto") and len(started) == 3  # unsure: a child

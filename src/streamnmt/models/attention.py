@@ -144,6 +144,8 @@ def build_in_child(argv: list[str]) -> int:
         dtypes.append(trained)
     for dtype in dtypes:
         triton_probe(device, dtype, head_dim)
+    request = prebuild.Request(index, head_dim, amp)
+    prebuild.mark_built(request, prebuild.gpu_of(index))  # a later run starts no child (prebuild.marker)
     return 0
 
 

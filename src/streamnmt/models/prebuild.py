@@ -14,11 +14,20 @@ Started only where the build check will run: CUDA present, Triton installed, not
 attention ``auto`` or ``triton`` at a head dim the kernels take, and on one process per host (the
 other ranks of a torchrun check after rank 0 did, from the cache). The child itself returns at once
 on a GPU ``auto`` does not pick the kernels for (compute capability under 8.0).
+
+A child that built the kernels leaves a marker file in Triton's cache folder (:func:`marker`), named
+by what the cached kernels depend on: Triton's and torch's versions, the GPU, the kernels' source,
+the head dim and the dtypes. A later run that finds its marker starts no child (whose interpreter,
+imports and CUDA context cost a warm run's set-up seconds for nothing): its build check loads the
+kernels from the cache itself. Where the cache was emptied the marker went with it; a marker whose
+kernels are gone anyway only costs the build check its compile, in this process.
 """
 
 from __future__ import annotations
 
 import atexit
+import hashlib
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -57,6 +66,59 @@ def plan(job: Any, *, cuda: bool, triton: bool, hip: bool) -> Request | None:
         return None
     index = int(device[5:]) if device and device.startswith("cuda:") else int(os.environ.get("LOCAL_RANK", "0"))
     return Request(index, head_dim, job.optim.amp)
+
+
+def triton_cache_dir() -> Path:
+    """Triton's on-disk cache, by Triton's own rule: ``TRITON_CACHE_DIR``, else ``TRITON_HOME`` (or the
+    home folder) / .triton / cache. Read without importing Triton."""
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return Path(os.environ["TRITON_CACHE_DIR"])
+    return Path(os.environ.get("TRITON_HOME") or Path.home()) / ".triton" / "cache"
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def marker(request: Request, gpu: str) -> Path:
+    """The file a child that built ``request``'s kernels on ``gpu`` (its name and compute capability)
+    leaves in Triton's cache folder; its name holds a hash of everything the cached kernels depend on."""
+    import torch
+
+    kernels = Path(__file__).with_name("segattn_triton.py")
+    parts = [_version("triton"), _version("pytorch-triton"), torch.__version__, gpu, str(request.head_dim),
+             request.amp, hashlib.sha1(kernels.read_bytes()).hexdigest()]
+    return triton_cache_dir() / f"streamnmt-segattn-{hashlib.sha1('|'.join(parts).encode()).hexdigest()[:20]}.built"
+
+
+def gpu_of(index: int) -> str:
+    """``request.index``'s GPU as :func:`marker` names it (initialises CUDA, as the run does anyway)."""
+    import torch
+
+    return f"{torch.cuda.get_device_name(index)} sm{''.join(map(str, torch.cuda.get_device_capability(index)))}"
+
+
+def mark_built(request: Request, gpu: str) -> None:
+    """Leave the marker (the child, after its build); a cache folder it cannot write leaves none."""
+    path = marker(request, gpu)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(f"{gpu} head_dim {request.head_dim} amp {request.amp}\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def built_before(request: Request) -> bool:
+    """A child built ``request``'s kernels into this cache before (its marker is there)."""
+    try:
+        return marker(request, gpu_of(request.index)).exists()
+    except Exception:  # no GPU to name after all, an unreadable source: start the child as before
+        return False
 
 
 def child_argv(request: Request) -> list[str]:
@@ -112,7 +174,8 @@ def start(request: Request, launch: Callable[[Sequence[str]], Any] = Child) -> N
 
 def start_for(job: Any, launch: Callable[[Sequence[str]], Any] = Child) -> Request | None:
     """At the command's start: start the child where the run's build check will build the kernels
-    (:func:`plan`), on the first process of a host only; the request, or None where none started."""
+    (:func:`plan`), on the first process of a host only, unless one built them into Triton's cache
+    before (:func:`built_before`); the request, or None where none started."""
     import importlib.util
 
     import torch
@@ -121,8 +184,9 @@ def start_for(job: Any, launch: Callable[[Sequence[str]], Any] = Child) -> Reque
         return None
     request = plan(job, cuda=torch.cuda.is_available(), triton=importlib.util.find_spec("triton") is not None,
                    hip=torch.version.hip is not None)
-    if request is not None:
-        start(request, launch)
+    if request is None or built_before(request):
+        return None
+    start(request, launch)
     return request
 
 

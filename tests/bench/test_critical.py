@@ -164,3 +164,13 @@ def test_eager_steps_give_the_longest_single_stream_chain_as_a_lower_bound():
     assert f">= {v.stream_chain_ms:.2f} ms" in line and "lower bound" in line
     assert v.to_dict()["stream_chain_is_lower_bound"] and v.to_dict()["critical_path_ms"] is None
     assert analyze_steps(_trace([("cpu_op", "aten::mm", 0, 5, {})])) is None  # a CPU run
+
+
+def test_a_copy_the_driver_runs_as_a_kernel_agrees_with_its_copy_node():
+    from streamnmt.bench.critical import Node, agrees
+
+    copy, fill = Node("n0", "MEMCPY", 0), Node("n1", "MEMSET", 1)
+    assert agrees(copy, Op(0, 1, 1, "kernel", "memcpy32_post")) and agrees(copy, Op(0, 1, 1, "memcpy", "Memcpy DtoD"))
+    assert agrees(fill, Op(0, 1, 1, "kernel", "memset32_aligned"))
+    assert not agrees(copy, Op(0, 1, 1, "kernel", "vectorized_elementwise_kernel"))
+    assert not agrees(fill, Op(0, 1, 1, "kernel", "memcpy32_post"))

@@ -172,6 +172,10 @@ def name_words(demangled: str) -> tuple[str, ...]:
 def agrees(node: Node, op: Op) -> bool:
     """The op can be the node's: same kind; kernels by name (loosely: every identifier of the trace's
     demangled name appears in the DOT's mangled one) and by launch shape (grid and block)."""
+    if op.kind == "kernel" and node.kind in ("MEMCPY", "MEMSET"):
+        # a copy or fill node the driver runs as a kernel of its own (the trace names it, e.g.
+        # ``memcpy32_post``, where the graph holds a MEMCPY node)
+        return op.name.lower().startswith(GPU_NODE_KINDS[node.kind])
     if GPU_NODE_KINDS.get(node.kind) != op.kind:
         return False
     if op.kind != "kernel":

@@ -208,6 +208,17 @@ def test_score_uses_zh_tokenizer_for_chinese():
     assert score([], [], "ch")["bleu"] == 0.0
 
 
+def test_unspaced_targets_are_scored_by_words_or_characters_not_whole_sentences():
+    from streamnmt.inference.scoreworker import bleu_tokenizer
+
+    assert bleu_tokenizer("ch") == bleu_tokenizer("zh_CN") == "zh"
+    assert bleu_tokenizer("de") == bleu_tokenizer("pt-BR") == "13a"
+    assert bleu_tokenizer("th") == "char" and bleu_tokenizer("ja_JP") in ("ja-mecab", "char")
+    hyp, ref = ["ファイルを開けません"], ["ファイルを開けませんでした"]  # one "word" each to 13a
+    assert score(hyp, ref, "en")["bleu"] == 0 and score(hyp, ref, "ja")["bleu"] > 0
+    assert "tok:" + bleu_tokenizer("ja") in score(hyp, ref, "ja")["signature"]
+
+
 def _scorer_case(n: int = 50):
     import random
 

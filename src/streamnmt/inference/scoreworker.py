@@ -16,13 +16,37 @@ import sys
 from typing import IO, Any
 
 CHINESE = {"ch", "zh"}  # target languages scored with sacrebleu's "zh" tokenizer (as evaluation.CHINESE)
+# Languages written without spaces between words, where 13a would count a whole sentence as one
+# word: scored with sacrebleu's MeCab tokenizer where it is installed, else character by character.
+UNSPACED = {"ja": "ja-mecab", "ko": "ko-mecab", "th": None, "lo": None, "km": None, "my": None}
+
+
+def bleu_tokenizer(tgt_lang: str) -> str:
+    """sacrebleu's tokenizer for BLEU of a target language (``de``, ``ja_JP``, ``pt-BR`` alike):
+    ``zh`` for Chinese, the language's MeCab tokenizer or ``char`` for the languages of
+    :data:`UNSPACED`, else ``13a`` (sacrebleu's default, WMT's habit)."""
+    lang = tgt_lang.lower().replace("-", "_").split("_")[0]
+    if lang in CHINESE:
+        return "zh"
+    if lang not in UNSPACED:
+        return "13a"
+    mecab = UNSPACED[lang]
+    if mecab is not None:
+        try:
+            import sacrebleu
+
+            sacrebleu.BLEU(tokenize=mecab)  # needs mecab-python3 and its dictionary
+            return mecab
+        except Exception:
+            pass
+    return "char"
 
 
 def metrics(tgt_lang: str) -> tuple[Any, Any]:
-    """BLEU (``zh`` tokenizer for Chinese targets, else ``13a``) and chrF, as the corpus score uses."""
+    """BLEU (sacrebleu, tokenized by :func:`bleu_tokenizer`) and chrF, as the corpus score uses."""
     import sacrebleu
 
-    return sacrebleu.BLEU(tokenize="zh" if tgt_lang.lower() in CHINESE else "13a"), sacrebleu.CHRF()
+    return sacrebleu.BLEU(tokenize=bleu_tokenizer(tgt_lang)), sacrebleu.CHRF()
 
 
 def write_frame(out: IO[bytes], obj: Any) -> None:

@@ -4,7 +4,8 @@ The trainer computes dev BLEU at each epoch end; ``streamnmt translate`` and ``e
 files and score splits. All three turn lines of text into encoder input the way the training
 batches are built (tokens then EOS), decode them through :mod:`streamnmt.inference.search` (or, where asked,
 :mod:`streamnmt.inference.graph_search`), detokenize through SentencePiece, and score with sacrebleu (BLEU
-with its ``zh`` tokenizer for Chinese targets, ``13a`` otherwise, and chrF). This module holds
+with its ``zh`` tokenizer for Chinese targets, ``char`` or MeCab for Japanese, Korean and Thai,
+``13a`` otherwise, and chrF). This module holds
 those pieces below both the trainer and the commands, so that imports run one way:
 ``train -> evaluation`` and ``translate -> evaluation``, never ``train <-> translate``.
 """
@@ -69,7 +70,7 @@ def detokenize(tgt_tok: Tokenizer, outputs: list[list[int]]) -> list[str]:
 
 
 def score(hyps: list[str], refs: list[str], tgt_lang: str) -> dict[str, Any]:
-    """Corpus BLEU (sacrebleu, ``zh`` tokenizer for Chinese, else ``13a``) and chrF."""
+    """Corpus BLEU (sacrebleu, the target language's tokenizer: ``scoreworker.bleu_tokenizer``) and chrF."""
     bleu, chrf = scoreworker.metrics(tgt_lang)
     if not hyps:
         return {"bleu": 0.0, "chrf": 0.0, "signature": ""}

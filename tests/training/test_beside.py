@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from streamnmt.engine.syncstats import STATS, host_sync
+from streamnmt.syncstats import STATS, host_sync
 from streamnmt.training.beside import Beside, Snapshot
 from streamnmt.training.evaluator import Evaluator
 from streamnmt.training.runs import read_csv

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from streamnmt.engine.syncstats import host_sync
+from streamnmt.syncstats import host_sync
 from streamnmt.inference.decoding import SearchOptions, sync_interval
 from streamnmt.inference.staticcache import StaticCache
 from streamnmt.models import masks

@@ -40,13 +40,14 @@ import torch
 
 from streamnmt.data import read_pairs
 from streamnmt.engine.base import tensors
-from streamnmt.engine.syncstats import host_sync
+from streamnmt.syncstats import host_sync
 from streamnmt.inference.decoding import SearchOptions, decoding_copy
 from streamnmt.inference.scoring import ScorePool, bleu_on_pairs
 from streamnmt.models import masks
 from streamnmt.training.beside import Beside, Deferred, Snapshot
 from streamnmt.training.step import LossModel
-from streamnmt.training.stopping import EarlyStopping, best_metric, parse_duration
+from streamnmt.config import best_metric
+from streamnmt.training.stopping import EarlyStopping
 
 COST_RATIO = 9.0  # training seconds per second of evaluation: evaluation <= 1 / (1 + 9) = 10 % of the run
 FIRST_EVAL_S = 60.0  # the first evaluation, when no epoch has ended sooner (its cost is not known yet)
@@ -175,7 +176,7 @@ class Evaluator:
         self.stopper = EarlyStopping(best_metric(run), run.patience)
         # With --time-limit the first evaluation comes early enough that the end of the run can keep
         # time for the last one (its cost is then known).
-        limit = parse_duration(run.time_limit)
+        limit = run.time_limit_s()
         self.cadence = Cadence(run.eval_steps(), first_after_s=min(FIRST_EVAL_S, 0.1 * limit) if limit else FIRST_EVAL_S)
         self.best_val = math.inf
         self.bleu_dtype = bleu_dtype

@@ -29,7 +29,7 @@ import torch
 from streamnmt.checkpoint import rng_state
 from streamnmt.engine import STATS
 from streamnmt.engine.losses import StepLoss
-from streamnmt.engine.syncstats import format_table
+from streamnmt.syncstats import format_table
 from streamnmt.errors import NonFiniteLoss
 from streamnmt.training.checkpointer import new_weights_id, safetensors_beside, weights_only
 from streamnmt.training.evaluating import EvaluationPoints

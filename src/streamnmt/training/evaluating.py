@@ -21,14 +21,6 @@ from streamnmt.engine.losses import StepLoss
 class EvaluationPoints:
     """The Trainer's evaluation methods (see the module's docstring)."""
 
-    def _epoch_end_eval_due(self) -> bool:
-        """Evaluate at this epoch end? Several ranks and the time rule: rank 0's clock decides (the
-        ranks' clocks differ a little and they must agree). Mid-epoch the loop asks :meth:`_after_step`."""
-        cadence = self.evaluator.cadence
-        if not self.dist.active or cadence.every is not None:
-            return cadence.due(self.global_step, epoch_end=True)
-        return self.dist.broadcast(cadence.due(self.global_step, epoch_end=True), "dist.cadence")
-
     def _evaluate(self, epoch: int, beside: bool = True) -> list[StepLoss]:
         """Drain, then validation loss and BLEU (with the EMA weights under --eval-ema); best.pt when
         --best-metric improved; a stop request when --patience ran out. With --async-eval and

@@ -282,7 +282,7 @@ class Trainer(EvaluationPoints, TrainerSetup):
             self.epoch, self.epoch_pos = epoch + 1, 0
         ending = self.epoch >= r.epochs or bool(r.max_steps and self.global_step >= r.max_steps)
         result = None
-        if self.last_eval_step != self.global_step and (ending or self._epoch_end_eval_due()):
+        if self.last_eval_step != self.global_step and (ending or self.evaluator.due_at_epoch_end(self.global_step, self.dist)):
             self._evaluate(epoch, beside=not ending)
             result = self.last_eval
         finite = [v for v in losses if math.isfinite(v[1])]  # a skipped step's loss is left out
@@ -330,14 +330,12 @@ class Trainer(EvaluationPoints, TrainerSetup):
         steps one host-side all-reduce carries both answers, any rank's stop request and rank 0's
         time rule (its clock decides: the ranks' clocks differ a little); between those steps no
         rank stops, and only --eval-every N (the same step count everywhere) evaluates."""
-        cadence, step = self.evaluator.cadence, self.global_step
+        step = self.global_step
+        due, ask = self.evaluator.due_mid_epoch(step, self.dist)
         if not self.dist.active:
             self.stopped = self.stop_requested
-            return cadence.due(step, epoch_end=False)
-        counted = cadence.every is not None
-        due = counted and cadence.due(step, epoch_end=False)
+            return due
         if step % self.job.engine.sync_interval == 0:
-            ask = self.dist.main and not counted and cadence.due(step, epoch_end=False)
             self.stopped, agreed = self.dist.agree_any((self.stop_requested, ask), "dist.step")
             due = due or agreed
         return due

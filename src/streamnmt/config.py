@@ -129,16 +129,13 @@ WARMUP_RANGE = (100, 4000)
 # updates. The default budget is this or what the GPU's memory holds, the smaller.
 TIME_TO_BLEU_TOKENS = 4096
 
-# The weights' moving average every run keeps and evaluates by default (--ema, --eval-ema). On four
-# H100s (base, 2026-11-26, docs/PERFORMANCE.md "The weights' moving average"), two runs each, it
-# lowered the validation loss on a 40k-pair corpus in 2 minutes and on 1M pairs in 6, raised the best
-# dev BLEU of the 40k-pair runs by 1.4-2.9 (1M pairs: within noise) and halved the swings of dev BLEU
-# between evaluations; on the CPU preset (the bare `streamnmt train`, two runs each) it raised the best
-# dev BLEU by 2.4-5.7 and lowered the validation loss by 0.14-0.18 in the same steps.
+# The weights' moving average every run keeps and evaluates by default (--ema, --eval-ema): it
+# lowered the validation loss, raised the best dev BLEU and steadied dev BLEU between evaluations,
+# on GPUs and on the CPU preset (docs/PERFORMANCE.md, "The weights' moving average").
 EMA_DECAY = 0.9999
-# The average's update reads every weight and its shadow and writes the shadow: 0.82-0.90 ms of the
-# base model's 10.5 ms step at vocabulary 32k on an H100 (docs/PERFORMANCE.md, "The update"). Done
-# after every 4th step it costs a quarter of that; with the decay compounded it spans the same steps.
+# The average's update reads every weight and its shadow and writes the shadow, a share of the step
+# (docs/PERFORMANCE.md, "The update"). Done after every 4th step it costs a quarter of that; with the
+# decay compounded it spans the same steps.
 EMA_EVERY = 4
 
 

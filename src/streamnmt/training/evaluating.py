@@ -2,9 +2,9 @@
 best.pt, the accounting of the loop's waits and the evals.csv row.
 
 Mixed into :class:`streamnmt.training.trainer.Trainer` (it reads the loop's state: the evaluator,
-checkpointer, clocks and logs that :class:`streamnmt.training.setup.TrainerSetup` builds), so that
+checkpointer, clocks and logs that :class:`streamnmt.training.build.TrainerSetup` builds), so that
 the loop itself reads top to bottom in trainer.py. With ``--async-eval`` the BLEU pass of an
-evaluation runs on a thread beside training (:mod:`streamnmt.training.beside`): :meth:`_evaluate`
+evaluation runs on a thread beside training (:mod:`streamnmt.training.async_bleu`): :meth:`_evaluate`
 starts it and :meth:`_collect_eval` finishes the evaluation at a later step.
 """
 

@@ -16,7 +16,7 @@ and checkpoints in a run"). Three things keep evaluation a bounded share of the 
   fixed addresses, so its buckets are captured once per run and replayed at every evaluation.
 * ``--async-eval`` (on a GPU with one process): after the first evaluation, which captures the
   decoding graphs on the loop, the BLEU pass runs on a thread beside training
-  (:mod:`streamnmt.training.beside`): :meth:`Evaluator.launch` starts it, :meth:`Evaluator.collect`
+  (:mod:`streamnmt.training.async_bleu`): :meth:`Evaluator.launch` starts it, :meth:`Evaluator.collect`
   decides with its result at the next evaluation or the end of the run, steps that do not depend
   on how fast the pass ran, so that a run replays exactly from its last.pt.
 
@@ -44,7 +44,7 @@ from streamnmt.syncstats import host_sync
 from streamnmt.inference.decoding import SearchOptions, decoding_copy
 from streamnmt.inference.scoring import ScorePool, bleu_on_pairs
 from streamnmt.models import masks
-from streamnmt.training.beside import Beside, Deferred, Snapshot
+from streamnmt.training.async_bleu import Beside, Deferred, Snapshot
 from streamnmt.training.step import LossModel
 from streamnmt.config import best_metric
 from streamnmt.training.stopping import EarlyStopping

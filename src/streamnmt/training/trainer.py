@@ -2,7 +2,7 @@
 
 The engine (``streamnmt.engine``) knows nothing of translation; it drives the step function of
 ``streamnmt.training.step`` (loss, backward, clipped Adam on the Noam schedule, without a host
-sync). The parts around the loop are built by :class:`streamnmt.training.setup.TrainerSetup`;
+sync). The parts around the loop are built by :class:`streamnmt.training.build.TrainerSetup`;
 the Trainer runs the loop and calls them at named points: the evaluator (validation, BLEU,
 best.pt, patience, when to evaluate; the loop's side in :mod:`streamnmt.training.evaluating`), the
 checkpointer (background writes), the time budget. The
@@ -37,7 +37,7 @@ from streamnmt.training.monitor import CpuSampler, NvmlSampler
 from streamnmt.training.plots import plot_results
 from streamnmt.training.reporting import epoch_line, merge_sync_stats, progress, time_line
 from streamnmt.training.runs import write_json
-from streamnmt.training.setup import TrainerSetup
+from streamnmt.training.build import TrainerSetup
 from streamnmt.training.step import noam_lr
 from streamnmt.training.stopping import stop_signals
 

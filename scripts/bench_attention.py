@@ -30,7 +30,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from streamnmt.bench.synthvocab import random_tokens
 from streamnmt.data import DataConfig, prepare_data
 from streamnmt.data.loader import make_loader
-from streamnmt.engine.syncstats import host_sync
+from streamnmt.syncstats import host_sync
 from streamnmt.models.attention import dense_masks, flex_masks, segment_masks
 from streamnmt.models.segments import visited_fraction
 

@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src")]
 
-from streamnmt.engine.syncstats import host_sync  # noqa: E402
+from streamnmt.syncstats import host_sync  # noqa: E402
 from streamnmt.fsutil import atomic_write  # noqa: E402
 from streamnmt.models.transformer import make_model  # noqa: E402
 from streamnmt.training.checkpointer import Checkpointer  # noqa: E402

@@ -14,7 +14,7 @@ from streamnmt.models import masks
 from streamnmt.inference.decoding import SearchOptions, sync_interval
 from streamnmt.inference.search import beam_search, greedy_search, pad_batch, translate_ids
 from streamnmt.inference.staticcache import StaticCache
-from streamnmt.engine.syncstats import STATS
+from streamnmt.syncstats import STATS
 from streamnmt.models.transformer import Transformer, make_model
 
 VOCAB = 40

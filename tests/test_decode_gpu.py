@@ -12,7 +12,7 @@ from streamnmt.inference.decoding import SearchOptions
 from streamnmt.inference.search import pad_batch, translate_ids
 from streamnmt.inference.graph_search import GraphDecoder
 from streamnmt.inference.graph_search import translate_ids as translate_graph
-from streamnmt.engine.syncstats import STATS
+from streamnmt.syncstats import STATS
 from tests.test_decode import VOCAB, tiny_model
 
 pytestmark = pytest.mark.gpu

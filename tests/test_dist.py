@@ -296,6 +296,7 @@ def _prepare_once_rank(rank: int, port: int, out: str, differ: bool, hosts: int 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=local, LOCAL_WORLD_SIZE=str(2 // hosts))
     from streamnmt import dist
+    from streamnmt.data.prepare import prepare_once
     from streamnmt.errors import InputError
     d = dist.init("gloo", "cpu", 30)
     log = Path(out) / f"rank{rank}"
@@ -308,7 +309,7 @@ def _prepare_once_rank(rank: int, port: int, out: str, differ: bool, hosts: int 
         return f"tok-{rank}" if differ else "tok"
 
     try:
-        dist.prepare_once(d, prepare, lambda tok: {"src tokenizer sha256": tok})
+        prepare_once(d, prepare, lambda tok: {"src tokenizer sha256": tok})
         result = "ok"
     except InputError as e:
         result = f"error: {e}"

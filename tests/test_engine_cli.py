@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-import streamnmt.training.setup
+import streamnmt.training.build
 from streamnmt.cli import main
 from streamnmt.engine import make_strategy
 from streamnmt.training.runs import read_csv
@@ -33,7 +33,7 @@ def with_manager(monkeypatch, **kw) -> list[RecordingStreamManager]:
         made.append(RecordingStreamManager(device, n, **kw))
         return made[-1]
 
-    monkeypatch.setattr(streamnmt.training.setup, "make_strategy", functools.partial(make_strategy, manager=factory))
+    monkeypatch.setattr(streamnmt.training.build, "make_strategy", functools.partial(make_strategy, manager=factory))
     return made
 
 

@@ -1,5 +1,5 @@
 """The package's architecture holds: no import cycle between its modules (imports inside
-functions included) and no source file over 500 lines."""
+functions included), no import up a floor, and no source file over 500 lines."""
 
 from __future__ import annotations
 
@@ -60,6 +60,46 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, " -> ".join(cycle)
+
+
+# The package's rooms (a folder or a top-level module) by floor, from the top: each imports only
+# from its own floor or the floors below it.
+FLOORS = (
+    ("__main__", "cli", "bench"),            # commands and the benchmark
+    ("training",),                           # the loop and its parts
+    ("inference",),                          # search, translate, scoring, export, average
+    ("checkpoint", "config"),                # the file format, the job's dataclasses
+    ("data", "engine"),
+    ("dist", "configbase"),                  # process group; dataclass-to-flags machinery
+    ("models",),
+    ("syncstats", "errors", "fsutil", "devices", "lazyinit", "setupclock", "streamnmt"),  # the ground
+)
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def floor_of(module: str) -> int:
+    for i, rooms in enumerate(FLOORS):
+        if room(module) in rooms:
+            return i
+    raise AssertionError(f"{module}: its room {room(module)!r} stands on no floor of FLOORS; place it")
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {n}" for m, ns in graph.items() for n in ns if floor_of(n) < floor_of(m))
+
+
+def test_imports_run_only_downward():
+    up = arrows_up(import_graph())
+    assert not up, "imports up a floor: " + "; ".join(up)
+
+
+def test_the_floor_check_finds_an_import_up():
+    graph = {"streamnmt.dist": {"streamnmt.engine.base"}, "streamnmt.engine.base": {"streamnmt.dist"}}
+    assert arrows_up(graph) == ["streamnmt.dist -> streamnmt.engine.base"]
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from streamnmt.cli import build_parser, main
-from streamnmt.config import ModelConfig, RunConfig, build_job
+from streamnmt.config import ModelConfig, RunConfig, build_job, parse_duration
 from streamnmt.errors import ConfigError
 from streamnmt.models.transformer import make_model
 from streamnmt.training.runs import read_csv
 from streamnmt.training.step import example_batch, make_step
-from streamnmt.training.stopping import EarlyStopping, parse_duration
+from streamnmt.training.stopping import EarlyStopping
 from streamnmt.training.evaluator import Evaluator
 from streamnmt.training.trainer import Trainer
 

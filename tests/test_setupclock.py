@@ -46,7 +46,7 @@ def test_a_failure_inside_is_timed_too(clock):
 
 
 def test_the_set_up_line_says_it(clock):
-    from streamnmt.training.setup import TrainerSetup
+    from streamnmt.training.build import TrainerSetup
 
     spend(clock, "Triton kernel build check", 7.5)
     setupclock.close("recipe")

@@ -72,7 +72,7 @@ def _run_trainer(args: dict, config_file: str | None, resume: str | None) -> int
     result = trainer.train()
     d, stopper = trainer.dist, trainer.evaluator.stopper  # what chose best.pt, and at which step
     # The trainer's CUDA graphs captured NCCL collectives: destroying the process group while they
-    # live hangs every rank in destroy_process_group (2 H100s, docs/PERFORMANCE.md), so they go first.
+    # live hangs every rank in destroy_process_group (two GPUs, docs/PERFORMANCE.md), so they go first.
     del trainer
     gc.collect()
     d.close()
@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(e, (PeerLost, CaptureFailed)) and "WORLD_SIZE" in os.environ:
             # PeerLost: a collective whose peer died may never finish. CaptureFailed: graphs that
             # captured NCCL collectives may be alive, and tearing down the process group under them
-            # hung every rank (2 H100s, docs/PERFORMANCE.md "Two H100s"). No teardown waits for either.
+            # hung every rank (two GPUs, docs/PERFORMANCE.md "Two H100s"). No teardown waits for either.
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(e.exit_code)

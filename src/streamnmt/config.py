@@ -8,7 +8,9 @@ declares the field; ``--config FILE.yaml`` is read first and flags override it.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,6 @@ from streamnmt.configbase import check, check_choice, from_dict, opt, to_dict
 from streamnmt.data.config import DataConfig
 from streamnmt.engine.config import EngineConfig
 from streamnmt.errors import ConfigError
-from streamnmt.training.stopping import check_recipe
 
 # Model presets: (d_model, n_layers, n_heads, d_ff). "base" is the original system's model; "big" is
 # the Transformer paper's big model (Vaswani et al. 2017, table 3; fairseq's transformer_wmt_en_de_big).
@@ -128,16 +129,13 @@ WARMUP_RANGE = (100, 4000)
 # updates. The default budget is this or what the GPU's memory holds, the smaller.
 TIME_TO_BLEU_TOKENS = 4096
 
-# The weights' moving average every run keeps and evaluates by default (--ema, --eval-ema). On four
-# H100s (base, 2026-11-26, docs/PERFORMANCE.md "The weights' moving average"), two runs each, it
-# lowered the validation loss on a 40k-pair corpus in 2 minutes and on 1M pairs in 6, raised the best
-# dev BLEU of the 40k-pair runs by 1.4-2.9 (1M pairs: within noise) and halved the swings of dev BLEU
-# between evaluations; on the CPU preset (the bare `streamnmt train`, two runs each) it raised the best
-# dev BLEU by 2.4-5.7 and lowered the validation loss by 0.14-0.18 in the same steps.
+# The weights' moving average every run keeps and evaluates by default (--ema, --eval-ema): it
+# lowered the validation loss, raised the best dev BLEU and steadied dev BLEU between evaluations,
+# on GPUs and on the CPU preset (docs/PERFORMANCE.md, "The weights' moving average").
 EMA_DECAY = 0.9999
-# The average's update reads every weight and its shadow and writes the shadow: 0.82-0.90 ms of the
-# base model's 10.5 ms step at vocabulary 32k on an H100 (docs/PERFORMANCE.md, "The update"). Done
-# after every 4th step it costs a quarter of that; with the decay compounded it spans the same steps.
+# The average's update reads every weight and its shadow and writes the shadow, a share of the step
+# (docs/PERFORMANCE.md, "The update"). Done after every 4th step it costs a quarter of that; with the
+# decay compounded it spans the same steps.
 EMA_EVERY = 4
 
 
@@ -170,6 +168,61 @@ def recipe_warmup(tokens_per_update: int) -> int:
     same tokens, takes twice the steps."""
     lo, hi = WARMUP_RANGE
     return int(min(max(round(WARMUP_TOKENS / tokens_per_update), lo), hi))
+
+
+_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
+_DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
+
+
+def parse_duration(text: str | None, key: str = "time_limit") -> float | None:
+    """``"2h"``, ``"90m"``, ``"20s"``, ``"1h30m"``, or plain seconds (``"45"``) -> seconds; None -> None."""
+    if text is None:
+        return None
+    t = str(text).strip().lower()
+    try:
+        seconds = float(t)
+    except ValueError:
+        m = _DURATION.match(t)
+        if not t or not m or not any(m.groups()):
+            raise ConfigError(f"--{key.replace('_', '-')} (config key '{key}'): must be a duration such as "
+                              f"2h, 90m, 20s or 1h30m; got {text!r}") from None
+        seconds = sum(float(v) * _UNITS[u] for v, u in zip(m.groups(), "hms") if v)
+    check(math.isfinite(seconds) and seconds > 0, key, f"must be a positive duration; got {text!r}")
+    return seconds
+
+
+def best_metric(run: Any) -> str:
+    """The resolved ``--best-metric``: ``auto`` is BLEU when BLEU is computed, else val_loss."""
+    if run.best_metric != "auto":
+        return run.best_metric
+    return "bleu" if run.bleu_samples > 0 else "val_loss"
+
+
+def parse_eval_every(text: Any) -> int | None:
+    """``--eval-every``: None for ``auto`` (the time rule), else a number of steps (0 = epoch ends only)."""
+    every = str(text).strip().lower()
+    check(every == "auto" or (every.isdigit() and int(every) >= 0), "eval_every",
+          f"must be auto, 0 (epoch ends only) or a positive number of steps; got {text!r}")
+    return None if every == "auto" else int(every)
+
+
+def check_recipe(run: Any) -> None:
+    """Validate the RunConfig fields of the training recipe (called from its ``__post_init__``)."""
+    steps = parse_eval_every(run.eval_every)
+    run.eval_every = "auto" if steps is None else str(steps)
+    check_choice(run.best_metric, "best_metric", ("auto", "bleu", "val_loss"))
+    check(run.best_metric != "bleu" or run.bleu_samples > 0, "best_metric",
+          "bleu needs BLEU to be computed: set --bleu-samples above 0 or use --best-metric val_loss")
+    check(run.patience >= 0, "patience", f"must be 0 (never stop early) or positive; got {run.patience}")
+    parse_duration(run.time_limit)
+    check(run.keep_last >= 0, "keep_last", f"must be 0 (none) or positive; got {run.keep_last}")
+    check(run.keep_last == 0 or run.save_every > 0, "keep_last",
+          "keeps step checkpoints, which --save-every S writes: add --save-every (e.g. --save-every 1000)")
+    check(0.0 <= run.ema < 1.0, "ema", f"must be in [0, 1) (e.g. 0.9999; 0 = off); got {run.ema}")
+    check(run.ema_every >= 1, "ema_every", f"must be at least 1; got {run.ema_every}")
+    check(not run.eval_ema or run.ema > 0, "eval_ema", "evaluates the averaged weights: add --ema 0.9999")
+    check(not run.tensorboard or importlib.util.find_spec("tensorboard") is not None, "tensorboard",
+          "needs the tensorboard package: pip install tensorboard (or drop --tensorboard)")
 
 
 EPOCHS_UNLIMITED = 1_000_000  # --epochs when a --time-limit ends the run
@@ -229,7 +282,11 @@ class RunConfig:
 
     def eval_steps(self) -> int | None:
         """``--eval-every`` as a number of steps: None for ``auto`` (the time rule)."""
-        return None if str(self.eval_every).strip().lower() == "auto" else int(self.eval_every)
+        return parse_eval_every(self.eval_every)
+
+    def time_limit_s(self) -> float | None:
+        """``--time-limit`` in seconds; None for no limit."""
+        return parse_duration(self.time_limit)
 
     def __post_init__(self) -> None:
         check(self.epochs is None or self.epochs >= 1, "epochs", f"must be at least 1; got {self.epochs}")

@@ -29,10 +29,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from streamnmt.errors import ConfigError, InputError
 
@@ -41,7 +40,6 @@ if TYPE_CHECKING:  # torch is imported where it is used, so that the CLI starts 
 
 CONTROL_TIMEOUT_S = 3 * 3600  # the epoch-end wait covers rank 0's validation and BLEU
 POLL_S = 50e-6  # how often a polling host wait asks whether an event has completed
-T = TypeVar("T")
 
 
 class PeerLost(Exception):
@@ -99,7 +97,7 @@ class Dist:
         import torch
         import torch.distributed as dist
 
-        from streamnmt.engine.syncstats import host_sync
+        from streamnmt.syncstats import host_sync
         t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
         # Needed: all ranks must stop (and evaluate) after the same step; host-side (gloo), not a GPU wait.
         group = self.control if long_wait or self.lockstep is None else self.lockstep
@@ -112,7 +110,7 @@ class Dist:
             return obj
         import torch.distributed as dist
 
-        from streamnmt.engine.syncstats import host_sync
+        from streamnmt.syncstats import host_sync
         box = [obj]
         # Needed: the other ranks wait for rank 0's value (run directory, evaluation results).
         host_sync(site, lambda: dist.broadcast_object_list(box, src=0, group=self.control))
@@ -124,7 +122,7 @@ class Dist:
             return [obj]
         import torch.distributed as dist
 
-        from streamnmt.engine.syncstats import host_sync
+        from streamnmt.syncstats import host_sync
         out: list[Any] = [None] * self.world
         # Needed: rank 0's checkpoint holds every rank's RNG state (exact resume).
         group = self.control if long_wait or self.lockstep is None else self.lockstep
@@ -136,7 +134,7 @@ class Dist:
         if self.active:
             import torch.distributed as dist
 
-            from streamnmt.engine.syncstats import host_sync
+            from streamnmt.syncstats import host_sync
             # Needed: the ranks that read what rank 0 writes wait until it is written.
             host_sync(site, lambda: dist.barrier(group=self.control))
 
@@ -209,7 +207,7 @@ def init(backend: str, device: str | None, timeout_s: int) -> Dist:
     lockstep = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     import socket
 
-    from streamnmt.engine.syncstats import host_sync
+    from streamnmt.syncstats import host_sync
     peers: list[Any] = [None] * world
     # Needed: every rank's node, host and pid, to name the host a failed collective lost (once, host-side).
     host_sync("dist.init", lambda: dist.all_gather_object(peers, (_node(), socket.gethostname(), os.getpid()),
@@ -239,50 +237,6 @@ def parallelize(model: torch.nn.Module, device: torch.device, bucket_cap_mb: flo
                     else {"broadcast_buffers": False})
     ids = {"device_ids": [device.index]} if device.type == "cuda" else {}
     return DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=bucket_cap_mb, **ids, **no_sync_bufs)
-
-
-def prepare_once(d: Dist, prepare: Callable[[], T], fingerprint: Callable[[T], dict[str, str]],
-                 prepared: Callable[[], T] | None = None) -> T:
-    """Run ``prepare`` (tokenizers, tokenized cache) on rank 0 first while the other ranks wait at
-    a barrier; on several hosts then on each other host's local rank 0 while the rest wait again
-    (on a shared data directory they find rank 0's files, on a host's own one each host prepares
-    its own, one process a host: two local rank 0s never write one folder at once); then on the
-    remaining ranks (they find their host's files); then every rank checks that its
-    ``fingerprint`` (tokenizer hashes, cache keys) equals rank 0's. ``prepared``: what the other
-    ranks try beside local rank 0 first, the files an earlier run left, read without writing
-    anything (``prepare_data(build=False)``); where it finds them (it raises NotPrepared where it
-    does not) they wait at the barrier with their data already loaded instead of loading it after
-    (1.8 s of each 2-GPU run's set-up on a 1M-pair corpus at 1d988d6: docs/PERFORMANCE.md).
-    One process: just ``prepare``. A mismatch (e.g. hosts that do not share the data directory and
-    hold other tokenizers) stops every rank with the same line."""
-    from streamnmt.data.prepare import NotPrepared
-
-    if not d.active:
-        return prepare()
-    result = None
-    if d.rank == 0:
-        result = prepare()
-    elif prepared is not None:
-        try:
-            result = prepared()
-        except (NotPrepared, InputError, OSError):  # not there yet, or an error prepare() will say after
-            result = None
-    d.barrier("dist.data")
-    if int(os.environ.get("LOCAL_WORLD_SIZE", d.world)) < d.world:  # several hosts
-        if result is None and d.local_rank == 0:
-            result = prepare()
-        d.barrier("dist.data")
-    if result is None:
-        result = prepare()
-    prints = d.gather(fingerprint(result), "dist.data", long_wait=True)  # the others may tokenize afresh
-    for rank, got in enumerate(prints):
-        diff = sorted(k for k in set(got) | set(prints[0]) if got.get(k) != prints[0].get(k))
-        if diff:
-            k = diff[0]
-            raise InputError(f"rank {rank} of {d.world} prepared other data than rank 0: {k} "
-                             f"{str(got.get(k))[:16]} vs rank 0's {str(prints[0].get(k))[:16]} (every rank must "
-                             f"see the same data directory and tokenizers)")
-    return result
 
 
 def wait_event(event: Any, timeout_s: float, what: str = "the GPU") -> None:

@@ -256,14 +256,14 @@ class _Ranks:
 def test_other_ranks_load_prepared_data_beside_local_rank_0() -> None:
     """prepare_once on a rank other than local rank 0: data already prepared is loaded before the
     barrier (no waiting for rank 0 to load it first); data not prepared yet is prepared after it."""
-    from streamnmt import dist
+    from streamnmt.data.prepare import prepare_once
     from streamnmt.data.prepare import NotPrepared
 
     def fp(result: str) -> dict[str, str]:
         return {"src tokenizer sha256": result}
 
     ranks = _Ranks()
-    assert dist.prepare_once(ranks, lambda: ranks.calls.append("prepare") or "tok", fp,
+    assert prepare_once(ranks, lambda: ranks.calls.append("prepare") or "tok", fp,
                              lambda: ranks.calls.append("prepared") or "tok") == "tok"
     assert ranks.calls == ["prepared", "barrier"]
 
@@ -272,5 +272,5 @@ def test_other_ranks_load_prepared_data_beside_local_rank_0() -> None:
         raise NotPrepared("train: not in the tokenized cache")
 
     ranks.calls.clear()
-    assert dist.prepare_once(ranks, lambda: ranks.calls.append("prepare") or "tok", fp, missing) == "tok"
+    assert prepare_once(ranks, lambda: ranks.calls.append("prepare") or "tok", fp, missing) == "tok"
     assert ranks.calls == ["prepared", "barrier", "prepare"]

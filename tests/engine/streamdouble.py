@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from streamnmt.engine.syncstats import host_sync
+from streamnmt.syncstats import host_sync
 
 Label = tuple
 

@@ -15,6 +15,7 @@ import torch
 
 from streamnmt.config import EMA_DECAY, EMA_EVERY, PRESETS, RunConfig, preset_dropout
 from streamnmt.configbase import check, check_choice, opt
+from streamnmt.data.config import DataConfig
 from streamnmt.engine import STRATEGY_NAMES
 from streamnmt.engine.config import DIST_BACKENDS, PIPELINE_STREAMS
 
@@ -41,7 +42,9 @@ class BenchConfig:
     references: bool = opt(True, "add the reference rows: resident and plain, resident-graph with graph "
                                  "on CUDA, and the compile-ro peer on CUDA with Triton")
     batch_size: int = opt(32, "sentences per batch (ignored with --max-tokens)")
-    max_tokens: int = opt(0, "token budget per batch, as the trainer's --max-tokens (0 = by sentences)")
+    max_tokens: int = opt(0, "token budget per batch, checked as the trainer's --max-tokens; 0 = by sentences, "
+                             "the default here (not the trainer's budget sized for the GPU) so that every "
+                             "row times the same batches on any GPU")
     max_len: int = opt(32, "longest sentence in tokens")
     pack: bool = opt(True, "packed batches as training runs them (one shape; see the trainer's --pack); "
                            "--no-pack = length buckets")
@@ -102,9 +105,9 @@ class BenchConfig:
         check(self.warmup >= 0, "warmup", f"must be 0 or more; got {self.warmup}")
         check(self.repeats >= 1, "repeats", f"must be at least 1; got {self.repeats}")
         check(self.batch_size >= 1, "batch_size", f"must be a positive integer; got {self.batch_size}")
-        check(self.max_tokens == 0 or self.max_tokens >= self.max_len, "max_tokens",
-              f"must be 0 (off) or at least --max-len ({self.max_len}); got {self.max_tokens}")
-        check(self.max_len >= 4, "max_len", f"must be at least 4; got {self.max_len}")
+        # the batch flags, as the trainer checks them (one rule for --max-tokens, --max-len, --pack-width)
+        DataConfig(batch_size=self.batch_size, max_tokens=self.max_tokens, max_len=self.max_len,
+                   pack_width=self.pack_width)
         check_choice(self.attention, "attention", ("auto", "sdpa", "flex", "triton"))
         check(self.vocab is None or self.vocab == 0 or self.vocab >= 16, "vocab",
               f"must be 0 (the corpus's) or at least 16; got {self.vocab}")

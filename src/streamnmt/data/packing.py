@@ -105,9 +105,9 @@ class PackSampler:
         return rows
 
     def _plan_workers(self) -> int:
-        """Processes for an epoch planned here: several for a corpus of many windows (1M pairs took
-        5.7 s of a run's set-up in one process on an H100 machine, 2026-11-25, 1d988d6;
-        docs/PERFORMANCE.md, "The packing planner"), this rank's share of the CPUs, at most 8; one
+        """Processes for an epoch planned here: several for a corpus of many windows (a large corpus
+        took seconds of a run's set-up in one process; docs/PERFORMANCE.md, "The packing planner"),
+        this rank's share of the CPUs, at most 8; one
         where another Python thread runs (forking beside it could copy a lock it holds)."""
         windows = -(-len(self.src_len) // self.window)
         if windows < 4 or threading.active_count() > 1:

@@ -133,7 +133,7 @@ class _Planner:
 
     Planning is a Python loop (first-fit-decreasing): about 0.1 s per 10,000 pairs, a pause of the
     training loop at every epoch start if it ran there (on the built-in corpus at a 16k-token
-    batch an epoch is 27 steps, 1.4 s on an H200), and in a thread it would take the interpreter
+    batch an epoch is a few dozen steps; docs/PERFORMANCE.md), and in a thread it would take the interpreter
     lock from the loop that launches the steps. The process is forked once, when the first
     training sampler is made (before the model is compiled or captured), runs NumPy only, and is
     a daemon: a run that ends while it plans does not wait for it. Requests and answers go over

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from streamnmt.data.cache import cache_key, entry_dir, load_entry, save_entry
 from streamnmt.data.config import DataConfig
@@ -27,7 +28,11 @@ from streamnmt.data.readers import ReadStats, SplitSource, find_split, iter_pair
 from streamnmt.data.tokenizer import Tokenizer, cpu_threads, train_shared_tokenizer, train_tokenizer
 from streamnmt.errors import InputError
 
+if TYPE_CHECKING:
+    from streamnmt.dist import Dist
+
 Log = Callable[[str], None]
+T = TypeVar("T")
 
 
 class NotPrepared(Exception):
@@ -98,7 +103,7 @@ def read_pairs(cfg: DataConfig, split: str) -> list[tuple[str, str]]:
 def prepare_data(cfg: DataConfig, log: Log = print, build: bool = True) -> DataBundle:
     """Tokenizers and tokenized splits for ``cfg``; see the module docstring. ``build=False``: only
     what is already on disk, writing nothing; :class:`NotPrepared` where anything is missing (the
-    other ranks of a host load an earlier run's files beside local rank 0, see dist.prepare_once)."""
+    other ranks of a host load an earlier run's files beside local rank 0, see prepare_once)."""
     t0 = time.perf_counter()
     directory = resolve_data_dir(cfg, build)
     if cfg.data is None:
@@ -239,3 +244,45 @@ def _summary(stats: dict[str, int], max_len: int) -> str:
     if stats["dropped"]:
         notes.append(f"{stats['dropped']} over {max_len} tokens dropped")
     return f"{stats['pairs']} pairs ({', '.join(notes)})"
+
+
+def prepare_once(d: Dist, prepare: Callable[[], T], fingerprint: Callable[[T], dict[str, str]],
+                 prepared: Callable[[], T] | None = None) -> T:
+    """Run ``prepare`` (tokenizers, tokenized cache) on rank 0 first while the other ranks wait at
+    a barrier; on several hosts then on each other host's local rank 0 while the rest wait again
+    (on a shared data directory they find rank 0's files, on a host's own one each host prepares
+    its own, one process a host: two local rank 0s never write one folder at once); then on the
+    remaining ranks (they find their host's files); then every rank checks that its
+    ``fingerprint`` (tokenizer hashes, cache keys) equals rank 0's. ``prepared``: what the other
+    ranks try beside local rank 0 first, the files an earlier run left, read without writing
+    anything (``prepare_data(build=False)``); where it finds them (it raises NotPrepared where it
+    does not) they wait at the barrier with their data already loaded instead of loading it after
+    (a part of a multi-GPU run's set-up on a large corpus: docs/PERFORMANCE.md).
+    One process: just ``prepare``. A mismatch (e.g. hosts that do not share the data directory and
+    hold other tokenizers) stops every rank with the same line."""
+    if not d.active:
+        return prepare()
+    result = None
+    if d.rank == 0:
+        result = prepare()
+    elif prepared is not None:
+        try:
+            result = prepared()
+        except (NotPrepared, InputError, OSError):  # not there yet, or an error prepare() will say after
+            result = None
+    d.barrier("dist.data")
+    if int(os.environ.get("LOCAL_WORLD_SIZE", d.world)) < d.world:  # several hosts
+        if result is None and d.local_rank == 0:
+            result = prepare()
+        d.barrier("dist.data")
+    if result is None:
+        result = prepare()
+    prints = d.gather(fingerprint(result), "dist.data", long_wait=True)  # the others may tokenize afresh
+    for rank, got in enumerate(prints):
+        diff = sorted(k for k in set(got) | set(prints[0]) if got.get(k) != prints[0].get(k))
+        if diff:
+            k = diff[0]
+            raise InputError(f"rank {rank} of {d.world} prepared other data than rank 0: {k} "
+                             f"{str(got.get(k))[:16]} vs rank 0's {str(prints[0].get(k))[:16]} (every rank must "
+                             f"see the same data directory and tokenizers)")
+    return result

@@ -1,6 +1,6 @@
 """``--sync-strategy auto`` and ``--compile auto``: the fastest mode a device supports, chosen once.
 
-Measured on an H100 (docs/PERFORMANCE.md): graph mode runs the base model 8x faster than any eager
+Measured (docs/PERFORMANCE.md): graph mode runs the base model several times faster than any eager
 strategy at small batches and is never slower, so ``auto`` is ``graph`` on CUDA (graph mode still
 falls back to ``full`` by itself, in one line, where capture fails) and ``full`` on a CPU, where
 there is nothing to capture.
@@ -28,21 +28,19 @@ from dataclasses import dataclass
 
 import torch
 
-# Measured on the H200, base model, bf16, vocabulary 32k, packed batches of 16,384 target
-# positions on the built-in corpus (docs/PERFORMANCE.md, "Compile and Inductor settings", 2026-11-25, 66616d9, one
-# lease): graph mode 32.07 ms/step, 1.96 ms per 1,000 positions; with --compile 25.86 ms, a 19.4 %
-# saving (Inductor's mix-order reduction off, as the step compiles); from start to ready 36.1, 37.7,
-# 32.2, 32.4, 31.7 and 33.3 s (two leases, two corpora, three budgets; 34 s their mean, rounded up).
-# Earlier: 34.41 and 30.42 ms, 11.6 %, at 75211d7; at 32 x 32 on the H100, section 4: 42-52 s of
-# compiling, a 24 % saving. The packed figures rule: they are the shape the defaults train.
+# The compile model's constants, measured with the base model, bf16, vocabulary 32k, packed batches
+# of 16,384 target positions on the built-in corpus (docs/PERFORMANCE.md, "Compile and Inductor
+# settings"): graph mode's step time per 1,000 positions, the saving of --compile (Inductor's
+# mix-order reduction off, as the step compiles) and its time from start to ready (the mean of
+# several runs, rounded up). The packed figures rule: they are the shape the defaults train.
 COMPILE_S_PER_SHAPE = 34.0
 # A compile whose artefacts the persistent cache holds (Dynamo still traces; AOTAutograd, Inductor and
-# Triton load their results): ready 6.1-6.9 s after the data against 40.0 s cold, base model, one H100
-# with torch's bytecode compiled as pip installs it, scripts/bench_compile_cache.py at f5f05bd
-# (docs/PERFORMANCE.md, "The warm compile cache"), rounded up: a run of ~72 s wins it back twice.
+# Triton load their results): ready in a fraction of the cold time, base model, with torch's bytecode
+# compiled as pip installs it, scripts/bench_compile_cache.py (docs/PERFORMANCE.md, "The warm compile
+# cache"), rounded up.
 COMPILE_S_PER_SHAPE_WARM = 7.0
 COMPILE_SAVING = 0.194
-GRAPH_MS_PER_STEP = 6.0  # the launch-bound floor of small batches (H100, 32 x 32: 6.23 ms)
+GRAPH_MS_PER_STEP = 6.0  # the launch-bound floor of small batches (32 x 32; docs/PERFORMANCE.md)
 GRAPH_MS_PER_KTOKEN = 1.96
 BASE_MATRICES = 6 * 512 * (4 * 512 + 2 * 2048)  # n_layers x d_model x (4 d_model + 2 d_ff) of the base model
 

@@ -66,7 +66,7 @@ from streamnmt.engine.base import (StepFunction, StepInfo, Strategy, begin_micro
 from streamnmt.engine.config import EngineConfig
 from streamnmt.engine.losses import DeferredLosses
 from streamnmt.engine.strategies import FullPipeline
-from streamnmt.engine.syncstats import host_sync
+from streamnmt.syncstats import host_sync
 from streamnmt.fsutil import atomic_path
 
 DDP_WARMUP_STEPS = 11  # PyTorch's notes on DDP with CUDA graphs: at least 11 eager iterations first

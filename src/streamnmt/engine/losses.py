@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from streamnmt.engine.syncstats import host_sync
+from streamnmt.syncstats import host_sync
 
 
 @dataclass

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from streamnmt.engine.syncstats import host_sync
+from streamnmt.syncstats import host_sync
 
 MAX_STREAMS = 8
 

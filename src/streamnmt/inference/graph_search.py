@@ -49,7 +49,7 @@ from streamnmt.inference.decoding import SearchOptions, sync_interval
 from streamnmt.inference.search import DECODE_ATTENTION, SPAN, StaticSearch, check_search, output_limits, search_scored
 from streamnmt.inference.search import translate_ids as translate_ids_eager
 from streamnmt.inference.staticcache import StaticCache
-from streamnmt.engine.syncstats import host_sync
+from streamnmt.syncstats import host_sync
 from streamnmt.models.transformer import Transformer
 
 __all__ = ["BucketKey", "GraphDecoder", "SPAN", "StaticCache", "replays_only", "shared_decoder", "source_bucket",

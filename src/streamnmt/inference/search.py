@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from streamnmt.engine.syncstats import host_sync
+from streamnmt.syncstats import host_sync
 from streamnmt.inference.decoding import SearchOptions, sync_interval
 from streamnmt.inference.staticcache import StaticCache
 from streamnmt.models import masks
@@ -47,8 +47,8 @@ DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, 
 
 # The attention of a cached step has one query per row. The fused kernels tile the queries in
 # blocks of 64 or more rows, so a one-query call pays a whole tile for each row and head; without
-# FlashAttention (fp32) the memory-efficient kernel did this at fp32 FMA speed: 47 % of the GPU
-# time of a beam-3 search at batch 256 on an H200. The plain path (two batched matrix products and
+# FlashAttention (fp32) the memory-efficient kernel did this at fp32 FMA speed, a large share of the
+# GPU time of a beam search (docs/PERFORMANCE.md). The plain path (two batched matrix products and
 # a softmax) reads the keys and values once. Dtypes not named here, and the CPU, keep DECODE_ATTENTION.
 STEP_ATTENTION: dict[torch.dtype, list[SDPBackend]] = {torch.float32: [SDPBackend.MATH]}
 

@@ -139,9 +139,8 @@ def load_for_inference(path: str | Path, device: torch.device | str, tokenizer_s
     src_tok = _tokenizer(ckpt, path, "src", tokenizer_src, shape.src_vocab)
     tgt_tok = _tokenizer(ckpt, path, "tgt", tokenizer_tgt, shape.tgt_vocab)
     # Built where it will run: the random initialisation, overwritten at once, is quick on a GPU
-    # (this whole load of a base model: 1.07 s before, 0.55 s after, on an H200); on a CPU it is
-    # what it was (0.5-1.3 s for the base model on a 2-core machine; building on the meta device
-    # instead took longer there, 1.5 s).
+    # (docs/PERFORMANCE.md); on a CPU it is what it was
+    # (building on the meta device instead took longer there).
     with torch.device(device):
         model = Transformer(shape)
     load_model_weights(model, ckpt, path)

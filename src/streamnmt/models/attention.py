@@ -196,7 +196,7 @@ def auto_attention(device: torch.device, head_dim: int | None = None, attention_
     """What ``--attention auto`` trains packed batches with: ``triton`` on an NVIDIA GPU of compute
     capability 8.0 or newer where the kernels build and run (:func:`triton_runs`), at head dims up to
     128, when the recipe has no attention dropout (they have none); else ``sdpa``. The Triton kernels
-    made the packed base-model step 2-7 % faster than SDPA's dense masks on an H100, compiled or not,
+    made the packed base-model step faster than SDPA's dense masks, compiled or not,
     at 4,096 and 16,384 tokens, and trained to the same dev BLEU (docs/PERFORMANCE.md, "Triton segment
     kernels"); older GPUs were not measured, nor AMD's (ROCm builds keep ``sdpa``). Silent, but for
     one line where Triton is installed on such a GPU and its kernels do not build, and one where their

@@ -41,8 +41,8 @@ from streamnmt.models.segments import SegmentRanges
 class Tiles:
     """Positions per query tile and per key tile (powers of two from 16), and the launch settings.
     32 x 32 with 2 warps: a tile spans one to three short pairs, and of the settings measured in the
-    packed base-model step on an H100 it was fastest with 16 x 32 x 2 warps (within noise of each
-    other; 4 warps 1.3 % slower at 4,096 tokens, docs/PERFORMANCE.md, "Triton segment kernels").
+    packed base-model step it was fastest with 16 x 32 x 2 warps (within noise of each other; 4 warps
+    slower, docs/PERFORMANCE.md, "Triton segment kernels").
     Fixed, not autotuned: autotuning would time kernels while a CUDA graph captures."""
 
     query: int = 32

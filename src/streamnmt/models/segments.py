@@ -36,7 +36,7 @@ def segment_ranges(q_seg: torch.Tensor, k_seg: torch.Tensor, causal: bool, cross
 
     Each bound is a masked min or max over one side of the rows' pairwise id comparison, as the dense
     masks compare: element-wise work that Inductor fuses into a few reductions. (A scatter by segment
-    id with ``amin``/``amax`` took 0.1 ms a call at the packed shape on an H100; docs/PERFORMANCE.md,
+    id with ``amin``/``amax`` was slower a call at the packed shape; docs/PERFORMANCE.md,
     "Triton segment kernels".) An id absent from the other side gives an empty range."""
     tq, tk = q_seg.size(1), k_seg.size(1)
     dev = q_seg.device

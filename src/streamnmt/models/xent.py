@@ -33,8 +33,8 @@ from streamnmt.models import xent_triton
 CHUNK_ELEMENTS = 2 ** 25  # logits per chunk (rows x vocabulary): 128 MB in fp32, ~1k rows at 32k
 # With the Triton kernel a chunk is only its logits in the compute dtype (no fp32 softmax), so
 # chunks are larger: fewer, larger matrix multiplies and fewer fp32 additions into the weight
-# gradient. Loss forward + backward at 16,384 x 32,000 in bf16 on an H200: 5.73 ms at 2**25
-# logits per chunk, 4.21 ms at 2**27 (peak 745 MB), 3.99 ms at 2**28 (1,001 MB).
+# gradient. 2**27 logits per chunk: most of the speed of 2**28 at a lower peak memory
+# (loss forward + backward at 16,384 x 32,000 in bf16; docs/PERFORMANCE.md).
 FUSED_CHUNK_ELEMENTS = 2 ** 27
 
 

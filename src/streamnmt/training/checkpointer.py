@@ -38,7 +38,7 @@ import torch
 from streamnmt.checkpoint import (keep_step_copy, load_safetensors, safetensors_metadata, save_checkpoint,
                                   save_safetensors)
 from streamnmt.errors import InputError
-from streamnmt.engine.syncstats import host_sync
+from streamnmt.syncstats import host_sync
 
 # What best.pt and ema.pt keep: enough to translate, evaluate, export, average and start a run
 # from (--weights); an exact resume needs last.pt alone, so best.pt skips the optimizer's moments.

@@ -2,9 +2,9 @@
 best.pt, the accounting of the loop's waits and the evals.csv row.
 
 Mixed into :class:`streamnmt.training.trainer.Trainer` (it reads the loop's state: the evaluator,
-checkpointer, clocks and logs that :class:`streamnmt.training.setup.TrainerSetup` builds), so that
+checkpointer, clocks and logs that :class:`streamnmt.training.build.TrainerSetup` builds), so that
 the loop itself reads top to bottom in trainer.py. With ``--async-eval`` the BLEU pass of an
-evaluation runs on a thread beside training (:mod:`streamnmt.training.beside`): :meth:`_evaluate`
+evaluation runs on a thread beside training (:mod:`streamnmt.training.async_bleu`): :meth:`_evaluate`
 starts it and :meth:`_collect_eval` finishes the evaluation at a later step.
 """
 
@@ -20,14 +20,6 @@ from streamnmt.engine.losses import StepLoss
 
 class EvaluationPoints:
     """The Trainer's evaluation methods (see the module's docstring)."""
-
-    def _epoch_end_eval_due(self) -> bool:
-        """Evaluate at this epoch end? Several ranks and the time rule: rank 0's clock decides (the
-        ranks' clocks differ a little and they must agree). Mid-epoch the loop asks :meth:`_after_step`."""
-        cadence = self.evaluator.cadence
-        if not self.dist.active or cadence.every is not None:
-            return cadence.due(self.global_step, epoch_end=True)
-        return self.dist.broadcast(cadence.due(self.global_step, epoch_end=True), "dist.cadence")
 
     def _evaluate(self, epoch: int, beside: bool = True) -> list[StepLoss]:
         """Drain, then validation loss and BLEU (with the EMA weights under --eval-ema); best.pt when

@@ -16,7 +16,7 @@ and checkpoints in a run"). Three things keep evaluation a bounded share of the 
   fixed addresses, so its buckets are captured once per run and replayed at every evaluation.
 * ``--async-eval`` (on a GPU with one process): after the first evaluation, which captures the
   decoding graphs on the loop, the BLEU pass runs on a thread beside training
-  (:mod:`streamnmt.training.beside`): :meth:`Evaluator.launch` starts it, :meth:`Evaluator.collect`
+  (:mod:`streamnmt.training.async_bleu`): :meth:`Evaluator.launch` starts it, :meth:`Evaluator.collect`
   decides with its result at the next evaluation or the end of the run, steps that do not depend
   on how fast the pass ran, so that a run replays exactly from its last.pt.
 
@@ -40,13 +40,14 @@ import torch
 
 from streamnmt.data import read_pairs
 from streamnmt.engine.base import tensors
-from streamnmt.engine.syncstats import host_sync
+from streamnmt.syncstats import host_sync
 from streamnmt.inference.decoding import SearchOptions, decoding_copy
 from streamnmt.inference.scoring import ScorePool, bleu_on_pairs
 from streamnmt.models import masks
-from streamnmt.training.beside import Beside, Deferred, Snapshot
+from streamnmt.training.async_bleu import Beside, Deferred, Snapshot
 from streamnmt.training.step import LossModel
-from streamnmt.training.stopping import EarlyStopping, best_metric, parse_duration
+from streamnmt.config import best_metric
+from streamnmt.training.stopping import EarlyStopping
 
 COST_RATIO = 9.0  # training seconds per second of evaluation: evaluation <= 1 / (1 + 9) = 10 % of the run
 FIRST_EVAL_S = 60.0  # the first evaluation, when no epoch has ended sooner (its cost is not known yet)
@@ -58,6 +59,19 @@ class Cadence:
     """When the next evaluation is due. ``every``: None = the time rule (``auto``), 0 = epoch
     ends only, N = every N optimizer steps and at epoch ends. Training time is added by the loop
     (:meth:`trained`); :meth:`done` records what an evaluation cost."""
+
+    @classmethod
+    def of_run(cls, run: Any) -> Cadence:
+        """``--eval-every`` of ``run`` (a RunConfig). With ``--time-limit`` the first evaluation
+        comes early enough that the end of the run can keep time for the last one (its cost is
+        then known)."""
+        limit = run.time_limit_s()
+        return cls(run.eval_steps(), first_after_s=min(FIRST_EVAL_S, 0.1 * limit) if limit else FIRST_EVAL_S)
+
+    @property
+    def counted(self) -> bool:
+        """Due by step count (``--eval-every N`` or 0): every rank decides alike, without a collective."""
+        return self.every is not None
 
     def __init__(self, every: int | None, ratio: float = COST_RATIO, first_after_s: float = FIRST_EVAL_S,
                  min_interval_s: float = MIN_INTERVAL_S):
@@ -173,10 +187,7 @@ class Evaluator:
         self.data, self.job, self.device, self.dist, self.log = data, job, device, dist, log
         run = job.run
         self.stopper = EarlyStopping(best_metric(run), run.patience)
-        # With --time-limit the first evaluation comes early enough that the end of the run can keep
-        # time for the last one (its cost is then known).
-        limit = parse_duration(run.time_limit)
-        self.cadence = Cadence(run.eval_steps(), first_after_s=min(FIRST_EVAL_S, 0.1 * limit) if limit else FIRST_EVAL_S)
+        self.cadence = Cadence.of_run(run)
         self.best_val = math.inf
         self.bleu_dtype = bleu_dtype
         self.bleu_model: torch.nn.Module | None = None
@@ -363,9 +374,9 @@ class Evaluator:
         elif run.bleu_samples and run.async_eval != "off" and (self.dist.active or self.device.type == "cuda"):
             why = "several ranks" if self.dist.active else "the training step is not captured"
             beside = f"; BLEU on the loop (--async-eval {run.async_eval}: {why})"
-        every = self.job.run.eval_every
+        every = self.cadence.every
         when = ("auto: when the training since the last evaluation reaches "
-                f"{COST_RATIO:g}x its cost, and at the end" if every == "auto" else
+                f"{COST_RATIO:g}x its cost, and at the end" if every is None else
                 f"every {every} steps and at epoch ends" if self.cadence.every else "at epoch ends")
         bleu = ("no BLEU" if not run.bleu_samples else
                 f"BLEU of {run.bleu_samples} dev sentences, beam {run.beam_size}, "
@@ -421,6 +432,24 @@ class Evaluator:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+    def due_mid_epoch(self, step: int, dist: Any) -> tuple[bool, bool]:
+        """After a step mid-epoch: (due, ask). ``due``: evaluate now, where every rank decides alike
+        (one process, or a step count); ``ask``: rank 0's time rule, which several ranks must agree
+        on (the ranks' clocks differ a little) before it counts. ``dist``: the loop's process group."""
+        cadence = self.cadence
+        if not dist.active:
+            return cadence.due(step, epoch_end=False), False
+        return (cadence.counted and cadence.due(step, epoch_end=False),
+                dist.main and not cadence.counted and cadence.due(step, epoch_end=False))
+
+    def due_at_epoch_end(self, step: int, dist: Any) -> bool:
+        """Evaluate at this epoch end? Several ranks and the time rule: rank 0's clock decides (the
+        ranks' clocks differ a little and they must agree). ``dist``: the loop's process group."""
+        due = self.cadence.due(step, epoch_end=True)
+        if not dist.active or self.cadence.counted:
+            return due
+        return dist.broadcast(due, "dist.cadence")
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.stopper.state_dict(), "cadence": self.cadence.state_dict()}

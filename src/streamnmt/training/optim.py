@@ -3,8 +3,8 @@
 ``torch.optim.Optimizer`` wraps ``add_param_group`` (so its constructor), ``zero_grad``,
 ``state_dict`` and ``load_state_dict`` in ``torch._disable_dynamo``, whose first call imports
 TorchDynamo, and ``Adam.step`` in ``_use_grad_for_differentiable``, which imports it at every call.
-The import cost a run 3.2-3.7 s of its set-up on an H100 machine (2026-11-25, 1d988d6;
-docs/PERFORMANCE.md, "Evaluation and checkpoints in a run") where nothing is compiled: a short run
+The import costs a run seconds of its set-up (docs/PERFORMANCE.md, "Evaluation and checkpoints in
+a run") where nothing is compiled: a short run
 (``--compile auto`` keeps those eager) never needs TorchDynamo otherwise.
 
 :class:`Adam` calls the same functions without those wrappers. Their only job is to keep

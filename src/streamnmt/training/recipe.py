@@ -43,7 +43,6 @@ from streamnmt.errors import ConfigError, InputError
 from streamnmt.inference.decoding import decode_dtype, dtype_name
 from streamnmt.models.attention import flex_available, resolve_attention, triton_runs
 from streamnmt.training.step import noam_lr
-from streamnmt.training.stopping import parse_duration
 
 GPU_PRESETS = ("base", "big")  # the presets sized for a GPU: the 40k-pair corpus, 4000 warm-up steps
 
@@ -141,7 +140,7 @@ def resolve_compile(job: TrainJob, train: TokenizedCorpus, device: torch.device,
     def decide(compile_s: float):
         return choose_compile(job.engine.compile, device, job.engine.sync_strategy, steps, len(shapes),
                               graph_step_s(tokens, m.n_layers, m.d_model, m.d_ff),
-                              parse_duration(job.run.time_limit) or 0.0, compile_s=compile_s)
+                              job.run.time_limit_s() or 0.0, compile_s=compile_s)
 
     # The cache is keyed only where the answer matters (the key reads the tokenizers and the GPU's
     # name), and from what Inductor's options depend on, not from Inductor itself (importing it

@@ -4,7 +4,7 @@ The console stays short (one line per epoch; the host-sync table once at the end
 with ``--verbose``), so the details go where they can be browsed: ``--tensorboard`` writes scalar
 events (loss, learning rate, tokens/s, validation loss, BLEU, host-sync counts) into the run
 directory through ``torch.utils.tensorboard``, which needs the ``tensorboard`` package; the flag
-is refused up front when it is missing (see :func:`streamnmt.training.stopping.check_recipe`).
+is refused up front when it is missing (see :func:`streamnmt.config.check_recipe`).
 :func:`merge_sync_stats` adds up the per-epoch sync counters for the end-of-run table.
 """
 

@@ -289,9 +289,8 @@ class NMTStep:
     def _clip_in_adam(self) -> torch.Tensor:
         """The gradient norm, and the clipping handed to the fused Adam as its ``grad_scale`` (it divides
         each gradient by it as it reads it) instead of a separate pass that multiplies every gradient
-        in place: one pass over all gradients fewer a step (the fused Adam writes them back divided),
-        0.06-0.07 ms of the base model's step at vocabulary 32k on an H100 (docs/PERFORMANCE.md,
-        "The update"). The same update as
+        in place: one pass over all gradients fewer a step (the fused Adam writes them back divided;
+        its share of the step: docs/PERFORMANCE.md, "The update"). The same update as
         ``clip_grad_norm_``'s factor ``clip / (norm + 1e-6)`` capped at 1, up to rounding (divided
         by its reciprocal). The fp16 path keeps ``clip_grad_norm_``: its grad scaler owns
         ``grad_scale``."""

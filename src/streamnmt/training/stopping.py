@@ -1,21 +1,20 @@
-"""When training stops and which weights are best: early stopping, time budgets, recipe checks.
+"""When training stops and which weights are best: early stopping, time budgets, stop signals.
 
 A real corpus is trained until the dev score stops improving or a time slot ends, not for a fixed
 number of epochs. This module holds that logic so the Trainer only asks two questions after each
 evaluation and step: did the metric improve (write ``best.pt``) and should we stop (and why, in
 one line). :class:`EarlyStopping` follows ``--best-metric`` (dev BLEU, higher is better, or
 validation loss) with ``--patience`` evaluations; :class:`TimeBudget` is ``--time-limit`` with an
-injectable clock (tests); :func:`check_recipe` validates the run flags that belong together.
-Both keep their state in the checkpoint, so a resumed run stops where the uninterrupted one would.
+injectable clock (tests). The flags themselves are declared, parsed and checked in
+:mod:`streamnmt.config` (``RunConfig``). Both keep their state in the checkpoint, so a resumed run
+stops where the uninterrupted one would.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 import os
-import re
 import signal
 import threading
 import time
@@ -23,58 +22,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
-
-from streamnmt.configbase import check, check_choice
-from streamnmt.errors import ConfigError
-
-_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
-_DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
-
-
-def parse_duration(text: str | None, key: str = "time_limit") -> float | None:
-    """``"2h"``, ``"90m"``, ``"20s"``, ``"1h30m"``, or plain seconds (``"45"``) -> seconds; None -> None."""
-    if text is None:
-        return None
-    t = str(text).strip().lower()
-    try:
-        seconds = float(t)
-    except ValueError:
-        m = _DURATION.match(t)
-        if not t or not m or not any(m.groups()):
-            raise ConfigError(f"--{key.replace('_', '-')} (config key '{key}'): must be a duration such as "
-                              f"2h, 90m, 20s or 1h30m; got {text!r}") from None
-        seconds = sum(float(v) * _UNITS[u] for v, u in zip(m.groups(), "hms") if v)
-    check(math.isfinite(seconds) and seconds > 0, key, f"must be a positive duration; got {text!r}")
-    return seconds
-
-
-def best_metric(run: Any) -> str:
-    """The resolved ``--best-metric``: ``auto`` is BLEU when BLEU is computed, else val_loss."""
-    if run.best_metric != "auto":
-        return run.best_metric
-    return "bleu" if run.bleu_samples > 0 else "val_loss"
-
-
-def check_recipe(run: Any) -> None:
-    """Validate the RunConfig fields of the training recipe (called from its ``__post_init__``)."""
-    every = str(run.eval_every).strip().lower()
-    check(every == "auto" or (every.isdigit() and int(every) >= 0), "eval_every",
-          f"must be auto, 0 (epoch ends only) or a positive number of steps; got {run.eval_every!r}")
-    run.eval_every = "auto" if every == "auto" else str(int(every))
-    check_choice(run.best_metric, "best_metric", ("auto", "bleu", "val_loss"))
-    check(run.best_metric != "bleu" or run.bleu_samples > 0, "best_metric",
-          "bleu needs BLEU to be computed: set --bleu-samples above 0 or use --best-metric val_loss")
-    check(run.patience >= 0, "patience", f"must be 0 (never stop early) or positive; got {run.patience}")
-    parse_duration(run.time_limit)
-    check(run.keep_last >= 0, "keep_last", f"must be 0 (none) or positive; got {run.keep_last}")
-    check(run.keep_last == 0 or run.save_every > 0, "keep_last",
-          "keeps step checkpoints, which --save-every S writes: add --save-every (e.g. --save-every 1000)")
-    check(0.0 <= run.ema < 1.0, "ema", f"must be in [0, 1) (e.g. 0.9999; 0 = off); got {run.ema}")
-    check(run.ema_every >= 1, "ema_every", f"must be at least 1; got {run.ema_every}")
-    check(not run.eval_ema or run.ema > 0, "eval_ema", "evaluates the averaged weights: add --ema 0.9999")
-    check(not run.tensorboard or importlib.util.find_spec("tensorboard") is not None, "tensorboard",
-          "needs the tensorboard package: pip install tensorboard (or drop --tensorboard)")
-
 
 class EarlyStopping:
     """Tracks ``metric`` over evaluations: improvements, the best value, and ``patience``."""

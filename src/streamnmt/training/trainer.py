@@ -2,7 +2,7 @@
 
 The engine (``streamnmt.engine``) knows nothing of translation; it drives the step function of
 ``streamnmt.training.step`` (loss, backward, clipped Adam on the Noam schedule, without a host
-sync). The parts around the loop are built by :class:`streamnmt.training.setup.TrainerSetup`;
+sync). The parts around the loop are built by :class:`streamnmt.training.build.TrainerSetup`;
 the Trainer runs the loop and calls them at named points: the evaluator (validation, BLEU,
 best.pt, patience, when to evaluate; the loop's side in :mod:`streamnmt.training.evaluating`), the
 checkpointer (background writes), the time budget. The
@@ -29,7 +29,7 @@ import torch
 from streamnmt.checkpoint import rng_state
 from streamnmt.engine import STATS
 from streamnmt.engine.losses import StepLoss
-from streamnmt.engine.syncstats import format_table
+from streamnmt.syncstats import format_table
 from streamnmt.errors import NonFiniteLoss
 from streamnmt.training.checkpointer import new_weights_id, safetensors_beside, weights_only
 from streamnmt.training.evaluating import EvaluationPoints
@@ -37,7 +37,7 @@ from streamnmt.training.monitor import CpuSampler, NvmlSampler
 from streamnmt.training.plots import plot_results
 from streamnmt.training.reporting import epoch_line, merge_sync_stats, progress, time_line
 from streamnmt.training.runs import write_json
-from streamnmt.training.setup import TrainerSetup
+from streamnmt.training.build import TrainerSetup
 from streamnmt.training.step import noam_lr
 from streamnmt.training.stopping import stop_signals
 
@@ -282,7 +282,7 @@ class Trainer(EvaluationPoints, TrainerSetup):
             self.epoch, self.epoch_pos = epoch + 1, 0
         ending = self.epoch >= r.epochs or bool(r.max_steps and self.global_step >= r.max_steps)
         result = None
-        if self.last_eval_step != self.global_step and (ending or self._epoch_end_eval_due()):
+        if self.last_eval_step != self.global_step and (ending or self.evaluator.due_at_epoch_end(self.global_step, self.dist)):
             self._evaluate(epoch, beside=not ending)
             result = self.last_eval
         finite = [v for v in losses if math.isfinite(v[1])]  # a skipped step's loss is left out
@@ -330,14 +330,12 @@ class Trainer(EvaluationPoints, TrainerSetup):
         steps one host-side all-reduce carries both answers, any rank's stop request and rank 0's
         time rule (its clock decides: the ranks' clocks differ a little); between those steps no
         rank stops, and only --eval-every N (the same step count everywhere) evaluates."""
-        cadence, step = self.evaluator.cadence, self.global_step
+        step = self.global_step
+        due, ask = self.evaluator.due_mid_epoch(step, self.dist)
         if not self.dist.active:
             self.stopped = self.stop_requested
-            return cadence.due(step, epoch_end=False)
-        counted = cadence.every is not None
-        due = counted and cadence.due(step, epoch_end=False)
+            return due
         if step % self.job.engine.sync_interval == 0:
-            ask = self.dist.main and not counted and cadence.due(step, epoch_end=False)
             self.stopped, agreed = self.dist.agree_any((self.stop_requested, ask), "dist.step")
             due = due or agreed
         return due

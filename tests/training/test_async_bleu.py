@@ -1,4 +1,4 @@
-"""--async-eval: the BLEU pass on a thread beside training (streamnmt.training.beside).
+"""--async-eval: the BLEU pass on a thread beside training (streamnmt.training.async_bleu).
 
 On the CPU ``--async-eval on`` runs the same machinery as a GPU's ``auto`` (a thread, a separate
 decoding copy, a snapshot for best.pt), without streams: the run must train, evaluate and choose
@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from streamnmt.engine.syncstats import STATS, host_sync
-from streamnmt.training.beside import Beside, Snapshot
+from streamnmt.syncstats import STATS, host_sync
+from streamnmt.training.async_bleu import Beside, Snapshot
 from streamnmt.training.evaluator import Evaluator
 from streamnmt.training.runs import read_csv
 from tests.test_recipe import home, make_trainer, step_losses  # noqa: F401  (home: each test's STREAMNMT_HOME)

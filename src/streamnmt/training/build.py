@@ -27,6 +27,7 @@ from streamnmt.checkpoint import (embedded_tokenizers, load_checkpoint, load_mod
                                   tokenizer_entry, tokenizers_of_weights)
 from streamnmt.config import RESUME_SETTINGS, ModelConfig, TrainJob, job_from_dict
 from streamnmt.data import batch_shapes, make_loader, make_sampler, prepare_data
+from streamnmt.data.prepare import prepare_once
 from streamnmt.devices import resolve_device, seed_everything
 from streamnmt.engine import DeferredLosses, make_strategy
 from streamnmt.errors import ConfigError, InputError
@@ -40,7 +41,7 @@ from streamnmt.training.recipe import resolve_compile_for_ranks, resolve_job_for
 from streamnmt.training.reporting import Scalars, overlong_note, running
 from streamnmt.training.runs import CsvLog, increment_path
 from streamnmt.training.step import example_batch, import_in_background, make_step
-from streamnmt.training.stopping import EarlyStopping, TimeBudget, command_start, parse_duration
+from streamnmt.training.stopping import EarlyStopping, TimeBudget, command_start
 
 STEP_COLUMNS = ["step", "epoch", "loss", "nll", "lr", "tokens", "grad_norm", "skipped"]
 # train_loss: with the training's label smoothing; train_nll (and train_ppl = exp of it): the plain
@@ -144,9 +145,9 @@ class TrainerSetup:
         flex = self.job.model.attention == "flex" and self.device.type == "cuda"
         imports = import_in_background(compiled=self.job.engine.compile == "on" or flex, ddp=self.dist.active)
         try:
-            self.data = distributed.prepare_once(self.dist, lambda: prepare_data(self.job.data, log=self.log),
-                                                 lambda bundle: bundle.fingerprint(),
-                                                 lambda: prepare_data(self.job.data, log=self.log, build=False))
+            self.data = prepare_once(self.dist, lambda: prepare_data(self.job.data, log=self.log),
+                                     lambda bundle: bundle.fingerprint(),
+                                     lambda: prepare_data(self.job.data, log=self.log, build=False))
         finally:
             if imports is not None:
                 t0 = time.monotonic()
@@ -233,7 +234,7 @@ class TrainerSetup:
         self.checkpointer = Checkpointer(self.device, background=job.run.async_save)
         self.save_cadence = Cadence(None, first_after_s=0.0)  # an epoch end's last.pt: --eval-every auto's rule
         self.clock = time.perf_counter  # the loop's timings (injectable: tests use a fake clock)
-        self.budget = TimeBudget(parse_duration(job.run.time_limit), t0=self.t_command)
+        self.budget = TimeBudget(job.run.time_limit_s(), t0=self.t_command)
         self.times = dict.fromkeys(("training", "evaluation", "checkpoints", "set-up", "other"), 0.0)
         self.waits: dict[str, Any] = {"eval_s": 0.0, "save_s": 0.0, "stats": []}
         self.last_eval: Evaluation | None = None

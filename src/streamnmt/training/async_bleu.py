@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from streamnmt.engine.syncstats import STATS, host_sync
+from streamnmt.syncstats import STATS, host_sync
 from streamnmt.inference.graph_search import replays_only
 
 

@@ -75,30 +75,38 @@ def test_start_for_starts_a_child_only_with_cuda_and_on_a_hosts_first_process(mo
             torch.device("cuda", 0)) == "Triton is not installed":
         pytest.skip("Triton is not installed")
     assert prebuild.start_for(job, launch) == Request(0, 64, "auto")
-    (child,) = started
-    assert child.argv[0] == sys.executable and child.argv[-3:] == ["0", "64", "auto"]
-    assert "build_in_child" in child.argv[2]
+    assert [c.argv[-4:] for c in started] == [["0", "64", "auto", str(v)] for v in prebuild.VARIANTS]  # one each
+    assert all(c.argv[0] == sys.executable and "build_in_child" in c.argv[2] for c in started)
 
 
-def test_the_check_waits_once_for_a_child_that_built_the_kernels():
+def test_the_check_waits_once_for_the_children_that_built_the_kernels_then_marks_them():
     started: list[FakeChild] = []
+    marked: list[Request] = []
     prebuild.start(Request(0, 64, "auto"), lambda argv: FakeChild(argv, started=started))
     assert prebuild.wait(0, 32) is None and prebuild.wait(1, 64) is None  # another build: not waited for
-    assert started[0].timeouts == []
-    assert prebuild.wait(0, 64, timeout=7.0) is None and started[0].timeouts == [7.0]
-    assert prebuild.wait(0, 64) is None and started[0].timeouts == [7.0]  # forgotten after
+    assert prebuild.pending(0, 64) and not prebuild.pending(0, 32)
+    assert [c.timeouts for c in started] == [[], [], []]
+    assert prebuild.wait(0, 64, timeout=7.0, mark=marked.append) is None
+    assert all(len(c.timeouts) == 1 and 6.0 < c.timeouts[0] <= 7.0 for c in started)  # one deadline for all
+    assert marked == [Request(0, 64, "auto")] and not prebuild.pending(0, 64)
+    assert prebuild.wait(0, 64, mark=marked.append) is None and len(marked) == 1  # forgotten after
 
 
 def test_a_child_that_failed_or_was_late_leaves_the_build_here_in_one_line():
-    prebuild.start(Request(0, 64, "auto"), lambda argv: FakeChild(argv, code=1, last="RuntimeError: no ptxas"))
-    line = prebuild.wait(0, 64)
+    marked: list[Request] = []
+    started: list[FakeChild] = []
+    codes = iter([0, 1, 0])
+    prebuild.start(Request(0, 64, "auto"),
+                   lambda argv: FakeChild(argv, code=next(codes), last="RuntimeError: no ptxas", started=started))
+    line = prebuild.wait(0, 64, mark=marked.append)
     assert line.startswith("the Triton kernels' build in a child process failed (exit 1: RuntimeError: no ptxas")
     assert line.endswith("building them here") and "\n" not in line
-    started: list[FakeChild] = []
+    assert marked == [] and all(c.stopped for c in started)  # no marker; none left compiling
+    started.clear()
     prebuild.start(Request(0, 64, "auto"), lambda argv: FakeChild(argv, code=None, started=started))
-    assert prebuild.wait(0, 64, timeout=2.0) == ("the Triton kernels' build in a child process did not finish in "
-                                                 "2 s; building them here")
-    assert started[0].stopped  # killed, not left compiling beside the run
+    assert prebuild.wait(0, 64, timeout=2.0, mark=marked.append) == (
+        "the Triton kernels' build in a child process did not finish in 2 s; building them here")
+    assert marked == [] and all(c.stopped for c in started)  # killed, not left compiling beside the run
 
 
 def test_the_build_check_waits_for_the_child_then_builds_and_says_why(monkeypatch):
@@ -113,6 +121,31 @@ def test_the_build_check_waits_for_the_child_then_builds_and_says_why(monkeypatc
     assert attention.triton_runs(torch.device("cuda", 2), 64, lines.append) is None
     assert events == ["wait 2 64", "build 64"]
     assert lines == ["model: the Triton kernels' build in a child process failed (exit 1); building them here"]
+
+
+def test_one_process_trusts_running_children_until_the_step_needs_the_kernels(monkeypatch):
+    """Without torchrun the build check owes the wait while children compile (the set-up's data and
+    model phases run beside them); settle_triton waits and checks once; under torchrun it waits at once."""
+    events: list[str] = []
+    monkeypatch.setattr(attention, "triton_available", lambda device, head_dim=None: None)
+    monkeypatch.setattr(attention, "_triton_builds",
+                        lambda index, head_dim: events.append(f"build {head_dim}") or ("no ptxas" if head_dim == 32 else None))
+    monkeypatch.setattr(prebuild, "wait", lambda index, head_dim: events.append(f"wait {index} {head_dim}"))
+    monkeypatch.setattr(attention, "_OWED", {})
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    prebuild.start(Request(0, 64, "auto"), FakeChild)
+    assert attention.triton_runs(torch.device("cuda", 0), 64) is None and events == []  # trusted, owed
+    assert attention.triton_runs(torch.device("cuda", 0), 64) is None and events == []  # asked again: still owed
+    assert attention.settle_triton() is None and events == ["wait 0 64", "build 64"]
+    assert attention.settle_triton() is None and len(events) == 2  # settled once
+    prebuild.start(Request(0, 32, "auto"), FakeChild)
+    attention.triton_runs(torch.device("cuda", 0), 32)
+    assert attention.settle_triton() == "no ptxas"  # the caller trains with sdpa and says so
+    events.clear()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    prebuild.start(Request(0, 64, "auto"), FakeChild)
+    assert attention.triton_runs(torch.device("cuda", 0), 64) is None and events == ["wait 0 64", "build 64"]
+    assert attention.settle_triton() is None and len(events) == 2
 
 
 def test_the_child_process_runs_its_command_and_its_last_line_is_read():
@@ -193,13 +226,14 @@ def test_a_build_marked_in_the_cache_starts_no_child(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     job = build_job({})
-    assert prebuild.start_for(job, launch) == Request(0, 64, "auto") and len(started) == 1
+    n = len(prebuild.VARIANTS)
+    assert prebuild.start_for(job, launch) == Request(0, 64, "auto") and len(started) == n
     prebuild.stop()
-    prebuild.mark_built(Request(0, 32, "auto"), "GPU0 sm90")  # another head dim's kernels: still a child
-    assert prebuild.start_for(job, launch) == Request(0, 64, "auto") and len(started) == 2
+    prebuild.mark_built(Request(0, 32, "auto"), "GPU0 sm90")  # another head dim's kernels: still children
+    assert prebuild.start_for(job, launch) == Request(0, 64, "auto") and len(started) == 2 * n
     prebuild.stop()
     prebuild.mark_built(Request(0, 64, "auto"), "GPU0 sm90")
-    assert prebuild.start_for(job, launch) is None and len(started) == 2
+    assert prebuild.start_for(job, launch) is None and len(started) == 2 * n
     assert prebuild.wait(0, 64) is None  # the build check then builds (loads) them itself
     monkeypatch.setattr(prebuild, "gpu_of", lambda index: (_ for _ in ()).throw(RuntimeError("no GPU")))
-    assert prebuild.start_for(job, launch) == Request(0, 64, "auto") and len(started) == 3  # unsure: a child
+    assert prebuild.start_for(job, launch) == Request(0, 64, "auto") and len(started) == 3 * n  # unsure: children

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,10 +132,12 @@ def _check_dtype(index: int) -> torch.dtype:
 
 
 def build_in_child(argv: list[str]) -> int:
-    """The build check of :mod:`streamnmt.models.prebuild`'s child process (``INDEX HEAD_DIM AMP``):
-    the kernels of :func:`_triton_builds`, and those of the training's dtype where ``--amp`` names
-    another, into Triton's on-disk cache. Nothing on a GPU ``auto`` does not pick them for."""
+    """The build check of one of :mod:`streamnmt.models.prebuild`'s child processes (``INDEX HEAD_DIM
+    AMP [VARIANT]``): the kernels of :func:`_triton_builds` (one variant, or all), and those of the
+    training's dtype where ``--amp`` names another, into Triton's on-disk cache. Nothing on a GPU
+    ``auto`` does not pick them for."""
     index, head_dim, amp = int(argv[0]), int(argv[1]), argv[2]
+    variants = (int(argv[3]),) if len(argv) > 3 else tuple(range(len(VARIANTS)))
     device = torch.device("cuda", index)
     if torch.cuda.get_device_capability(device) < (8, 0):
         return 0
@@ -143,20 +146,22 @@ def build_in_child(argv: list[str]) -> int:
     if trained is not None and trained not in dtypes:
         dtypes.append(trained)
     for dtype in dtypes:
-        triton_probe(device, dtype, head_dim)
-    request = prebuild.Request(index, head_dim, amp)
-    prebuild.mark_built(request, prebuild.gpu_of(index))  # a later run starts no child (prebuild.marker)
+        triton_probe(device, dtype, head_dim, variants)
     return 0
 
 
-def triton_probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> torch.Tensor:
+VARIANTS = ((False, False), (True, False), (False, True))  # (causal, cross): encoder, decoder, cross
+
+
+def triton_probe(device: torch.device, dtype: torch.dtype, head_dim: int,
+                 variants: tuple[int, ...] = (0, 1, 2)) -> torch.Tensor:
     """One tiny forward and backward of each of the Triton segment kernels' three variants (encoder,
     causal decoder, cross attention), as :func:`_triton_builds` runs them (on the CPU under Triton's
     interpreter in the tests). The kernels are not specialised on lengths or head counts, so these
     are the kernels the training step launches, compiled once here and not again at graph capture.
     Returns the encoder variant's gradient of a (1, 1, 32, head_dim) input (normal, from a generator
     of its own seeded 0: the run's random streams stay untouched) used as queries, keys and values,
-    one segment of 32 positions."""
+    one segment of 32 positions (of the first variant in ``variants``: indices into :data:`VARIANTS`)."""
     from streamnmt.models.segattn_triton import segment_attention
 
     on_gpu = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -164,7 +169,7 @@ def triton_probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> tor
         seg = torch.ones(1, 32, dtype=torch.int32, device=device)
         gen = torch.Generator(device=device).manual_seed(0)
         grads = []
-        for causal, cross in ((False, False), (True, False), (False, True)):
+        for causal, cross in (VARIANTS[v] for v in variants):
             q = torch.randn(1, 1, 32, head_dim, device=device, generator=gen).to(dtype).requires_grad_()
             segment_attention(q, q, q, segment_ranges(seg, seg, causal=causal, cross=cross)).float().sum().backward()
             grads.append(q.grad)
@@ -173,16 +178,41 @@ def triton_probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> tor
 
 def triton_runs(device: torch.device, head_dim: int | None = None, log=print) -> str | None:
     """None if the Triton segment kernels can train on ``device`` at ``head_dim``, built and run once
-    to make sure (:func:`triton_available`, then a tiny call), else why not. Where a child process
-    builds them (:mod:`streamnmt.models.prebuild`), waits for it first; one line where it failed."""
+    to make sure (:func:`triton_available`, then a tiny call), else why not. Where child processes
+    build them (:mod:`streamnmt.models.prebuild`): on one process (no torchrun) they are trusted and
+    the check is owed until :func:`settle_triton`, just before the step first launches them, so the
+    set-up's data and model phases run beside their compile; under torchrun they are waited for here
+    (the other ranks then load them from the cache). One line where the children failed."""
     why = triton_available(device, head_dim)
     if why is None:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        with setupclock.timed("waiting for the Triton kernels' build in a child process"):
-            note = prebuild.wait(index, head_dim or 64)
-        if note is not None:
-            log(f"model: {note}")
-        why = _triton_builds(index, head_dim or 64)
+        if prebuild.pending(index, head_dim or 64) and os.environ.get("WORLD_SIZE", "1") == "1":
+            _OWED[(index, head_dim or 64)] = None
+            return None
+        why = _wait_and_build(index, head_dim or 64, log)
+    return why
+
+
+_OWED: dict[tuple[int, int], None] = {}  # (GPU, head dim): builds trusted to the children, not yet checked
+
+
+def _wait_and_build(index: int, head_dim: int, log) -> str | None:
+    with setupclock.timed("waiting for the Triton kernels' build in child processes"):
+        note = prebuild.wait(index, head_dim)
+    if note is not None:
+        log(f"model: {note}")
+    return _triton_builds(index, head_dim)
+
+
+def settle_triton(log=print) -> str | None:
+    """The build check :func:`triton_runs` owes (None where none is owed or the kernels built and
+    ran), waiting for the children first: called once the set-up has done all it can beside them,
+    before anything launches the kernels. Else why they cannot train here: the caller then trains
+    with ``sdpa`` and says so."""
+    why = None
+    while _OWED:
+        (index, head_dim), _ = _OWED.popitem()
+        why = _wait_and_build(index, head_dim, log) or why
     return why
 
 

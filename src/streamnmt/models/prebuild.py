@@ -5,17 +5,24 @@ On a machine's first run Triton compiles the kernels of the set-up's build check
 run's head dim) in seconds, and its compiler holds the interpreter lock, so a thread would not
 overlap it with anything. :func:`start_for`, called at the command's start, runs that build check in
 a child process (a fresh interpreter, not a fork of this one) where the run will check the kernels:
-it fills Triton's on-disk cache while this process imports, makes its CUDA context and reads the
-config. The build check (:func:`streamnmt.models.attention.triton_runs`) first waits for the child
-(:func:`wait`) and then loads the kernels from that cache; a child that failed or did not finish in
-:data:`TIMEOUT_S` leaves the build to this process, said in one line.
+it fills Triton's on-disk cache while this process imports, makes its CUDA context, reads the
+config, prepares the data and builds the model. One child per variant (:data:`VARIANTS`): Triton
+compiles one kernel at a time in a process, so three compile at once on three cores.
+
+On one process (no torchrun), the build check (:func:`streamnmt.models.attention.triton_runs`) trusts
+a child still running and owes the wait (:func:`pending`); the trainer settles it
+(:func:`streamnmt.models.attention.settle_triton`) just before the step first launches the kernels,
+so the data and model phases run beside the compile. Under torchrun the check waits at once, as
+the other ranks load the kernels from the cache rank 0's host filled. Waiting (:func:`wait`) loads
+the kernels from that cache; a child that failed or did not finish in :data:`TIMEOUT_S` leaves the
+build to this process, said in one line.
 
 Started only where the build check will run: CUDA present, Triton installed, not ROCm, the job's
 attention ``auto`` or ``triton`` at a head dim the kernels take, and on one process per host (the
 other ranks of a torchrun check after rank 0 did, from the cache). The child itself returns at once
 on a GPU ``auto`` does not pick the kernels for (compute capability under 8.0).
 
-A child that built the kernels leaves a marker file in Triton's cache folder (:func:`marker`), named
+Children that built the kernels leave a marker file in Triton's cache folder (:func:`marker`), named
 by what the cached kernels depend on: Triton's and torch's versions, the GPU, the kernels' source,
 the head dim and the dtypes. A later run that finds its marker starts no child (whose interpreter,
 imports and CUDA context cost a warm run's set-up seconds for nothing): its build check loads the
@@ -41,6 +48,8 @@ from typing import IO, Any
 # ``auto`` picks the kernels only up to this head dim (see streamnmt.models.attention.auto_attention)
 AUTO_TRITON_MAX_HEAD_DIM = 128
 TIMEOUT_S = 180.0  # a cold build of the kernels takes seconds; this covers a loaded machine's too
+# the build check's variants (streamnmt.models.attention.triton_probe): encoder, causal decoder, cross
+VARIANTS = (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -102,7 +111,7 @@ def gpu_of(index: int) -> str:
 
 
 def mark_built(request: Request, gpu: str) -> None:
-    """Leave the marker (the child, after its build); a cache folder it cannot write leaves none."""
+    """Leave the marker (after the children's build); a cache folder it cannot write leaves none."""
     path = marker(request, gpu)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,10 +130,11 @@ def built_before(request: Request) -> bool:
         return False
 
 
-def child_argv(request: Request) -> list[str]:
-    """The child's command line: :func:`streamnmt.models.attention.build_in_child` in a fresh interpreter."""
+def child_argv(request: Request, variant: int) -> list[str]:
+    """A child's command line: :func:`streamnmt.models.attention.build_in_child` of one variant in a
+    fresh interpreter."""
     code = "import sys; from streamnmt.models.attention import build_in_child; sys.exit(build_in_child(sys.argv[1:]))"
-    return [sys.executable, "-c", code, str(request.index), str(request.head_dim), request.amp]
+    return [sys.executable, "-c", code, str(request.index), str(request.head_dim), request.amp, str(variant)]
 
 
 class Child:
@@ -159,17 +169,23 @@ class Child:
 @dataclass
 class _Pending:
     request: Request
-    child: Any  # a Child, or what a test puts in its place
+    children: list[Any]  # Child, or what a test puts in its place: one per variant
 
 
 _PENDING: _Pending | None = None
 
 
 def start(request: Request, launch: Callable[[Sequence[str]], Any] = Child) -> None:
-    """Start the child for ``request`` (``launch``: how a command line is started, a test's fake)."""
+    """Start the children for ``request``, one per variant (``launch``: how a command line is
+    started, a test's fake)."""
     global _PENDING
     stop()
-    _PENDING = _Pending(request, launch(child_argv(request)))
+    _PENDING = _Pending(request, [launch(child_argv(request, v)) for v in VARIANTS])
+
+
+def pending(index: int, head_dim: int) -> bool:
+    """Children build the kernels for GPU ``index`` at ``head_dim`` and nobody waited for them yet."""
+    return _PENDING is not None and (_PENDING.request.index, _PENDING.request.head_dim) == (index, head_dim)
 
 
 def start_for(job: Any, launch: Callable[[Sequence[str]], Any] = Child) -> Request | None:
@@ -190,34 +206,49 @@ def start_for(job: Any, launch: Callable[[Sequence[str]], Any] = Child) -> Reque
     return request
 
 
-def wait(index: int, head_dim: int, timeout: float = TIMEOUT_S) -> str | None:
-    """Wait for the child building the kernels for GPU ``index`` at ``head_dim``, if one was started:
-    None where it built them (or none was started for them), else one line saying why this process
-    builds them itself. Once: the child is forgotten after."""
+def wait(index: int, head_dim: int, timeout: float = TIMEOUT_S,
+         mark: Callable[[Request], None] | None = None) -> str | None:
+    """Wait for the children building the kernels for GPU ``index`` at ``head_dim``, if they were
+    started: None where they built them (or none was started for them), else one line saying why this
+    process builds them itself. Where all built, the marker is left (``mark``: how, a test's fake;
+    default :func:`mark_built` for this GPU). Once: the children are forgotten after."""
     global _PENDING
-    pending = _PENDING
-    if pending is None or (pending.request.index, pending.request.head_dim) != (index, head_dim):
+    if not pending(index, head_dim):
         return None
+    assert _PENDING is not None
+    request, children = _PENDING.request, _PENDING.children
     _PENDING = None
     t0 = time.monotonic()
     try:
-        code = pending.child.wait(timeout)
-    except subprocess.TimeoutExpired:
-        pending.child.stop()
-        return f"the Triton kernels' build in a child process did not finish in {timeout:.0f} s; building them here"
-    if code != 0:
-        last = pending.child.last_line()
-        return (f"the Triton kernels' build in a child process failed (exit {code}{': ' + last if last else ''}, "
-                f"after {time.monotonic() - t0:.1f} s of waiting); building them here")
+        for child in children:
+            try:
+                code = child.wait(max(0.0, timeout - (time.monotonic() - t0)))
+            except subprocess.TimeoutExpired:
+                return f"the Triton kernels' build in a child process did not finish in {timeout:.0f} s; building them here"
+            if code != 0:
+                last = child.last_line()
+                return (f"the Triton kernels' build in a child process failed (exit {code}{': ' + last if last else ''}, "
+                        f"after {time.monotonic() - t0:.1f} s of waiting); building them here")
+    finally:
+        for child in children:  # on a failure or a timeout the others are not left compiling beside the run
+            child.stop()
+    (mark or _mark_this_gpu)(request)  # a later run starts none (marker)
     return None
+
+
+def _mark_this_gpu(request: Request) -> None:
+    try:
+        mark_built(request, gpu_of(request.index))
+    except Exception:  # no GPU to name it by: no marker, and the next run starts the children again
+        pass
 
 
 def stop() -> None:
     """Stop a child nobody waited for (at exit, or when another is started)."""
     global _PENDING
-    pending, _PENDING = _PENDING, None
-    if pending is not None:
-        pending.child.stop()
+    left, _PENDING = _PENDING, None
+    for child in left.children if left is not None else ():
+        child.stop()
 
 
 atexit.register(stop)

@@ -33,7 +33,7 @@ from streamnmt.engine import DeferredLosses, make_strategy
 from streamnmt.errors import ConfigError, InputError
 from streamnmt.fsutil import atomic_write
 from streamnmt.inference.decoding import decode_dtype
-from streamnmt.models.attention import resolve_attention
+from streamnmt.models.attention import resolve_attention, settle_triton
 from streamnmt.models.transformer import ModelShape, Transformer
 from streamnmt.training.checkpointer import Checkpointer, remove_stale_temporaries, repair_safetensors_beside
 from streamnmt.training.evaluator import Cadence, Evaluation, Evaluator
@@ -253,7 +253,13 @@ class TrainerSetup:
 
     def _prepare_engine(self) -> None:
         """The strategy's set-up (graph capture). Graph capture restores every state tensor and the
-        RNG after its warm-up, so it is correct before or after a restore."""
+        RNG after its warm-up, so it is correct before or after a restore. First the Triton kernels'
+        build check, owed to the child processes that compiled them beside the set-up so far."""
+        why = settle_triton(self.log)
+        if why is not None and self.model.attention == "triton":
+            self.log(f"model: --attention {self.job.model.attention}: {why}; using sdpa")
+            self.model.set_attention("sdpa")
+            self.job = dataclasses.replace(self.job, model=dataclasses.replace(self.job.model, attention="sdpa"))
         self.strategy.prepare(self.step_fn, [example_batch(shape, self.shape, self.job.run.seed,
                                                            packed=self.job.data.packs)
                                              for shape in self.train_loader.shapes()])

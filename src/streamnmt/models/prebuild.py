@@ -1,4 +1,4 @@
-"""The Triton segment kernels built in a child process while the run starts.
+"""The Triton segment kernels built in child processes while the run starts.
 
 On a machine's first run Triton compiles the kernels of the set-up's build check
 (:func:`streamnmt.models.attention.triton_probe`: forward and backward of the three variants at the

@@ -14,6 +14,9 @@
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-src} STREAMNMT_HOME=${STREAMNMT_HOME:-/tmp/snhome}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# Logs go to LOGS and come back as one archive, rewritten after every wave (a call that runs past its
+# limit still returns the waves that finished; the device returns a few files per call, not one per run).
+LOGS=${GRID_LOGS:-/tmp/grid_logs}; mkdir -p "$LOGS"
 corpus=$1 lang=$2 budget=$3; shift 3
 root=${GRID_ROOT:-/tmp/grid}/$(basename "$corpus"); mkdir -p "$root"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$gpus" -ge 1 ] || gpus=1
@@ -28,15 +31,15 @@ train_one() {  # GPU NAME FLAGS...
   rm -rf "$root/$name" "$root/data_$name"; cp -r "$corpus" "$root/data_$name"
   if [[ $name == eole* ]]; then
     CUDA_VISIBLE_DEVICES=$gpu timeout 900 python3 scripts/eole_compare.py --data "$root/data_$name" --src-lang en \
-      --tgt-lang "$lang" --time-limit "$(seconds "$budget")" --work "$root/$name" "$@" > "$OUT/grid_$name.log" 2>&1
+      --tgt-lang "$lang" --time-limit "$(seconds "$budget")" --work "$root/$name" "$@" > "$LOGS/grid_$name.log" 2>&1
     python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"BLEU = {r['bleu']:.2f}\"); print(r)" \
-      "$root/$name/result.json" > "$OUT/grid_${name}_test.txt" 2>&1
+      "$root/$name/result.json" > "$LOGS/grid_${name}_test.txt" 2>&1
     return
   fi
   CUDA_VISIBLE_DEVICES=$gpu timeout 900 python3 -m streamnmt train --data "$root/data_$name" --src-lang en \
-    --tgt-lang "$lang" --time-limit "$budget" --project "$root" --name "$name" "$@" > "$OUT/grid_$name.log" 2>&1
+    --tgt-lang "$lang" --time-limit "$budget" --project "$root" --name "$name" "$@" > "$LOGS/grid_$name.log" 2>&1
   CUDA_VISIBLE_DEVICES=$gpu timeout 300 python3 -m streamnmt eval --weights "$root/$name/weights/best.pt" \
-    --data "$root/data_$name" --split test > "$OUT/grid_${name}_test.txt" 2>&1
+    --data "$root/data_$name" --split test > "$LOGS/grid_${name}_test.txt" 2>&1
 }
 
 for ((i = 0; i < ${#V[@]}; i += gpus)); do  # one wave: a run on every GPU
@@ -46,12 +49,14 @@ for ((i = 0; i < ${#V[@]}; i += gpus)); do  # one wave: a run on every GPU
     train_one "$g" "$name" "${flags[@]}" &
   done
   wait
+  tar czf "$OUT/grid_logs.tgz" -C "$LOGS" .
 done
 
+{
 printf "%-14s %8s %10s %8s %s\n" run test_BLEU best_dev at_step "end line"
 for v in "${V[@]}"; do
   name=${v%%:*}
-  bleu=$(grep -oE "^BLEU = [0-9.]+" "$OUT/grid_${name}_test.txt" 2>/dev/null | awk '{print $3}')
+  bleu=$(grep -oE "^BLEU = [0-9.]+" "$LOGS/grid_${name}_test.txt" 2>/dev/null | awk '{print $3}')
   dev=$(python3 - "$root/$name/evals.csv" <<'PY' 2>/dev/null
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
@@ -60,7 +65,9 @@ best = max(rows, key=lambda r: float(r[col] or "nan"))
 print(f"{float(best[col]):.2f} {best.get('step', '?')}")
 PY
 )
-  endline=$(grep -E "wall [0-9]+ s|^eole" "$OUT/grid_$name.log" | tail -1 | cut -c1-110)
+  endline=$(grep -E "wall [0-9]+ s|^eole" "$LOGS/grid_$name.log" | tail -1 | cut -c1-110)
   printf "%-14s %8s %10s %8s %s\n" "$name" "${bleu:-failed}" "${dev% *}" "${dev#* }" "$endline"
-  cp "$root/$name/evals.csv" "$OUT/grid_${name}_evals.csv" 2>/dev/null
+  cp "$root/$name/evals.csv" "$LOGS/grid_${name}_evals.csv" 2>/dev/null
 done
+} | tee -a "$OUT/grid_table.txt"
+tar czf "$OUT/grid_logs.tgz" -C "$LOGS" .

@@ -49,7 +49,7 @@ for ((i = 0; i < ${#V[@]}; i += gpus)); do  # one wave: a run on every GPU
     train_one "$g" "$name" "${flags[@]}" &
   done
   wait
-  tar czf "$OUT/grid_logs.tgz" -C "$LOGS" .
+  tar czf "$OUT/.grid_logs.tgz.tmp" -C "$LOGS" . && mv "$OUT/.grid_logs.tgz.tmp" "$OUT/grid_logs.tgz"
 done
 
 {
@@ -70,4 +70,4 @@ PY
   cp "$root/$name/evals.csv" "$LOGS/grid_${name}_evals.csv" 2>/dev/null
 done
 } | tee -a "$OUT/grid_table.txt"
-tar czf "$OUT/grid_logs.tgz" -C "$LOGS" .
+tar czf "$OUT/.grid_logs.tgz.tmp" -C "$LOGS" . && mv "$OUT/.grid_logs.tgz.tmp" "$OUT/grid_logs.tgz"

@@ -294,7 +294,7 @@ def _prepare_once_rank(rank: int, port: int, out: str, differ: bool, hosts: int 
     (``hosts`` 2: each rank the local rank 0 of a host of its own)."""
     local = "0" if hosts == 2 else str(rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=local, LOCAL_WORLD_SIZE=str(2 // hosts))
+                      LOCAL_RANK=local, LOCAL_WORLD_SIZE=str(2 // hosts), GROUP_RANK=str(rank if hosts == 2 else 0))
     from streamnmt import dist
     from streamnmt.data.prepare import prepare_once
     from streamnmt.errors import InputError

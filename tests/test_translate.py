@@ -214,6 +214,7 @@ def test_unspaced_targets_are_scored_by_words_or_characters_not_whole_sentences(
     assert bleu_tokenizer("ch") == bleu_tokenizer("zh_CN") == "zh"
     assert bleu_tokenizer("de") == bleu_tokenizer("pt-BR") == "13a"
     assert bleu_tokenizer("th") == "char" and bleu_tokenizer("ja_JP") in ("ja-mecab", "char")
+    assert bleu_tokenizer("ko") in ("ko-mecab", "13a")  # Korean spaces its words: never by characters
     hyp, ref = ["ファイルを開けません"], ["ファイルを開けませんでした"]  # one "word" each to 13a
     assert score(hyp, ref, "en")["bleu"] == 0 and score(hyp, ref, "ja")["bleu"] > 0
     assert "tok:" + bleu_tokenizer("ja") in score(hyp, ref, "ja")["signature"]

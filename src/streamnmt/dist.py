@@ -311,6 +311,14 @@ def peer_lost(d: Dist, e: BaseException) -> PeerLost:
 _PEERS: list[tuple[str, str, int]] = []
 
 
+def several_hosts(world: int) -> bool:
+    """The ranks run on more than one host: their nodes as gathered at init (torchrun's launcher index,
+    else the host name), else torchrun's LOCAL_WORLD_SIZE (a launcher that sets neither: one host a rank)."""
+    if _PEERS:
+        return len({node for node, _, _ in _PEERS}) > 1
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1)) < world
+
+
 def _node() -> str:
     """This rank's node: torchrun's GROUP_RANK (its launcher's index), else the host name."""
     import socket

@@ -3,6 +3,7 @@ and the one line where the child failed or was late (a fake child on the CPU; th
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -237,3 +238,51 @@ def test_a_build_marked_in_the_cache_starts_no_child(tmp_path, monkeypatch):
     assert prebuild.wait(0, 64) is None  # the build check then builds (loads) them itself
     monkeypatch.setattr(prebuild, "gpu_of", lambda index: (_ for _ in ()).throw(RuntimeError("no GPU")))
     assert prebuild.start_for(job, launch) == Request(0, 64, "auto") and len(started) == 3 * n  # unsure: children
+
+
+def test_the_build_check_reads_the_cache_the_children_filled_though_the_run_moved_it(tmp_path, monkeypatch):
+    """A compiling run points TRITON_CACHE_DIR at its compile cache after the children started: the
+    check loads their kernels from their folder (then the variable is as the run set it), and the
+    marker goes where the next run's children would look."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "children"))
+    monkeypatch.setattr(prebuild, "gpu_of", lambda index: "GPU sm90")
+    seen: list[str] = []
+    monkeypatch.setattr(attention, "_triton_builds", lambda index, head_dim: seen.append(os.environ["TRITON_CACHE_DIR"]))
+    monkeypatch.setattr(attention, "_OWED", {})
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(attention, "triton_available", lambda device, head_dim=None: None)
+    prebuild.start(Request(0, 64, "auto"), FakeChild)
+    assert attention.triton_runs(torch.device("cuda", 0), 64) is None
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "compile"))  # the compile cache, staged later
+    assert attention.settle_triton() is None
+    assert seen == [str(tmp_path / "children")]
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "compile")
+    assert prebuild.marker(Request(0, 64, "auto"), "GPU sm90", tmp_path / "children").exists()
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    with prebuild.triton_cache(tmp_path / "x"):
+        assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "x")
+    assert "TRITON_CACHE_DIR" not in os.environ
+
+
+def test_no_children_on_a_gpu_in_exclusive_process_mode(monkeypatch):
+    """Under Exclusive Process a child's CUDA context would keep the run's own off the GPU."""
+    import types
+
+    mode = {"m": 3}
+    fake = types.SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None, NVML_COMPUTEMODE_DEFAULT=0,
+                                 nvmlDeviceGetHandleByIndex=lambda i: i,
+                                 nvmlDeviceGetComputeMode=lambda h: mode["m"])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert prebuild._shared_gpu(0) is False
+    mode["m"] = 0
+    assert prebuild._shared_gpu(0) is True
+    monkeypatch.setattr(fake, "nvmlInit", lambda: (_ for _ in ()).throw(RuntimeError("no driver")))
+    assert prebuild._shared_gpu(0) is True  # not known: children as before
+
+
+def test_a_stopped_child_closes_its_output():
+    child = prebuild.Child([sys.executable, "-c", "print('x')"])
+    child.wait(30)
+    child.stop()
+    assert child.output.closed and child.last_line() == ""

@@ -26,6 +26,7 @@ from streamnmt.data.config import DataConfig
 from streamnmt.data.corpus import BuildStats, TokenizedCorpus, tokenize_pairs
 from streamnmt.data.readers import ReadStats, SplitSource, find_split, iter_pairs, require_split
 from streamnmt.data.tokenizer import Tokenizer, cpu_threads, train_shared_tokenizer, train_tokenizer
+from streamnmt.dist import several_hosts
 from streamnmt.errors import InputError
 
 if TYPE_CHECKING:
@@ -271,7 +272,7 @@ def prepare_once(d: Dist, prepare: Callable[[], T], fingerprint: Callable[[T], d
         except (NotPrepared, InputError, OSError):  # not there yet, or an error prepare() will say after
             result = None
     d.barrier("dist.data")
-    if int(os.environ.get("LOCAL_WORLD_SIZE", d.world)) < d.world:  # several hosts
+    if several_hosts(d.world):
         if result is None and d.local_rank == 0:
             result = prepare()
         d.barrier("dist.data")

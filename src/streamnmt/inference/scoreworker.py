@@ -18,19 +18,23 @@ from typing import IO, Any
 CHINESE = {"ch", "zh"}  # target languages scored with sacrebleu's "zh" tokenizer (as evaluation.CHINESE)
 # Languages written without spaces between words, where 13a would count a whole sentence as one
 # word: scored with sacrebleu's MeCab tokenizer where it is installed, else character by character.
-UNSPACED = {"ja": "ja-mecab", "ko": "ko-mecab", "th": None, "lo": None, "km": None, "my": None}
+UNSPACED = {"ja": "ja-mecab", "th": None, "lo": None, "km": None, "my": None}
+# Languages with spaces between words that sacrebleu also segments morphologically where MeCab is
+# installed; else 13a, which their spaces make meaningful (Korean: ko-mecab, or 13a).
+MORPHOLOGICAL = {"ko": "ko-mecab"}
 
 
 def bleu_tokenizer(tgt_lang: str) -> str:
     """sacrebleu's tokenizer for BLEU of a target language (``de``, ``ja_JP``, ``pt-BR`` alike):
     ``zh`` for Chinese, the language's MeCab tokenizer or ``char`` for the languages of
-    :data:`UNSPACED`, else ``13a`` (sacrebleu's default, WMT's habit)."""
+    :data:`UNSPACED`, MeCab or ``13a`` for those of :data:`MORPHOLOGICAL`, else ``13a`` (sacrebleu's
+    default, WMT's habit)."""
     lang = tgt_lang.lower().replace("-", "_").split("_")[0]
     if lang in CHINESE:
         return "zh"
-    if lang not in UNSPACED:
+    if lang not in UNSPACED and lang not in MORPHOLOGICAL:
         return "13a"
-    mecab = UNSPACED[lang]
+    mecab = {**UNSPACED, **MORPHOLOGICAL}[lang]
     if mecab is not None:
         try:
             import sacrebleu
@@ -39,7 +43,7 @@ def bleu_tokenizer(tgt_lang: str) -> str:
             return mecab
         except Exception:
             pass
-    return "char"
+    return "13a" if lang in MORPHOLOGICAL else "char"
 
 
 def metrics(tgt_lang: str) -> tuple[Any, Any]:

@@ -186,7 +186,7 @@ def triton_runs(device: torch.device, head_dim: int | None = None, log=print) ->
     why = triton_available(device, head_dim)
     if why is None:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if prebuild.pending(index, head_dim or 64) and os.environ.get("WORLD_SIZE", "1") == "1":
+        if prebuild.pending(index, head_dim or 64) is not None and os.environ.get("WORLD_SIZE", "1") == "1":
             _OWED[(index, head_dim or 64)] = None
             return None
         why = _wait_and_build(index, head_dim or 64, log)
@@ -197,11 +197,13 @@ _OWED: dict[tuple[int, int], None] = {}  # (GPU, head dim): builds trusted to th
 
 
 def _wait_and_build(index: int, head_dim: int, log) -> str | None:
+    cache = prebuild.pending(index, head_dim)  # where the children put the kernels (None: no children)
     with setupclock.timed("waiting for the Triton kernels' build in child processes"):
         note = prebuild.wait(index, head_dim)
     if note is not None:
         log(f"model: {note}")
-    return _triton_builds(index, head_dim)
+    with prebuild.triton_cache(cache):
+        return _triton_builds(index, head_dim)
 
 
 def settle_triton(log=print) -> str | None:

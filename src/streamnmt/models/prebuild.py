@@ -33,6 +33,7 @@ kernels are gone anyway only costs the build check its compile, in this process.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import importlib.metadata
 import os
@@ -40,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -92,15 +93,16 @@ def _version(dist: str) -> str:
         return "none"
 
 
-def marker(request: Request, gpu: str) -> Path:
-    """The file a child that built ``request``'s kernels on ``gpu`` (its name and compute capability)
-    leaves in Triton's cache folder; its name holds a hash of everything the cached kernels depend on."""
+def marker(request: Request, gpu: str, cache: Path | None = None) -> Path:
+    """The file children that built ``request``'s kernels on ``gpu`` (its name and compute capability)
+    leave in Triton's cache folder ``cache`` (default: the one in effect now); its name holds a hash of
+    everything the cached kernels depend on."""
     import torch
 
     kernels = Path(__file__).with_name("segattn_triton.py")
     parts = [_version("triton"), _version("pytorch-triton"), torch.__version__, gpu, str(request.head_dim),
              request.amp, hashlib.sha1(kernels.read_bytes()).hexdigest()]
-    return triton_cache_dir() / f"streamnmt-segattn-{hashlib.sha1('|'.join(parts).encode()).hexdigest()[:20]}.built"
+    return (cache or triton_cache_dir()) / f"streamnmt-segattn-{hashlib.sha1('|'.join(parts).encode()).hexdigest()[:20]}.built"
 
 
 def gpu_of(index: int) -> str:
@@ -110,9 +112,9 @@ def gpu_of(index: int) -> str:
     return f"{torch.cuda.get_device_name(index)} sm{''.join(map(str, torch.cuda.get_device_capability(index)))}"
 
 
-def mark_built(request: Request, gpu: str) -> None:
+def mark_built(request: Request, gpu: str, cache: Path | None = None) -> None:
     """Leave the marker (after the children's build); a cache folder it cannot write leaves none."""
-    path = marker(request, gpu)
+    path = marker(request, gpu, cache)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -130,6 +132,28 @@ def built_before(request: Request) -> bool:
         return False
 
 
+def _shared_gpu(index: int) -> bool:
+    """GPU ``index`` takes several processes' contexts (compute mode Default, or not known: NVML
+    missing); under Exclusive Process a child's context would keep the run's own off the GPU."""
+    try:
+        import pynvml
+    except ImportError:
+        return True
+    try:
+        pynvml.nvmlInit()
+        try:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            ids = [v.strip() for v in visible.split(",")] if visible else None
+            if ids is not None and not all(i.isdigit() for i in ids):
+                return True  # UUIDs or MIG names: not mapped here; the mode is then not known
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(ids[index]) if ids else index)
+            return pynvml.nvmlDeviceGetComputeMode(handle) == pynvml.NVML_COMPUTEMODE_DEFAULT
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML driver, an index out of range: not known
+        return True
+
+
 def child_argv(request: Request, variant: int) -> list[str]:
     """A child's command line: :func:`streamnmt.models.attention.build_in_child` of one variant in a
     fresh interpreter."""
@@ -141,11 +165,15 @@ class Child:
     """A started child: the process and the file its output goes to (a pipe could fill and stall it)."""
 
     def __init__(self, argv: Sequence[str]):
+        import site
+
         import streamnmt
 
         env = dict(os.environ)
         src = str(Path(streamnmt.__file__).resolve().parent.parent)  # the child imports this very package
-        env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+        installed = {str(Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+        if src not in installed:  # a source tree: first on the path (site-packages stays after the stdlib)
+            env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
         self.output: IO[bytes] = tempfile.TemporaryFile()
         self.process = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=self.output,
                                         stderr=subprocess.STDOUT, env=env)
@@ -159,8 +187,11 @@ class Child:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        self.output.close()
 
     def last_line(self) -> str:
+        if self.output.closed:
+            return ""
         self.output.seek(0)
         lines = self.output.read().decode(errors="replace").strip().splitlines()
         return lines[-1][:200] if lines else ""
@@ -170,6 +201,7 @@ class Child:
 class _Pending:
     request: Request
     children: list[Any]  # Child, or what a test puts in its place: one per variant
+    cache: Path  # the Triton cache folder they fill (the run may point TRITON_CACHE_DIR elsewhere later)
 
 
 _PENDING: _Pending | None = None
@@ -180,12 +212,35 @@ def start(request: Request, launch: Callable[[Sequence[str]], Any] = Child) -> N
     started, a test's fake)."""
     global _PENDING
     stop()
-    _PENDING = _Pending(request, [launch(child_argv(request, v)) for v in VARIANTS])
+    _PENDING = _Pending(request, [launch(child_argv(request, v)) for v in VARIANTS], triton_cache_dir())
 
 
-def pending(index: int, head_dim: int) -> bool:
-    """Children build the kernels for GPU ``index`` at ``head_dim`` and nobody waited for them yet."""
-    return _PENDING is not None and (_PENDING.request.index, _PENDING.request.head_dim) == (index, head_dim)
+def pending(index: int, head_dim: int) -> Path | None:
+    """The Triton cache folder children fill with the kernels for GPU ``index`` at ``head_dim``, where
+    they were started and nobody waited for them yet; else None."""
+    if _PENDING is not None and (_PENDING.request.index, _PENDING.request.head_dim) == (index, head_dim):
+        return _PENDING.cache
+    return None
+
+
+@contextlib.contextmanager
+def triton_cache(path: Path | None) -> Iterator[None]:
+    """Triton's cache folder set to ``path`` inside (None: as it is): the build check loads the
+    kernels from the folder the children filled, though a compiling run has since pointed
+    ``TRITON_CACHE_DIR`` at its compile cache (:mod:`streamnmt.training.compile_cache`). Triton reads
+    the variable at each compile; the loaded kernels stay in this process's memory after."""
+    before = os.environ.get("TRITON_CACHE_DIR")
+    if path is None or (before is not None and Path(before) == path):
+        yield
+        return
+    os.environ["TRITON_CACHE_DIR"] = str(path)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TRITON_CACHE_DIR"]
+        else:
+            os.environ["TRITON_CACHE_DIR"] = before
 
 
 def start_for(job: Any, launch: Callable[[Sequence[str]], Any] = Child) -> Request | None:
@@ -200,7 +255,7 @@ def start_for(job: Any, launch: Callable[[Sequence[str]], Any] = Child) -> Reque
         return None
     request = plan(job, cuda=torch.cuda.is_available(), triton=importlib.util.find_spec("triton") is not None,
                    hip=torch.version.hip is not None)
-    if request is None or built_before(request):
+    if request is None or built_before(request) or not _shared_gpu(request.index):
         return None
     start(request, launch)
     return request
@@ -216,7 +271,7 @@ def wait(index: int, head_dim: int, timeout: float = TIMEOUT_S,
     if not pending(index, head_dim):
         return None
     assert _PENDING is not None
-    request, children = _PENDING.request, _PENDING.children
+    request, children, cache = _PENDING.request, _PENDING.children, _PENDING.cache
     _PENDING = None
     t0 = time.monotonic()
     try:
@@ -232,13 +287,16 @@ def wait(index: int, head_dim: int, timeout: float = TIMEOUT_S,
     finally:
         for child in children:  # on a failure or a timeout the others are not left compiling beside the run
             child.stop()
-    (mark or _mark_this_gpu)(request)  # a later run starts none (marker)
+    if mark is not None:
+        mark(request)
+    else:
+        _mark_this_gpu(request, cache)  # a later run starts none (marker)
     return None
 
 
-def _mark_this_gpu(request: Request) -> None:
+def _mark_this_gpu(request: Request, cache: Path) -> None:
     try:
-        mark_built(request, gpu_of(request.index))
+        mark_built(request, gpu_of(request.index), cache)
     except Exception:  # no GPU to name it by: no marker, and the next run starts the children again
         pass
 

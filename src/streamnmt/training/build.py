@@ -70,6 +70,7 @@ class TrainerSetup:
         # and checkpoints in a run": set-up is most of what a short run spends outside training).
         self.t_command = command_start()  # --time-limit and the end line count from the command's start
         self.setup_s: dict[str, float] = {"start-up": time.monotonic() - self.t_command}
+        self.asked_attention = job.model.attention  # as given (auto, triton, ...): named where it falls back
         with self._phase("device"):
             self._build_process(job, log)
         with self._phase("recipe"):
@@ -257,7 +258,7 @@ class TrainerSetup:
         build check, owed to the child processes that compiled them beside the set-up so far."""
         why = settle_triton(self.log)
         if why is not None and self.model.attention == "triton":
-            self.log(f"model: --attention {self.job.model.attention}: {why}; using sdpa")
+            self.log(f"model: --attention {self.asked_attention}: {why}; using sdpa")
             self.model.set_attention("sdpa")
             self.job = dataclasses.replace(self.job, model=dataclasses.replace(self.job.model, attention="sdpa"))
         self.strategy.prepare(self.step_fn, [example_batch(shape, self.shape, self.job.run.seed,

@@ -22,8 +22,8 @@ root=${GRID_ROOT:-/tmp/grid}/$(basename "$corpus"); mkdir -p "$root"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$gpus" -ge 1 ] || gpus=1
 V=("$@")
 
-seconds() {  # 2m, 90s, 1h30m, 120 -> seconds
-  python3 -c "import re,sys; s=sys.argv[1]; print(sum(int(n)*{'h':3600,'m':60,'s':1,'':1}[u] for n,u in re.findall(r'(\d+)([hms]?)', s)))" "$1"
+seconds() {  # 2m, 90s, 1.5h, 1h30m, 120 -> whole seconds
+  python3 -c "import re,sys; s=sys.argv[1]; print(round(sum(float(n)*{'h':3600,'m':60,'s':1,'':1}[u] for n,u in re.findall(r'(\d+(?:\.\d+)?)([hms]?)', s))))" "$1"
 }
 
 train_one() {  # GPU NAME FLAGS...

@@ -201,3 +201,17 @@ def test_a_resumed_run_ends_with_the_average_of_the_uninterrupted_one(tmp_path, 
     assert a["steps"] == b["steps"] and a["decided"] == b["decided"]
     assert all(torch.equal(x[k], y[k]) for x, y in zip(a["ring"], b["ring"]) for k in x)
 
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_copies_go_to_pinned_host_memory_and_average_exactly():
+    """The copies are queued on the current stream into pinned buffers; the mean waits for them
+    through the one counted host sync and equals the element-wise mean of the device weights."""
+    dev = torch.device("cuda")
+    avg = Averager(2, dev)
+    made = [{k: v.to(dev) for k, v in s.items()} for s in states(3, seed=2)]
+    for step, state in enumerate(made):
+        avg.add(step, state)
+    assert all(t.is_pinned() and t.device.type == "cpu" for copy in avg.ring for t in copy.values())
+    want = torch.stack([s["w"].double() for s in made[1:]]).mean(0).float().cpu()
+    assert torch.equal(avg.mean()["w"], want)

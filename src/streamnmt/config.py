@@ -278,11 +278,12 @@ class RunConfig:
                                     "N-th, its decay compounded over the N steps (1 = every step)")
     eval_ema: bool | None = opt(None, "validate, score BLEU and write best.pt with the EMA weights (needs --ema); "
                                       "default: on wherever the EMA is kept")
-    average_last: int = opt(5, "at the end of the run, also score the mean of the last K evaluated weights (those "
+    average_last: int = opt(0, "at the end of the run, also score the mean of the last K evaluated weights (those "
                                "scored: the EMA's under --eval-ema) on dev; best.pt is the better of it and the best "
-                               "single evaluation (fairseq's habit: the Transformer recipe averages its last 5 "
-                               "checkpoints). Costs K copies of the weights in host memory and in last.pt; "
-                               "0 = off")
+                               "single evaluation (fairseq's habit: its Transformer recipe averages the last 5 "
+                               "checkpoints, e.g. --average-last 5). Costs K copies of the weights in host memory "
+                               "and in every last.pt, and one evaluation more; 0 = off, the default until its BLEU "
+                               "beside the moving average is measured (docs/PERFORMANCE.md, Real corpora)")
     verbose: bool = opt(False, "print the host-sync table after every epoch (else once, at the end)")
     tensorboard: bool = opt(False, "write TensorBoard scalars (loss, lr, tokens/s, BLEU, sync counts) to the "
                                    "run directory (needs: pip install tensorboard)")

@@ -8,7 +8,7 @@ import sys
 
 def main(evals_path: str, results_path: str) -> None:
     with open(evals_path) as f:
-        evals = list(csv.DictReader(f))
+        evals = [r for r in csv.DictReader(f) if not r.get("kind")]  # evaluations only (no --average-last row)
     with open(results_path) as f:
         results = list(csv.DictReader(f))
     bleu = [float(r["bleu"]) for r in evals if r["bleu"]]

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the result as JSON here")
     args = p.parse_args(argv)
     run = Path(args.run)
-    evals = [r for r in read_csv(run / "evals.csv") if r["bleu_s"]]
+    evals = [r for r in read_csv(run / "evals.csv") if r["bleu_s"] and not r.get("kind")]  # evaluations only
     if len(evals) < 2:
         print(f"{run}: needs two evaluations or more (the first one captures the decoding graphs)")
         return 1

@@ -64,7 +64,7 @@ def read_curve(spec: str) -> Curve:
     evals = run / "evals.csv" if run.is_dir() else run
     try:
         with open(evals, newline="", encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
+            rows = [r for r in csv.DictReader(f) if not r.get("kind")]  # the end's --average-last row: no point in time
     except OSError as e:
         raise InputError(f"{evals}: {e.strerror or e}") from None
     if rows and "wall_s" not in rows[0]:

@@ -144,13 +144,14 @@ def test_patience_stops_a_run_that_does_not_improve(tmp_path, monkeypatch):
     why = [line for line in lines if line.startswith("early stop:")]
     assert len(why) == 1 and "validation loss has not improved for 1 evaluation" in why[0]
     assert torch.load(tmp_path / "p" / "weights" / "last.pt", weights_only=True)["step"] == 10
-    assert [r["step"] for r in read_csv(tmp_path / "p" / "evals.csv")] == ["5", "10"]
+    assert [r["step"] for r in read_csv(tmp_path / "p" / "evals.csv") if not r["kind"]] == ["5", "10"]
 
 
 def test_best_pt_follows_best_metric_and_eval_every(tmp_path, monkeypatch):
     values = iter([5.0, 4.0, 6.0, 4.5, 7.0, 8.0])
     monkeypatch.setattr(Evaluator, "validate", lambda self: next(values))
-    t = make_trainer(tmp_path, "--name", "b", "--epochs", "2", "--eval-every", "6", "--best-metric", "val_loss")
+    t = make_trainer(tmp_path, "--name", "b", "--epochs", "2", "--eval-every", "6", "--best-metric", "val_loss",
+                     "--average-last", "0")  # the evaluations' six values only (tests/training/test_averaging.py)
     n = len(t.train_loader)  # batches per epoch (14 here): evaluations every 6 steps and at each epoch end
     t.train()
     rows = read_csv(tmp_path / "b" / "evals.csv")
@@ -169,7 +170,7 @@ def test_eval_comes_before_a_save_of_the_same_step_and_max_steps_evaluates_once(
     assert len(t.train_loader) > 6  # step 6 ends the run mid-epoch
     t.train()
     # one evaluation per 3 steps; the run's last step is evaluated once (not again as an epoch end)
-    assert [r["step"] for r in read_csv(tmp_path / "o" / "evals.csv")] == ["3", "6"]
+    assert [r["step"] for r in read_csv(tmp_path / "o" / "evals.csv") if not r["kind"]] == ["3", "6"]
     # the checkpoint of step 3 already holds the evaluation of step 3 (exact early stopping on resume)
     at3 = torch.load(tmp_path / "o" / "weights" / "step_000003.pt", weights_only=True)
     assert at3["stopping"]["best"] == 5.0 and at3["step"] == 3

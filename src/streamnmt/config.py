@@ -221,6 +221,8 @@ def check_recipe(run: Any) -> None:
     check(0.0 <= run.ema < 1.0, "ema", f"must be in [0, 1) (e.g. 0.9999; 0 = off); got {run.ema}")
     check(run.ema_every >= 1, "ema_every", f"must be at least 1; got {run.ema_every}")
     check(not run.eval_ema or run.ema > 0, "eval_ema", "evaluates the averaged weights: add --ema 0.9999")
+    check(run.average_last == 0 or run.average_last >= 2, "average_last",
+          f"must be 0 (off) or at least 2 evaluations to average; got {run.average_last}")
     check(not run.tensorboard or importlib.util.find_spec("tensorboard") is not None, "tensorboard",
           "needs the tensorboard package: pip install tensorboard (or drop --tensorboard)")
 
@@ -276,6 +278,12 @@ class RunConfig:
                                     "N-th, its decay compounded over the N steps (1 = every step)")
     eval_ema: bool | None = opt(None, "validate, score BLEU and write best.pt with the EMA weights (needs --ema); "
                                       "default: on wherever the EMA is kept")
+    average_last: int = opt(0, "at the end of the run, also score the mean of the last K evaluated weights (those "
+                               "scored: the EMA's under --eval-ema) on dev; best.pt is the better of it and the best "
+                               "single evaluation (fairseq's habit: its Transformer recipe averages the last 5 "
+                               "checkpoints, e.g. --average-last 5). Costs K copies of the weights in host memory "
+                               "and in every last.pt, and one evaluation more; 0 = off, the default until its BLEU "
+                               "beside the moving average is measured (docs/PERFORMANCE.md, Real corpora)")
     verbose: bool = opt(False, "print the host-sync table after every epoch (else once, at the end)")
     tensorboard: bool = opt(False, "write TensorBoard scalars (loss, lr, tokens/s, BLEU, sync counts) to the "
                                    "run directory (needs: pip install tensorboard)")

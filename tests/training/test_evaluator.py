@@ -38,7 +38,8 @@ def test_fixed_cadences_keep_their_meaning():
 def test_a_run_evaluates_when_the_rule_says_on_a_fake_clock(tmp_path, monkeypatch):
     """One second of training per step, five seconds per evaluation: after the first epoch end
     (no cost known yet) the next evaluation waits for 9 x 5 = 45 s of training, then the end."""
-    t = make_trainer(tmp_path, "--name", "a", "--epochs", "50", "--max-steps", "100", "--best-metric", "val_loss")
+    t = make_trainer(tmp_path, "--name", "a", "--epochs", "50", "--max-steps", "100", "--best-metric", "val_loss",
+                     "--average-last", "0")  # the end's evaluation only (tests/training/test_averaging.py)
     n = len(t.train_loader)
     assert 5 < n < 45
     extra = [0.0]
@@ -135,7 +136,8 @@ def _slow_decoding_run(tmp_path, monkeypatch, name: str, limit: str, batch_s, li
     import streamnmt.inference.search as search_module
     import streamnmt.training.evaluator as evaluator_module
 
-    t = make_trainer(tmp_path, "--name", name, "--time-limit", limit, "--bleu-samples", "12", lines=lines)
+    t = make_trainer(tmp_path, "--name", name, "--time-limit", limit, "--bleu-samples", "12", "--average-last", "0",
+                     lines=lines)  # the end keeps time for its one evaluation
     monkeypatch.setattr(evaluator_module, "EVAL_BATCH", 4)
     extra = [0.0]
     t.clock = t.budget.clock = lambda: float(t.global_step) + extra[0]

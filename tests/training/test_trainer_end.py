@@ -42,7 +42,7 @@ def test_a_stop_at_an_epochs_last_batch_resumes_at_the_next_epoch(tmp_path, monk
     """Stopped on the epoch's last batch: last.pt points at the next epoch's start, and the resumed
     run evaluates no step twice and writes no empty epoch row."""
     t = make_trainer(tmp_path, "--name", "b", "--epochs", "3", "--eval-every", "0", "--best-metric", "val_loss",
-                     "--patience", "5")
+                     "--patience", "5", "--average-last", "0")
     n = len(t.train_loader)
     real = Trainer._trained
 
@@ -70,7 +70,8 @@ def test_a_best_pt_newer_than_last_pt_is_replaced_only_by_a_better_model(tmp_pat
     """best.pt may be newer than last.pt's record of the best (a kill after an evaluation wrote it,
     or a resume from an earlier step_*.pt). The resume keeps last.pt's early-stopping state (an exact
     replay), but an evaluation that beats only that record does not replace the better best.pt."""
-    t = make_trainer(tmp_path, "--name", "c", "--epochs", "2", "--eval-every", "0", "--best-metric", "val_loss")
+    t = make_trainer(tmp_path, "--name", "c", "--epochs", "2", "--eval-every", "0", "--best-metric", "val_loss",
+                     "--average-last", "0")
     t.train()
     weights = tmp_path / "c" / "weights"
     best = torch.load(weights / "best.pt", weights_only=True)["best"]
@@ -164,7 +165,7 @@ def test_the_trainer_and_its_graphs_are_gone_before_the_process_group_is(tmp_pat
 def test_evals_say_the_runs_wall_clock_at_each_evaluation_summed_over_resumes(tmp_path):
     """evals.csv's wall_s: the run's seconds from the command's start to the evaluated step (a fake
     budget clock: 10 s a step); a resume adds the checkpoint's seconds to its own."""
-    t = make_trainer(tmp_path, "--name", "w", "--epochs", "2", "--eval-every", "0")
+    t = make_trainer(tmp_path, "--name", "w", "--epochs", "2", "--eval-every", "0", "--average-last", "0")
     t.budget.clock = lambda: 10.0 * t.global_step
     t.budget.t0 = -5.0  # 5 s of set-up before the first step
     n = len(t.train_loader)

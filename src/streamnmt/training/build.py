@@ -53,8 +53,10 @@ RESULT_COLUMNS = ["epoch", "train_loss", "train_nll", "train_ppl", "val_loss", "
 # wall_s: the run's wall clock (from the command's start, summed over resumes) when it reached the
 # evaluated weights, for time-to-BLEU curves (scripts/plot_time_to_bleu.py);
 # bleu_n: the dev sentences BLEU scored (fewer than --bleu-samples where the time limit cut the pass)
+# kind: empty for an evaluation of the run's weights, "average" for the end of the run's mean of the
+# last --average-last evaluated weights (training/averaging.py)
 EVAL_COLUMNS = ["step", "epoch", "wall_s", "val_loss", "bleu", "bleu_n", "bleu_s", "val_s", "best", "eval_s",
-                "save_s"]
+                "save_s", "kind"]
 
 
 class TrainerSetup:
@@ -365,6 +367,7 @@ class TrainerSetup:
             model_cfg.setdefault(key, model_cfg.get("dropout", ModelConfig().dropout))  # dropped there too
         config["model"] = model_cfg
         config["run"].setdefault("ema_every", 1)  # a run from before --ema-every updated at every step
+        config["run"].setdefault("average_last", 0)  # a run from before --average-last ends without it
         if device is not None:  # validated here, not the device the checkpoint was written on
             config["run"]["device"] = device
         changes = dict(changes or {})
@@ -423,6 +426,7 @@ class TrainerSetup:
         self._read_best_on_disk()
         if self.step_fn.ema is not None and ckpt.get("ema"):
             self.step_fn.ema.load_state_dict(ckpt["ema"])
+        self.evaluator.averager.load_state_dict(ckpt.get("averager"))  # --average-last's kept weights
         ranks = ckpt.get("rng_ranks") or [ckpt["rng"]]
         saved = (ckpt["sampler"].get("world", 1), ckpt["sampler"].get("accum", 1))
         if saved != (self.dist.world, self.job.engine.accum_steps) or len(ranks) != self.dist.world:
@@ -491,4 +495,5 @@ class TrainerSetup:
             "rng": rng_state(),
             "stopping": self.evaluator.state_dict(),
             "ema": self.step_fn.ema.state_dict() if self.step_fn.ema is not None else None,
+            "averager": self.evaluator.averager.state_dict(),  # --average-last: an exact resume ends alike
         }

@@ -45,6 +45,7 @@ from streamnmt.inference.decoding import SearchOptions, decoding_copy
 from streamnmt.inference.scoring import ScorePool, bleu_on_pairs
 from streamnmt.models import masks
 from streamnmt.training.async_bleu import Beside, Deferred, Snapshot
+from streamnmt.training.averaging import Averager
 from streamnmt.training.step import LossModel
 from streamnmt.config import best_metric
 from streamnmt.training.stopping import EarlyStopping
@@ -208,6 +209,8 @@ class Evaluator:
         self.pending: tuple[Evaluation, dict[str, torch.Tensor], Beside | Deferred] | None = None
         self.passes = 0  # BLEU passes made
         self.aborted = False  # train() raised: a pass beside training stops at its next batch
+        # --average-last: the last K evaluated weights (rank 0 keeps them), scored at the end of the run
+        self.averager = Averager(run.average_last, device, keep=dist.main)
 
     # -- what the loop calls ------------------------------------------------------------------
     def evaluate(self, step: int, ema: Any = None, on_better: Callable[[], None] | None = None,
@@ -220,6 +223,7 @@ class Evaluator:
         ``interrupted()`` (a signal: the run stops after this step): nothing is decided, the
         evaluation is pending (``deferred``) and last.pt records it for the resumed run."""
         with ema.swapped() if ema is not None else contextlib.nullcontext():
+            self.averager.add(step, self.model.state_dict())  # --average-last: the weights scored here
             if self.dist.main:
                 t0 = time.perf_counter()
                 val_loss = self.validate()
@@ -251,6 +255,7 @@ class Evaluator:
             raise RuntimeError("a BLEU pass is still beside training: collect it first")
         with ema.swapped() if ema is not None else contextlib.nullcontext():
             weights = self._snapshot.take(self.model.state_dict())
+            self.averager.add(step, weights)  # --average-last: the weights scored here
             self.bleu_model = decoding_copy(self.model, self.bleu_dtype, self.bleu_model, separate=True)
             t0 = time.perf_counter()
             val_loss = self.validate()  # its host sync waits for the copies above too (queued before it)
@@ -344,6 +349,7 @@ class Evaluator:
 
     def _decide(self, step: int, val_loss: float, bleu: float | None, bleu_n: int, asked: int) -> bool:
         """best.pt and --patience: True where ``step``'s weights are the best so far."""
+        self.averager.scored(step, bleu if self.stopper.metric == "bleu" else val_loss)  # said at the end
         cut = bleu is not None and bleu_n < asked
         if cut and self.stopper.metric == "bleu":
             # Not comparable with a full pass's BLEU: best.pt takes these weights only while no
@@ -382,7 +388,8 @@ class Evaluator:
                 f"BLEU of {run.bleu_samples} dev sentences, beam {run.beam_size}, "
                 f"{str(self.bleu_dtype).removeprefix('torch.')} "
                 + (f"CUDA graphs (decoding copy {copy_mb:.0f} MiB)" if self.options.graph else "eager"))
-        return f"eval: {when}; validation {'CUDA graphs' if self._captured else 'eager'}; {bleu}{beside}"
+        return (f"eval: {when}; validation {'CUDA graphs' if self._captured else 'eager'}; {bleu}{beside}"
+                + self.averager.start_note(self.model))
 
     # -- the parts ----------------------------------------------------------------------------
     def _nll(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

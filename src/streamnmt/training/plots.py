@@ -64,6 +64,7 @@ def results_series(run_dir: str | Path) -> tuple[str, dict[str, tuple[list[float
     """
     run_dir = Path(run_dir)
     results, steps, evals = (_read_rows(run_dir / f"{name}.csv") for name in ("results", "steps", "evals"))
+    evals = [r for r in evals if not r.get("kind")]  # the end of the run's averaged row is no point of the curve
     if not (results or steps or evals):
         raise ValueError(f"{run_dir}: no results.csv, steps.csv or evals.csv rows to plot")
     epochs = [float(e) if e is not None else float(i + 1) for i, e in enumerate(_floats(results, "epoch"))]

@@ -31,6 +31,7 @@ from streamnmt.engine import STATS
 from streamnmt.engine.losses import StepLoss
 from streamnmt.syncstats import format_table
 from streamnmt.errors import NonFiniteLoss
+from streamnmt.training.averaging import average_at_end
 from streamnmt.training.checkpointer import new_weights_id, safetensors_beside, weights_only
 from streamnmt.training.evaluating import EvaluationPoints
 from streamnmt.training.monitor import CpuSampler, NvmlSampler
@@ -174,6 +175,8 @@ class Trainer(EvaluationPoints, TrainerSetup):
         ev = cost + w.get("best", 0.0) if evaluation else 0.0
         # a pass beside training: the end waits for it (not counted where the pass itself asks)
         ev += cost if evaluation and self.evaluator.running else 0.0
+        # --average-last: the end scores the mean of the last evaluated weights too, and may write best.pt
+        ev += cost + w.get("best", 0.0) if evaluation and self.evaluator.averager.on else 0.0
         writes = w.get("last", 0.0) + (max(w.values(), default=0.0) if self.checkpointer.busy else 0.0)
         if self.step_fn.ema is not None and self.dist.main:  # weights/ema.pt, written after the last.pt
             writes += w.get("ema") or w.get("best") or w.get("last", 0.0)  # weights only, as best.pt
@@ -364,6 +367,9 @@ class Trainer(EvaluationPoints, TrainerSetup):
         if self.global_step and self.last_eval_step != self.global_step and not signalled:
             losses += self._evaluate(self.epoch, beside=False)
             evaluated = True
+        # --average-last: the mean of the last evaluated weights against the best single one (best.pt
+        # the winner); last.pt again, so that it records the choice
+        evaluated = average_at_end(self) or evaluated
         if 0 < len(self.train_loader) <= self.epoch_pos:  # stopped at an epoch's last batch: a resume starts the next
             self.epoch, self.epoch_pos = self.epoch + 1, 0
         # last.pt again where this step was saved before its evaluation (--save-every, an epoch end's

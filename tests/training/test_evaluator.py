@@ -178,3 +178,24 @@ def test_a_cut_first_pass_still_leaves_a_best_pt(tmp_path, monkeypatch):
     assert len(rows) == 1 and rows[0]["bleu_n"] == "8" and rows[0]["best"] == "1"  # at 3 s (a tenth): 3 + 2 x 20 > 30
     assert (tmp_path / "f" / "weights" / "best.pt").exists() and t.evaluator.stopper.best is None
     assert any(line.endswith("best.pt until a full pass sets a best") for line in lines)
+
+
+def test_a_failed_pass_cut_by_a_signal_is_said_and_stays_pending():
+    """Evaluator.interrupt: the cut pass's error is not the run's to raise, but one line says it, and
+    the evaluation stays pending as a pass on the loop for the resumed run."""
+    import types
+
+    import torch
+
+    from streamnmt.training.async_bleu import Beside
+
+    def fails():
+        raise RuntimeError("CUDA out of memory\nmore")
+
+    lines: list[str] = []
+    host = types.SimpleNamespace(pending=("launched", {"w": 1}, Beside(fails, torch.device("cpu"), None)),
+                                 log=lines.append, _deferred=lambda weights: ("deferred", weights))
+    Evaluator.interrupt(host)
+    assert lines == ["eval: the BLEU pass beside training failed as the run stopped (RuntimeError: CUDA out of "
+                     "memory); its evaluation stays pending for the resumed run"]
+    assert host.pending == ("launched", {"w": 1}, ("deferred", {"w": 1}))

@@ -304,8 +304,12 @@ class Evaluator:
             return
         launched, weights, task = self.pending
         if isinstance(task, Beside):
-            with contextlib.suppress(Exception):  # a cut pass: its result, or its error, is not used
-                task.join()
+            try:
+                task.join()  # a cut pass: its result is not used
+            except Exception as e:  # nor its error, but it is said (the resumed run may meet it again)
+                first = (str(e).strip().splitlines() or [""])[0][:160]
+                self.log(f"eval: the BLEU pass beside training failed as the run stopped ({type(e).__name__}: "
+                         f"{first}); its evaluation stays pending for the resumed run")
             self.pending = (launched, weights, self._deferred(weights))
 
     def abort(self) -> None:

@@ -154,7 +154,7 @@ def _check_packed_model_equals_sdpa() -> None:
     grads = {}
     for kind in ("sdpa", "triton"):
         torch.manual_seed(0)
-        model = make_model(60, 60, d_model=32, n_layers=2, n_heads=2, d_ff=64, dropout=0.0, max_positions=64)
+        model = make_model(60, 60, d_model=32, n_layers=1, n_heads=2, d_ff=64, dropout=0.0, max_positions=64)
         model.set_attention(kind)
         logits = model(src, tgt, src != 0, segments=(src_seg, tgt_seg, *pos))
         loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=0)
@@ -166,7 +166,7 @@ def _check_packed_model_equals_sdpa() -> None:
         assert torch.allclose(g1[n], g2[n], atol=1e-5, rtol=1e-4), n
     # under torch.compile (one graph: the custom op is opaque, its backward registered) the same again
     torch.manual_seed(0)
-    model = make_model(60, 60, d_model=32, n_layers=2, n_heads=2, d_ff=64, dropout=0.0, max_positions=64)
+    model = make_model(60, 60, d_model=32, n_layers=1, n_heads=2, d_ff=64, dropout=0.0, max_positions=64)
     model.set_attention("triton")
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     logits = compiled(src, tgt, src != 0, segments=(src_seg, tgt_seg, *pos))

@@ -4,15 +4,10 @@ import os
 import pytest
 import torch
 
-# One intra-op thread for the whole suite (see single_thread), in the test process and in the
-# processes it starts (`python -m streamnmt`, torchrun ranks), unless the caller chose a number.
+# One intra-op thread (see single_thread) in the processes the tests start (`python -m streamnmt`,
+# torchrun ranks) unless the caller chose a number; in the test process, modules that train ask
+# for it (the one_thread fixture).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_thread_in_every_test():
-    with single_thread():
-        yield
 
 
 @contextlib.contextmanager

@@ -16,6 +16,8 @@ from streamnmt.models.transformer import make_model
 from streamnmt.training.runs import read_csv
 from tests.data.test_packing import corpus_of
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (conftest.single_thread)
+
 
 def tiny(seed: int = 0):
     torch.manual_seed(seed)

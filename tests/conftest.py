@@ -1,7 +1,13 @@
 import contextlib
+import os
 
 import pytest
 import torch
+
+# One intra-op thread (see single_thread) in the processes the tests start (`python -m streamnmt`,
+# torchrun ranks) unless the caller chose a number; in the test process, modules that train ask
+# for it (the one_thread fixture).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @contextlib.contextmanager

@@ -12,6 +12,8 @@ import yaml
 from streamnmt.cli import main
 from streamnmt.training.runs import read_csv
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (conftest.single_thread)
+
 TINY = ["--device", "cpu", "--model", "tiny", "--builtin-size", "2000", "--bleu-samples", "0",
         "--batch-size", "16", "--max-len", "32"]
 

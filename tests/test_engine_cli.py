@@ -15,6 +15,8 @@ from streamnmt.training.runs import read_csv
 from tests.engine.streamdouble import RecordingStreamManager
 from tests.test_cli import TINY
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (conftest.single_thread)
+
 
 @pytest.fixture(autouse=True)
 def _home(tmp_path_factory, monkeypatch):

@@ -16,6 +16,8 @@ from streamnmt.models.transformer import make_model
 from streamnmt.training.runs import read_csv
 from tests.data.test_packing import corpus_of
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (conftest.single_thread)
+
 
 def tiny(seed: int = 0):
     torch.manual_seed(seed)
@@ -160,14 +162,14 @@ def test_start_line_padding_under_five_percent_with_pack(tmp_path, capsys):
 PACKED = ["--max-tokens", "160", "--max-len", "32"]  # a token budget: packed batches by default
 
 
-def test_packed_training_resumes_exactly_after_sigkill(tmp_path):
+def test_packed_training_resumes_exactly_after_sigkill(tmp_path, tmp_path_factory):
     """Killed after step 35 of 60 (an epoch ends inside the run): the resumed run logs the same
     losses and ends with the same weights as the uninterrupted one."""
     import signal
 
     from tests.test_reliability import TINY, losses, run_cli
 
-    home = str(tmp_path / "home")
+    home = str(tmp_path_factory.getbasetemp() / "home")  # the session's corpora and tokenizers, as test_reliability's
     common = [*TINY, *PACKED, "--max-steps", "60", "--seed", "5", "--save-every", "10", "--project",
               str(tmp_path), "--builtin-size", "500", "--workers", "0"]
     ref = run_cli([*common, "--name", "ref"], home)
@@ -241,10 +243,10 @@ def test_a_given_pack_width_must_hold_the_longest_training_target():
         pack_shape(src, tgt, **kw, pad_multiple=1, width=30)
 
 
-def test_pack_width_packs_rows_of_that_width_and_resumes_exactly(tmp_path):
+def test_pack_width_packs_rows_of_that_width_and_resumes_exactly(tmp_path, tmp_path_factory):
     from tests.test_reliability import TINY, losses, run_cli
 
-    home = str(tmp_path / "home")
+    home = str(tmp_path_factory.getbasetemp() / "home")  # the session's corpora and tokenizers, as test_reliability's
     common = [*TINY, "--max-tokens", "256", "--max-len", "64", "--max-steps", "24", "--seed", "5", "--save-every",
               "10", "--project", str(tmp_path), "--builtin-size", "500", "--workers", "0", "--pack-width", "40"]
     ref = run_cli([*common, "--name", "ref"], home)

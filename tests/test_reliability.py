@@ -19,6 +19,8 @@ from streamnmt.checkpoint import load_safetensors
 from streamnmt.cli import main
 from streamnmt.training.runs import read_csv
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (conftest.single_thread)
+
 TINY = ["--device", "cpu", "--model", "tiny", "--builtin-size", "500", "--bleu-samples", "0",
         "--batch-size", "16", "--max-len", "32", "--epochs", "3",
         "--ema", "0"]  # best.pt holds the trained weights: the checkpoints' mechanics, not the average

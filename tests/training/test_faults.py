@@ -3,7 +3,10 @@ the BLEU pass, SIGTERM during a pass, a non-finite loss, a full disk and a damag
 
 After each fault: last.pt loads, best.pt and best.safetensors hold the same weights, and the run
 resumed from last.pt equals the uninterrupted one (steps.csv, evals.csv, the early-stopping record
-in last.pt, best.pt), with ``--async-eval`` on and off. Each faulted run is a forked child of the
+in last.pt, best.pt), with ``--async-eval`` on and off where the two run different code: a fault
+that strikes the same code in both (a last.pt write, a full disk, a non-finite loss before the
+first pass beside training) runs with ``--async-eval on`` only, whose run does all the off run
+does up to the fault and also has a pass beside training to wind up. Each faulted run is a forked child of the
 test process (the imports are paid once), which a kill ends as ``kill -9`` would; the resumes and
 the uninterrupted runs run in the test process. BLEU is a stand-in that is a function of the
 decoded weights (a resume must decode the very weights the run evaluated), so that --patience and
@@ -229,13 +232,16 @@ def _kill_in_write(stage: str, target: str, nth: int) -> None:
 
 
 # the fourth last.pt write (step 14's: last.pt then holds step 12, written while --async-eval's
-# pass of step 10 ran), the second best.pt write (an older best.pt and best.safetensors exist)
-KILLS = [("staging", "last.pt", 4), ("temp-file", "last.pt", 4), ("rename", "last.pt", 4),
-         ("renamed", "best.pt", 2), ("safetensors", "best.pt", 2)]
+# pass of step 10 ran), the second best.pt write (an older best.pt and best.safetensors exist).
+# A last.pt write is the checkpointer's whatever --async-eval says, and its run, with --async-eval
+# on, also holds a pass beside training in last.pt: on only. best.pt is written from the loop's
+# weights by an evaluation on the loop (off) and from a pass's weights when the loop collects it
+# (on): both.
+KILLS = [("staging", "last.pt", 4, "on"), ("temp-file", "last.pt", 4, "on"), ("rename", "last.pt", 4, "on"),
+         *((stage, "best.pt", 2, mode) for stage in ("renamed", "safetensors") for mode in MODES)]
 
 
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"async-{m}")
-@pytest.mark.parametrize("stage,target,nth", KILLS, ids=[f"kill9-{s}-{t}" for s, t, _ in KILLS])
+@pytest.mark.parametrize("stage,target,nth,mode", KILLS, ids=[f"kill9-{s}-{t}-async-{m}" for s, t, _, m in KILLS])
 def test_a_kill_at_a_stage_of_a_write(env, mode, stage, target, nth):
     root, refs = env
     name = f"kill-{stage}-{target}-{mode}"
@@ -256,11 +262,13 @@ def test_a_kill_at_a_stage_of_a_write(env, mode, stage, target, nth):
 # -- errors and signals -------------------------------------------------------------------------
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="tells a file's fsync by its /proc/self/fd link")
-def test_a_slow_disk_and_a_non_finite_loss_leave_the_checkpoint_the_error_names(env, mode_on_and_off):
+def test_a_slow_disk_and_a_non_finite_loss_leave_the_checkpoint_the_error_names(env):
     """--on-nan stop while a last.pt write is in flight on a slow disk: the run waits for the write,
-    and its one error line names that file and its step."""
+    and its one error line names that file and its step. --async-eval on only: the first evaluation
+    (step 5) runs on the loop in both modes, so neither has had a pass beside training by the fault at
+    step 7; the resume then runs passes beside training."""
     root, refs = env
-    mode = mode_on_and_off
+    mode = "on"
     name = f"nan-{mode}"
     err = root / f"{name}.err"
 
@@ -351,9 +359,11 @@ def test_sigterm_during_a_bleu_pass_saves_a_checkpoint_that_resumes_exactly(env,
     resume_and_compare(root / name, refs[mode])
 
 
-def test_a_full_disk_leaves_the_last_whole_checkpoint(env, mode_on_and_off):
+def test_a_full_disk_leaves_the_last_whole_checkpoint(env):
+    """ENOSPC in the third last.pt write (step 12's). --async-eval on only: the write and its error
+    are the checkpointer's in both modes, and the run on winds up step 10's pass beside training too."""
     root, refs = env
-    mode = mode_on_and_off
+    mode = "on"
     name = f"enospc-{mode}"
     err = root / f"{name}.err"
 

@@ -66,11 +66,18 @@ RUN = textwrap.dedent("""
 """)
 
 
+@pytest.fixture(scope="module")
+def fresh_home(tmp_path_factory):
+    """A STREAMNMT_HOME of this module's: the first run prepares the corpus and tokenizers (that
+    path imports no TorchDynamo either), the second reads them from its cache."""
+    return tmp_path_factory.mktemp("optim-home")
+
+
 @pytest.mark.parametrize("optimizer, imported", [("ours", False), ("torch", True)])
-def test_an_eager_run_imports_no_torchdynamo(tmp_path, optimizer, imported):
+def test_an_eager_run_imports_no_torchdynamo(tmp_path, fresh_home, optimizer, imported):
     """A whole uncompiled run (set-up, steps, evaluation, checkpoints) leaves TorchDynamo unimported;
     with torch.optim.Adam in its place the same run imports it (what this test would catch)."""
-    env = {**os.environ, "STREAMNMT_HOME": str(tmp_path / "home")}
+    env = {**os.environ, "STREAMNMT_HOME": str(fresh_home)}
     out = subprocess.run([sys.executable, "-c", RUN, optimizer, str(tmp_path)], check=False, capture_output=True,
                          text=True, env=env, timeout=240)
     assert f"rc 0 dynamo {imported}" in out.stdout, out.stdout[-1500:] + out.stderr[-1500:]

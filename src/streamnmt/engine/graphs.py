@@ -117,6 +117,36 @@ class _Captured:
         self.graph, self.static_batch, self.static_loss = graph, static_batch, static_loss
 
 
+def _new_graph(keep_topology: bool, deferred: list[torch.cuda.CUDAGraph]) -> torch.cuda.CUDAGraph:
+    """A graph to capture into; with ``keep_topology`` one that keeps its topology for ``dump_graphs``
+    (kept graphs go to ``deferred``, instantiated after their capture)."""
+    if not keep_topology:
+        return torch.cuda.CUDAGraph()
+    try:
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        deferred.append(graph)
+    except TypeError:  # a torch without keep_graph: debug mode alone keeps the topology until dumped
+        graph = torch.cuda.CUDAGraph()
+    graph.enable_debug_mode()
+    return graph
+
+
+def _graph_for(graphs: dict[tuple, _Captured], accum: int, b: Any, ends: bool) -> _Captured | None:
+    """The captured graph for batch ``b`` (a micro-step's variant with --accum-steps), or None."""
+    if accum == 1:
+        return graphs.get(shape_key(b))
+    key = shape_key(b)
+    return graphs.get((key, ends)) or graphs.get((key, True))  # one variant on one rank
+
+
+def _note_uncaptured(report: dict[str, Any], log: Callable[[str], None], b: Any) -> None:
+    """Say once per shape that a batch without a graph runs eagerly."""
+    key = shape_key(b)
+    if key not in report.setdefault("uncaptured", []):
+        report["uncaptured"].append(key)
+        log(f"engine: no graph for batch shape {key}; running it eagerly")
+
+
 class GraphStrategy(Strategy):
     name, n_streams = "graph", 2
     T, C = 0, 1
@@ -253,7 +283,7 @@ class GraphStrategy(Strategy):
             if k == 1:
                 variants = _ema_variants(step)
                 for ema in variants:  # the step without and with the average's update
-                    graph = self._new_graph()
+                    graph = _new_graph(self.keep_topology, self._deferred)
                     begin_micro(step, True)
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
                         static_loss = step.forward(static)
@@ -264,7 +294,7 @@ class GraphStrategy(Strategy):
                     del static_loss  # the next shape's warm-up and capture hold no earlier autograd graph
                 continue
             for ends in variants:  # K > 1: forward + backward only
-                graph = self._new_graph()
+                graph = _new_graph(self.keep_topology, self._deferred)
                 begin_micro(step, ends)
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     static_loss = step.forward(static)
@@ -274,7 +304,7 @@ class GraphStrategy(Strategy):
         if k > 1 and self.opt_graph is None:
             variants = _ema_variants(step)
             for ema in variants:
-                graph = self._new_graph()
+                graph = _new_graph(self.keep_topology, self._deferred)
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     _optimizer_step(step, ema)
                 if ema and len(variants) > 1:
@@ -284,18 +314,6 @@ class GraphStrategy(Strategy):
         for graph in self._deferred:  # keep_graph defers instantiation to the first replay: do it now
             graph.instantiate()
         self._deferred.clear()
-
-    def _new_graph(self) -> torch.cuda.CUDAGraph:
-        """A graph to capture into; with ``keep_topology`` one that keeps its topology for ``dump_graphs``."""
-        if not self.keep_topology:
-            return torch.cuda.CUDAGraph()
-        try:
-            graph = torch.cuda.CUDAGraph(keep_graph=True)
-            self._deferred.append(graph)
-        except TypeError:  # a torch without keep_graph: debug mode alone keeps the topology until dumped
-            graph = torch.cuda.CUDAGraph()
-        graph.enable_debug_mode()
-        return graph
 
     def captured_graphs(self) -> list[Any]:
         """Every captured graph: step (or micro-step) graphs, their average-updating variants, optimizer graphs."""
@@ -361,9 +379,9 @@ class GraphStrategy(Strategy):
                 b_next = self._copy_in(nxt[0], ev_t, self.T)  # copies while this step replays
             ends, gstep = self.ends_step(i, last), self.gstep(start_step, i)
             with sm.use(self.C):
-                cap = self._graph_for(b, ends)
+                cap = _graph_for(self.graphs, self.accum, b, ends)
                 if cap is None:
-                    self._warn_uncaptured(b)
+                    _note_uncaptured(self.report, self.log, b)
                     self._compute(b, step, losses, gstep, ends)  # records its own loss
                 else:
                     for dst, src in zip(tensors(cap.static_batch), tensors(b)):
@@ -384,18 +402,6 @@ class GraphStrategy(Strategy):
                 self._block(ev_c, "graph.compute")
             yield StepInfo(i, gstep, batch, ends)
             i += 1
-
-    def _graph_for(self, b: Any, ends: bool) -> _Captured | None:
-        if self.accum == 1:
-            return self.graphs.get(shape_key(b))
-        key = shape_key(b)
-        return self.graphs.get((key, ends)) or self.graphs.get((key, True))  # one variant on one rank
-
-    def _warn_uncaptured(self, b: Any) -> None:
-        key = shape_key(b)
-        if key not in self.report.setdefault("uncaptured", []):
-            self.report["uncaptured"].append(key)
-            self.log(f"engine: no graph for batch shape {key}; running it eagerly")
 
     def _block(self, event, site: str) -> None:
         """Host waits until ``event`` completes; with DDP by polling with a deadline (``PeerLost``)."""

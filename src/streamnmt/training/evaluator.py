@@ -92,6 +92,23 @@ class Cadence:
         wait = self.ratio * self.cost_s
         return self.since_s >= (wait if epoch_end else max(wait, self.min_interval_s))
 
+    def due_mid_epoch(self, step: int, dist: Any) -> tuple[bool, bool]:
+        """After a step mid-epoch: (due, ask). ``due``: evaluate now, where every rank decides alike
+        (one process, or a step count); ``ask``: rank 0's time rule, which several ranks must agree
+        on (the ranks' clocks differ a little) before it counts. ``dist``: the loop's process group."""
+        if not dist.active:
+            return self.due(step, epoch_end=False), False
+        return (self.counted and self.due(step, epoch_end=False),
+                dist.main and not self.counted and self.due(step, epoch_end=False))
+
+    def due_at_epoch_end(self, step: int, dist: Any) -> bool:
+        """Evaluate at this epoch end? Several ranks and the time rule: rank 0's clock decides (the
+        ranks' clocks differ a little and they must agree). ``dist``: the loop's process group."""
+        due = self.due(step, epoch_end=True)
+        if not dist.active or self.counted:
+            return due
+        return dist.broadcast(due, "dist.cadence")
+
     def done(self, cost_s: float, restart: bool = True) -> None:
         """An evaluation cost ``cost_s``; ``restart``: count the training since from now (a pass
         beside training restarted the count when it started: :meth:`started`)."""
@@ -443,24 +460,6 @@ class Evaluator:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
-
-    def due_mid_epoch(self, step: int, dist: Any) -> tuple[bool, bool]:
-        """After a step mid-epoch: (due, ask). ``due``: evaluate now, where every rank decides alike
-        (one process, or a step count); ``ask``: rank 0's time rule, which several ranks must agree
-        on (the ranks' clocks differ a little) before it counts. ``dist``: the loop's process group."""
-        cadence = self.cadence
-        if not dist.active:
-            return cadence.due(step, epoch_end=False), False
-        return (cadence.counted and cadence.due(step, epoch_end=False),
-                dist.main and not cadence.counted and cadence.due(step, epoch_end=False))
-
-    def due_at_epoch_end(self, step: int, dist: Any) -> bool:
-        """Evaluate at this epoch end? Several ranks and the time rule: rank 0's clock decides (the
-        ranks' clocks differ a little and they must agree). ``dist``: the loop's process group."""
-        due = self.cadence.due(step, epoch_end=True)
-        if not dist.active or self.cadence.counted:
-            return due
-        return dist.broadcast(due, "dist.cadence")
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.stopper.state_dict(), "cadence": self.cadence.state_dict()}

@@ -285,7 +285,7 @@ class Trainer(EvaluationPoints, TrainerSetup):
             self.epoch, self.epoch_pos = epoch + 1, 0
         ending = self.epoch >= r.epochs or bool(r.max_steps and self.global_step >= r.max_steps)
         result = None
-        if self.last_eval_step != self.global_step and (ending or self.evaluator.due_at_epoch_end(self.global_step, self.dist)):
+        if self.last_eval_step != self.global_step and (ending or self.evaluator.cadence.due_at_epoch_end(self.global_step, self.dist)):
             self._evaluate(epoch, beside=not ending)
             result = self.last_eval
         finite = [v for v in losses if math.isfinite(v[1])]  # a skipped step's loss is left out
@@ -334,7 +334,7 @@ class Trainer(EvaluationPoints, TrainerSetup):
         time rule (its clock decides: the ranks' clocks differ a little); between those steps no
         rank stops, and only --eval-every N (the same step count everywhere) evaluates."""
         step = self.global_step
-        due, ask = self.evaluator.due_mid_epoch(step, self.dist)
+        due, ask = self.evaluator.cadence.due_mid_epoch(step, self.dist)
         if not self.dist.active:
             self.stopped = self.stop_requested
             return due

@@ -199,3 +199,26 @@ def test_a_failed_pass_cut_by_a_signal_is_said_and_stays_pending():
     assert lines == ["eval: the BLEU pass beside training failed as the run stopped (RuntimeError: CUDA out of "
                      "memory); its evaluation stays pending for the resumed run"]
     assert host.pending == ("launched", {"w": 1}, ("deferred", {"w": 1}))
+
+
+def test_a_pass_decoded_on_the_loop_at_collection_obeys_the_loops_stop_rule():
+    """A resumed run's pending evaluation (or one a signal cut) is decoded on the loop when collected:
+    with the loop's stop rule (a signal, --time-limit), not to its end however long it takes."""
+    import types
+
+    from streamnmt.training.async_bleu import Deferred
+    from streamnmt.training.evaluator import Evaluation
+
+    seen = []
+
+    def decode(stop):
+        seen.append(stop)
+        return 30.0, 1.0, 2 if stop is not None and stop() else 3  # cut at 2 of 3 sentences
+
+    decided = []
+    host = types.SimpleNamespace(pending=(Evaluation(2.0, None, 0.0, False, step=7), {}, Deferred(decode)),
+                                 running=False, _pairs=[1, 2, 3],
+                                 _decide=lambda step, val, bleu, n, asked: decided.append((step, bleu, n, asked)))
+    rule = lambda: True  # noqa: E731 - the time limit says stop
+    done, _ = Evaluator.collect(host, wait=True, stop=rule)
+    assert seen == [rule] and decided == [(7, 30.0, 2, 3)] and done.bleu_n == 2 and host.pending is None

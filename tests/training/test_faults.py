@@ -332,16 +332,25 @@ def test_an_error_in_the_bleu_pass_closes_the_run_and_resumes_exactly(env, mode_
 def test_sigterm_during_a_bleu_pass_saves_a_checkpoint_that_resumes_exactly(env, mode_on_and_off):
     """The signal cuts the pass short; last.pt records the evaluation undecided, with its weights,
     and the resumed run decides it where the uninterrupted run did."""
+    _sigterm_in_pass(env, mode_on_and_off, 3)
+
+
+def test_sigterm_during_the_first_pass_on_the_loop_resumes_exactly_with_async_eval(env):
+    """--async-eval's first pass runs on the loop: cut by a signal, the resumed run decides it at
+    once (at the step the uninterrupted run decided it), not at its next evaluation."""
+    _sigterm_in_pass(env, "on", 1)
+
+
+def _sigterm_in_pass(env, mode: str, nth: int) -> None:
     root, refs = env
-    mode = mode_on_and_off
-    name = f"sigterm-{mode}"
+    name = f"sigterm-{mode}-{nth}"
 
     def run() -> int:
         calls = {"n": 0}
 
         def signalled(total, pairs, stop):
             calls["n"] += 1
-            if calls["n"] == 3:
+            if calls["n"] == nth:
                 os.kill(os.getpid(), signal.SIGTERM)
                 deadline = time.monotonic() + 10
                 while not stop() and time.monotonic() < deadline:
@@ -356,6 +365,8 @@ def test_sigterm_during_a_bleu_pass_saves_a_checkpoint_that_resumes_exactly(env,
     check_after_fault(root / name)
     last = load_checkpoint(root / name / "weights" / "last.pt")
     assert last["pending_eval"] is not None and last["pending_eval"]["step"] == last["last_eval_step"]
+    # the first pass (--async-eval's too) ran on the loop: the resumed run decides it at once
+    assert last["pending_eval"]["on_loop"] is (nth == 1 or mode == "off")
     resume_and_compare(root / name, refs[mode])
 
 

@@ -102,17 +102,18 @@ class Beside:
 
 
 class Deferred:
-    """A BLEU pass that has not run: ``fn()`` runs on the caller's thread at :meth:`join` (a
-    resumed run's pending evaluation, or one a signal cut short). Never running beside training."""
+    """A BLEU pass that has not run: ``fn(stop)`` runs on the caller's thread at :meth:`join` (a
+    resumed run's pending evaluation, or one a signal cut short), cut short where ``stop()`` says
+    (the loop's rule: a signal, a time limit). Never running beside training."""
 
     done = True
 
-    def __init__(self, fn: Callable[[], Any]):
+    def __init__(self, fn: Callable[[Callable[[], bool] | None], Any]):
         self.fn = fn
         self.stats: dict[str, dict[str, float]] = {}
 
-    def join(self) -> Any:
+    def join(self, stop: Callable[[], bool] | None = None) -> Any:
         with STATS.own() as sites:
-            result = self.fn()
+            result = self.fn(stop)
         self.stats = {site: s.as_dict() for site, s in sorted(sites.items())}
         return result

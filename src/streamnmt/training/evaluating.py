@@ -38,13 +38,7 @@ class EvaluationPoints:
         wall_s = self.run_wall_s()  # when the run reached the evaluated weights (the drain: the GPU too)
         held, STATS.sites = STATS.sites, {}  # the evaluation's host waits are not training's
         ema = self.step_fn.ema if self.job.run.eval_ema else None
-        # The BLEU pass stops decoding on a signal (a grace period is short), and under --time-limit
-        # where the run's end (its last write and exports) would no longer fit: a half-trained
-        # model can decode several times longer than the last evaluation did, which the reserve
-        # had counted on.
-        def stop() -> bool:
-            return self.signalled or (self.budget.limit_s is not None
-                                      and self.budget.expired(self._reserve(evaluation=False)))
+        stop = self._bleu_stop
 
         if beside and ev.beside and ev.passes:
             result = ev.launch(self.global_step, ema, stop)
@@ -88,6 +82,13 @@ class EvaluationPoints:
         self._log_eval(result, epoch + 1, wall_s, cost, sum(best_s))
         return losses
 
+    def _bleu_stop(self) -> bool:
+        """A BLEU pass stops decoding on a signal (a grace period is short), and under --time-limit
+        where the run's end (its last write and exports) would no longer fit: a half-trained model
+        can decode several times longer than the last evaluation did, which the reserve had counted on."""
+        return self.signalled or (self.budget.limit_s is not None
+                                  and self.budget.expired(self._reserve(evaluation=False)))
+
     def _collect_eval(self, wait: bool = False) -> bool:
         """A BLEU pass beside training that has ended (``wait``: wait for it): best.pt from the
         evaluated step's weights, --patience, its evals.csv row. Returns whether one was collected."""
@@ -95,7 +96,8 @@ class EvaluationPoints:
         best_s: list[float] = []
         launched = self.launched
         got = self.evaluator.collect(lambda weights: best_s.append(self._write_best(weights, launched["step"])),
-                                     wait=wait, interrupted=lambda: self.signalled) if launched else None
+                                     wait=wait, interrupted=lambda: self.signalled,
+                                     stop=self._bleu_stop) if launched else None
         if got is None:
             return False
         result, stats = got

@@ -226,6 +226,8 @@ class Evaluator:
         self.pending: tuple[Evaluation, dict[str, torch.Tensor], Beside | Deferred] | None = None
         self.passes = 0  # BLEU passes made
         self.aborted = False  # train() raised: a pass beside training stops at its next batch
+        # the pending evaluation's pass was the loop's (a signal cut it there), not one beside training
+        self.pending_on_loop = False
         # --average-last: the last K evaluated weights (rank 0 keeps them), scored at the end of the run
         self.averager = Averager(run.average_last, device, keep=dist.main)
 
@@ -253,6 +255,7 @@ class Evaluator:
                     self.best_val = min(self.best_val, val_loss)
                     result = Evaluation(val_loss, None, 0.0, False, 0, val_s, step, deferred=True)
                     self.pending = (result, weights, self._deferred(weights))
+                    self.pending_on_loop = True  # decided where the run resumes, as it would have been here
                     return result
             else:
                 val_loss, val_s, bleu, bleu_s, bleu_n, asked = math.nan, 0.0, None, 0.0, 0, 0
@@ -282,6 +285,7 @@ class Evaluator:
             self._side.wait_stream(torch.cuda.current_stream(self.device))  # the copies (done already)
         result = Evaluation(val_loss, None, 0.0, False, 0, val_s, step)
         self.pending = (result, weights, Beside(lambda: self._decode(self._or_aborted(stop)), self.device, self._side))
+        self.pending_on_loop = False
         return result
 
     def _or_aborted(self, stop: Callable[[], bool] | None) -> Callable[[], bool]:
@@ -290,10 +294,10 @@ class Evaluator:
     def _deferred(self, weights: dict[str, torch.Tensor]) -> Deferred:
         """A BLEU pass of ``weights`` that runs on the loop when collected (its own decoding copy,
         loaded with them: the model trains on meanwhile)."""
-        def decode() -> tuple[float | None, float, int]:
+        def decode(stop: Callable[[], bool] | None) -> tuple[float | None, float, int]:
             self.bleu_model = decoding_copy(self.model, self.bleu_dtype, self.bleu_model, separate=True)
             self.bleu_model.load_state_dict(weights)
-            return self._decode(None)
+            return self._decode(stop)
         return Deferred(decode)
 
     def record(self) -> dict[str, Any] | None:
@@ -302,7 +306,8 @@ class Evaluator:
         if self.pending is None:
             return None
         launched, weights, _ = self.pending
-        return {"step": launched.step, "val_loss": launched.val_loss, "val_s": launched.val_s, "model": weights}
+        return {"step": launched.step, "val_loss": launched.val_loss, "val_s": launched.val_s, "model": weights,
+                "on_loop": self.pending_on_loop}
 
     def restore(self, record: dict[str, Any] | None) -> None:
         """A resumed run's pending evaluation (:meth:`record`): decided at :meth:`collect`, where the
@@ -312,6 +317,7 @@ class Evaluator:
         weights = self._snapshot.take({k: v.to(self.device) for k, v in record["model"].items()})
         launched = Evaluation(record["val_loss"], None, 0.0, False, 0, record["val_s"], record["step"])
         self.pending = (launched, weights, self._deferred(weights))
+        self.pending_on_loop = bool(record.get("on_loop"))  # a record from before the key: beside
 
     def interrupt(self) -> None:
         """A signal stops the run: a pass beside training stops (it asks the run's stop rule,
@@ -346,17 +352,20 @@ class Evaluator:
         return pending is not None and not pending[2].done
 
     def collect(self, on_better: Callable[[dict[str, torch.Tensor]], None] | None = None, wait: bool = False,
-                interrupted: Callable[[], bool] | None = None) -> tuple[Evaluation, dict[str, dict[str, float]]] | None:
+                interrupted: Callable[[], bool] | None = None, stop: Callable[[], bool] | None = None
+                ) -> tuple[Evaluation, dict[str, dict[str, float]]] | None:
         """The pending evaluation (a pass beside training, or one to decode on the loop now), once
         its pass has finished (``wait``: wait for it), decided as :meth:`evaluate` decides;
         ``on_better`` gets the evaluated step's weights (the snapshot). Returns it and the pass's
         host waits; None where none is ready, or where ``interrupted()`` (a signal) cut the pass:
-        then it stays pending, undecided (see :meth:`record`)."""
+        then it stays pending, undecided (see :meth:`record`). ``stop()``: the loop's rule that cuts a
+        pass decoded here on the loop (a resumed run's pending one, or one a signal cut), as
+        :meth:`evaluate`'s."""
         if self.pending is None or (not wait and self.running):
             return None
         launched, weights, task = self.pending
         try:
-            bleu, bleu_s, bleu_n = task.join()
+            bleu, bleu_s, bleu_n = task.join(stop) if isinstance(task, Deferred) else task.join()
         finally:
             self.pending = None  # after the join: the pass asks `running` while it decodes
         if interrupted is not None and bleu is not None and bleu_n < len(self._pairs or ()) and interrupted():

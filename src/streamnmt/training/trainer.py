@@ -130,7 +130,7 @@ class Trainer(EvaluationPoints, TrainerSetup):
         due, self.eval_due = self.eval_due, None
         if due is not None and due["step"] == self.global_step:
             self._evaluate(due["epoch"], beside=due["beside"])
-        elif self.evaluator.pending is not None and not self.evaluator.beside:
+        elif self.evaluator.pending is not None and (not self.evaluator.beside or self.evaluator.pending_on_loop):
             self._collect_eval(wait=True)
         else:
             return

@@ -313,10 +313,11 @@ _PEERS: list[tuple[str, str, int]] = []
 
 def several_hosts(world: int) -> bool:
     """The ranks run on more than one host: their nodes as gathered at init (torchrun's launcher index,
-    else the host name), else torchrun's LOCAL_WORLD_SIZE (a launcher that sets neither: one host a rank)."""
+    else the host name), else (no group made by :func:`init`) torchrun's LOCAL_WORLD_SIZE, one host
+    where it is not set."""
     if _PEERS:
         return len({node for node, _, _ in _PEERS}) > 1
-    return int(os.environ.get("LOCAL_WORLD_SIZE", 1)) < world
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world
 
 
 def _node() -> str:

@@ -332,16 +332,17 @@ def test_an_error_in_the_bleu_pass_closes_the_run_and_resumes_exactly(env, mode_
 def test_sigterm_during_a_bleu_pass_saves_a_checkpoint_that_resumes_exactly(env, mode_on_and_off):
     """The signal cuts the pass short; last.pt records the evaluation undecided, with its weights,
     and the resumed run decides it where the uninterrupted run did."""
-    _sigterm_in_pass(env, mode_on_and_off, 3)
+    assert _sigterm_in_pass(env, mode_on_and_off, 3)["on_loop"] is (mode_on_and_off == "off")
 
 
 def test_sigterm_during_the_first_pass_on_the_loop_resumes_exactly_with_async_eval(env):
     """--async-eval's first pass runs on the loop: cut by a signal, the resumed run decides it at
     once (at the step the uninterrupted run decided it), not at its next evaluation."""
-    _sigterm_in_pass(env, "on", 1)
+    assert _sigterm_in_pass(env, "on", 1)["on_loop"] is True
 
 
-def _sigterm_in_pass(env, mode: str, nth: int) -> None:
+def _sigterm_in_pass(env, mode: str, nth: int) -> dict:
+    """The run's last.pt pending evaluation after the signal (the resume compared inside)."""
     root, refs = env
     name = f"sigterm-{mode}-{nth}"
 
@@ -368,6 +369,7 @@ def _sigterm_in_pass(env, mode: str, nth: int) -> None:
     # the first pass (--async-eval's too) ran on the loop: the resumed run decides it at once
     assert last["pending_eval"]["on_loop"] is (nth == 1 or mode == "off")
     resume_and_compare(root / name, refs[mode])
+    return last["pending_eval"]
 
 
 def test_a_full_disk_leaves_the_last_whole_checkpoint(env):

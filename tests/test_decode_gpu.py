@@ -175,7 +175,7 @@ def test_trainer_bleu_pass_decodes_a_bf16_copy(tmp_path):
     for key in ("_run", "command"):
         args.pop(key)
     t = Trainer(build_job(args), log=lambda _: None)
-    assert t.bleu_dtype == torch.bfloat16  # --eval-dtype auto on a GPU with bf16
+    assert t.run.bleu_dtype == torch.bfloat16  # --eval-dtype auto on a GPU with bf16
     t.train()
     copy = t.evaluator.bleu_model  # the evaluator's decoding copy
     assert copy is not None and next(copy.parameters()).dtype == torch.bfloat16

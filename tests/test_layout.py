@@ -11,8 +11,8 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "src" / "streamnmt"
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PKG.parent).with_suffix("").parts
+def _module_name(path: Path, pkg: Path = PKG) -> str:
+    parts = path.relative_to(pkg.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -110,3 +110,72 @@ def test_the_cycle_finder_finds_a_cycle():
 @pytest.mark.parametrize("path", sorted(PKG.rglob("*.py")), ids=lambda p: str(p.relative_to(PKG)))
 def test_no_source_file_over_500_lines(path):
     assert len(path.read_text().splitlines()) <= 500, f"{path.relative_to(PKG)}: split it"
+
+
+# -- size: classes and the training package's functions --------------------------------------------
+MAX_METHODS = 20  # per class: its own and every one it inherits from a class of the package
+MAX_FUNCTION_LINES = 60  # per function in training/, its docstring and comments included
+# What truly cannot be split, with the reason; empty while everything fits.
+METHOD_ALLOWANCE: dict[str, str] = {}
+LINES_ALLOWANCE: dict[str, str] = {}
+
+
+def class_methods(root: Path = PKG) -> dict[str, set[str]]:
+    """module.Class -> the names of its methods, those of its bases in the package included (a mixin's
+    methods are the class's own)."""
+    own: dict[str, tuple[set[str], list[str]]] = {}
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                key = f"{_module_name(path, root)}.{node.name}"
+                names = {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                own[key] = (names, [ast.unparse(b).split(".")[-1] for b in node.bases])
+                by_name.setdefault(node.name, []).append(key)
+
+    def all_of(key: str, seen: frozenset[str] = frozenset()) -> set[str]:
+        names, bases = own[key]
+        out = set(names)
+        for base in bases:
+            for k in by_name.get(base, []):
+                if k not in seen:
+                    out |= all_of(k, seen | {key})
+        return out
+
+    return {key: all_of(key) for key in own}
+
+
+def long_functions(root: Path = PKG / "training", limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """module.function (methods and nested functions too) -> its lines, where over ``limit``."""
+    pkg = next(p for p in [root, *root.parents] if p.name == "streamnmt")
+    out: dict[str, int] = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    out[f"{_module_name(path, pkg)}.{node.name}"] = lines
+    return out
+
+
+def test_no_class_has_more_than_20_methods():
+    big = {k: len(v) for k, v in class_methods().items() if len(v) > MAX_METHODS and k not in METHOD_ALLOWANCE}
+    assert not big, f"classes over {MAX_METHODS} methods (own and inherited from the package): {big}; split them"
+
+
+def test_no_function_in_training_over_60_lines():
+    long = {k: n for k, n in long_functions().items() if k not in LINES_ALLOWANCE}
+    assert not long, f"functions in training/ over {MAX_FUNCTION_LINES} lines: {long}; split them"
+
+
+def test_the_size_checks_count_mixins_and_long_functions(tmp_path):
+    pkg = tmp_path / "streamnmt"
+    (pkg / "training").mkdir(parents=True)
+    mixin = "\n".join(f"    def m{i}(self): pass" for i in range(15))
+    (pkg / "parts.py").write_text(f"class Mixin:\n{mixin}\n\nclass Host(Mixin):\n    def run(self): pass\n"
+                                  f"    def m0(self): pass\n")
+    body = "\n".join("    x = 1" for _ in range(61))
+    (pkg / "training" / "loop.py").write_text(f"def short():\n    pass\n\ndef long():\n{body}\n")
+    methods = class_methods(pkg)
+    assert len(methods["streamnmt.parts.Host"]) == 16 and len(methods["streamnmt.parts.Mixin"]) == 15
+    assert long_functions(pkg / "training") == {"streamnmt.training.loop.long": 62}

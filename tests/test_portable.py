@@ -199,7 +199,7 @@ def test_resume_of_a_run_from_before_the_dropout_settings_keeps_its_dropout(trai
     old = tmp_path / "old.pt"
     save_checkpoint(old, {k: v for k, v in ckpt.items() if k not in ("format", "version")})
     trainer = Trainer.from_checkpoint(str(old), log=lambda _: None)
-    assert (trainer.shape.attention_p(), trainer.shape.activation_p(), trainer.shape.dropout) == (0.2, 0.2, 0.2)
+    assert (trainer.run.shape.attention_p(), trainer.run.shape.activation_p(), trainer.run.shape.dropout) == (0.2, 0.2, 0.2)
     assert trainer.model.decoder[0].cross_attn.dropout == 0.2 and trainer.model.encoder[0].ff.drop.p == 0.2
     model, *_ = load_for_inference(old, "cpu")  # and it still loads for translation
     assert model.shape.attention_dropout is None and model.shape.attention_p() == 0.2

@@ -318,7 +318,7 @@ def test_keep_last_tied_run_and_quiet_output(tmp_path):
     saved = list(range(4, t.global_step + 1, 4))  # every 4th step; the newest 3 kept
     assert len(saved) > 3 and kept == [f"step_{k:06d}.pt" for k in saved[-3:]]
     assert torch.load(weights / kept[0], weights_only=True)["step"] == saved[-3]
-    assert t.data.src_tok.path == t.data.tgt_tok.path and t.data.src_tok.path.name == "shared.model"
+    assert t.run.data.src_tok.path == t.run.data.tgt_tok.path and t.run.data.src_tok.path.name == "shared.model"
     from streamnmt.inference.translate import load_for_inference
     model, *_ = load_for_inference(weights / "best.pt", "cpu")
     assert model.generator.weight is model.tgt_embed.weight is model.src_embed.weight

@@ -46,12 +46,12 @@ def test_a_failure_inside_is_timed_too(clock):
 
 
 def test_the_set_up_line_says_it(clock):
-    from streamnmt.training.build import TrainerSetup
+    from streamnmt.training.build import setup_line
 
     spend(clock, "Triton kernel build check", 7.5)
     setupclock.close("recipe")
     run = types.SimpleNamespace(setup_s={"start-up": 5.0, "recipe": 7.9, "data": 0.8},
                                 device=torch.device("cpu"), strategy=None,
                                 job=types.SimpleNamespace(engine=types.SimpleNamespace(compile="off")))
-    assert TrainerSetup.setup_line(run) == ("set-up 13.7 s: start-up (interpreter and imports) 5.0 s, recipe 7.9 s "
-                                            "(Triton kernel build check 7.5 s), data 0.8 s")
+    assert setup_line(run) == ("set-up 13.7 s: start-up (interpreter and imports) 5.0 s, recipe 7.9 s "
+                                   "(Triton kernel build check 7.5 s), data 0.8 s")

@@ -65,15 +65,15 @@ def test_best_pt_holds_the_evaluated_step_not_the_weights_trained_on(tmp_path, m
 
     def trained(seconds):  # two steps after a launch, let the pass go on
         real_trained(seconds)
-        if t.launched is not None and t.global_step >= t.launched["step"] + 2:
+        if t.evaluations.launched is not None and t.global_step >= t.evaluations.launched["step"] + 2:
             go.set()
 
     t._trained = trained
     checked = []
-    real_write = t._write_best
+    real_write = t.evaluations.write_best
 
-    def write_best(weights=None, step=None):
-        waited = real_write(weights, step)
+    def write_best(loop, weights=None, step=None):
+        waited = real_write(loop, weights, step)
         if weights is not None:  # a collected pass: the file holds its launch's weights
             t.checkpointer.wait()
             best = torch.load(tmp_path / "late" / "weights" / "best.pt", weights_only=True)
@@ -84,7 +84,7 @@ def test_best_pt_holds_the_evaluated_step_not_the_weights_trained_on(tmp_path, m
             checked.append(step)
         return waited
 
-    t._write_best = write_best
+    t.evaluations.write_best = write_best
     t.train()
     assert checked, "no pass beside training wrote best.pt"
 
@@ -150,8 +150,8 @@ def test_last_pt_holds_a_pass_that_ends_after_the_last_step(tmp_path):
 
     def save_then_stop(keep=0):
         real_save(keep)
-        if t.launched is not None and t.launched["step"] == t.global_step:  # the pass still runs
-            t._request_stop("stopped by the test after an epoch end's save")
+        if t.evaluations.launched is not None and t.evaluations.launched["step"] == t.global_step:  # the pass still runs
+            t.request_stop("stopped by the test after an epoch end's save")
 
     t._save_last = save_then_stop
     t.train()

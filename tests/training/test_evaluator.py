@@ -81,7 +81,7 @@ def test_the_end_line_adds_up_to_the_wall_clock(tmp_path):
     parts = {name: float(sec) for name, sec in re.findall(r"(?:^|, )([^,]+?) ([0-9.]+) s", rest)}
     assert {"data", "model", "loaders", "engine", "start-up (interpreter and imports)"} <= set(parts), parts
     assert abs(sum(parts.values()) - float(total)) <= 0.05 * len(parts)
-    assert sum(t.setup_s.values()) <= times["set-up"] + 1e-6  # the rest of the set-up is train()'s start
+    assert sum(t.run.setup_s.values()) <= times["set-up"] + 1e-6  # the rest of the set-up is train()'s start
     rows = read_csv(tmp_path / "w" / "evals.csv")
     assert rows and all(float(r["val_s"]) > 0 for r in rows)
 
@@ -97,9 +97,9 @@ def test_packed_validation_equals_the_bucketed_loss(tmp_path):
     t.train()
     ev = t.evaluator
     assert isinstance(ev.dev_loader.sampler, PackSampler)
-    assert ev.dev_loader.shapes() == t.train_loader.shapes() and len(ev.dev_loader) < len(t.data.dev)
+    assert ev.dev_loader.shapes() == t.train_loader.shapes() and len(ev.dev_loader) < len(t.run.data.dev)
     packed = ev.validate()
-    ev.dev_loader = make_loader(t.data.dev, t.job.data, train=False, seed=0, pin_memory=False)
+    ev.dev_loader = make_loader(t.run.data.dev, t.job.data, train=False, seed=0, pin_memory=False)
     assert len(ev.dev_loader.shapes()) > 1  # length buckets
     assert packed == pytest.approx(ev.validate(), rel=1e-5)
 

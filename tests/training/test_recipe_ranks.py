@@ -158,7 +158,7 @@ def test_a_resume_is_checked_against_the_device_the_run_started_on(tmp_path, mon
     t = make_trainer(tmp_path, "--name", "r", "--max-steps", "1")
     t.train()
     saved = torch.load(tmp_path / "r" / "weights" / "last.pt", weights_only=True)
-    assert RankDevice(**saved["recipe_device"]) == t.recipe_device  # the CPU it started on
+    assert RankDevice(**saved["recipe_device"]) == t.run.recipe_device  # the CPU it started on
     one = Dist()  # one process, no process group
     origin = dataclasses.asdict(_dev(139.8))
     monkeypatch.setattr(recipe, "device_memory_gib", lambda device: 39.5)

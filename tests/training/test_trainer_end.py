@@ -49,7 +49,7 @@ def test_a_stop_at_an_epochs_last_batch_resumes_at_the_next_epoch(tmp_path, monk
     def trained(self, seconds):
         real(self, seconds)
         if self.global_step == n and not self.stop_requested:
-            self._request_stop("a stop at the last step of epoch 1")
+            self.request_stop("a stop at the last step of epoch 1")
 
     monkeypatch.setattr(Trainer, "_trained", trained)
     t.train()
@@ -82,7 +82,7 @@ def test_a_best_pt_newer_than_last_pt_is_replaced_only_by_a_better_model(tmp_pat
     resumed = Trainer.from_checkpoint(str(weights / "last.pt"), log=lambda _: None, changes={"epochs": 3})
     stopper = resumed.evaluator.stopper
     assert (stopper.best, stopper.best_step, stopper.bad) == (best["value"] + 1.0, 1, 3)  # as recorded
-    assert resumed.best_on_disk == best["value"]
+    assert resumed.checkpoints.best_on_disk == best["value"]
     monkeypatch.setattr(Evaluator, "validate", lambda self: best["value"] + 0.5)  # beats the record only
     resumed.train()
     evals = read_csv(tmp_path / "c" / "evals.csv")
@@ -96,13 +96,13 @@ def test_a_shared_vocabulary_run_resumes_whatever_files_it_named(tmp_path):
     model for both sides (two different names would be refused)."""
     first = make_trainer(tmp_path, "--name", "a", "--shared-vocab", "--max-steps", "2")
     first.train()
-    shared = str(first.data.src_tok.path)
+    shared = str(first.run.data.src_tok.path)
     named = make_trainer(tmp_path, "--name", "b", "--shared-vocab", "--tokenizer-chn", shared, "--max-steps", "2")
     named.train()
     resumed = Trainer.from_checkpoint(str(tmp_path / "b" / "weights" / "last.pt"), log=lambda _: None,
                                       changes={"max_steps": 3})
     assert resumed.job.data.tokenizer_eng == resumed.job.data.tokenizer_chn
-    assert resumed.data.src_tok.sha256 == resumed.data.tgt_tok.sha256 == named.data.src_tok.sha256
+    assert resumed.run.data.src_tok.sha256 == resumed.run.data.tgt_tok.sha256 == named.run.data.src_tok.sha256
 
 
 def test_safetensors_round_trip_scalars_and_empty_tensors(tmp_path):
@@ -197,10 +197,10 @@ def test_the_last_write_runs_while_the_plots_are_drawn_and_ends_before_the_run_d
     write: the plots start before the write ends, and the run returns with last.pt of its last step."""
     import time as _time
 
-    from streamnmt.training import checkpointer, trainer
+    from streamnmt.training import checkpointer, metrics
 
     events: list[tuple[str, float]] = []
-    real_save, real_plot = checkpointer.save_checkpoint, trainer.plot_results
+    real_save, real_plot = checkpointer.save_checkpoint, metrics.plot_results
 
     def slow_save(path, state):
         events.append(("write", _time.monotonic()))
@@ -213,7 +213,7 @@ def test_the_last_write_runs_while_the_plots_are_drawn_and_ends_before_the_run_d
         return real_plot(run_dir)
 
     monkeypatch.setattr(checkpointer, "save_checkpoint", slow_save)
-    monkeypatch.setattr(trainer, "plot_results", plot)
+    monkeypatch.setattr(metrics, "plot_results", plot)
     t = make_trainer(tmp_path, "--name", "p", "--max-steps", "3", "--epochs", "50",
                      "--ema", "0")  # no ema.pt written after the plots: the last write is last.pt's
     result = t.train()

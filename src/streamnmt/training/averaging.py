@@ -25,8 +25,8 @@ scores (one broadcast at the end, none in the step).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +34,6 @@ import torch
 
 from streamnmt.engine import STATS
 from streamnmt.syncstats import host_sync
-from streamnmt.training.checkpointer import new_weights_id, safetensors_beside, weights_only
 from streamnmt.training.runs import read_csv
 
 KIND = "average"  # evals.csv's kind of the averaged row (an evaluation's row leaves it empty)
@@ -214,78 +213,88 @@ def loaded(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> Iterator
             v.copy_(backup[k])
 
 
-def average_at_end(t: Any) -> bool:
-    """The end of run ``t`` (a Trainer, after its last evaluation, before its last last.pt): score
-    the mean of the last K evaluated weights, write best.pt with it where it wins, its evals.csv
-    row and the line that names the winner. Returns whether it ran (last.pt must then record it).
-    Not after a signal (the run's last evaluation does not run either: the resumed run ends it)."""
-    ev = t.evaluator
-    av: Averager = ev.averager
-    if not av.on or t.signalled or not t.global_step:
+@dataclasses.dataclass
+class MeanScore:
+    """The mean's evaluation, as an evals.csv row reads it (:meth:`RunMetrics.log_eval`)."""
+
+    step: int
+    val_loss: float
+    bleu: float | None
+    bleu_s: float
+    bleu_n: int
+    val_s: float
+    better: bool = False  # the mean won: best.pt holds it
+
+
+def decide(metric: str, score: float | None, cut: bool, best: float | None,
+           on_disk: float | None) -> tuple[str, float | None]:
+    """``average`` or ``single``, and the value of a best.pt on disk better than the run's best
+    single evaluation (a resume's: it held a better model than last.pt knew of), or None: the mean
+    must beat that too. A BLEU pass cut short is not compared."""
+    winner = "single" if cut else choose(metric, score, best)
+    held = on_disk if on_disk is not None and better(metric, on_disk, best) else None
+    if winner == "average" and held is not None and not better(metric, score, held):
+        winner = "single"
+    return winner, held
+
+
+def average_at_end(loop: Any) -> bool:
+    """The end of the run of ``loop`` (the Trainer, after its last evaluation, before its last
+    last.pt): score the mean of the last K evaluated weights, write best.pt with it where it wins
+    (the checkpoints), its evals.csv row (the metrics) and the line that names the winner. Returns
+    whether it ran (last.pt must then record it). Not after a signal (the run's last evaluation does
+    not run either: the resumed run ends it)."""
+    av: Averager = loop.evaluator.averager
+    if not av.on or loop.signalled or not loop.global_step:
         return False
-    if av.decided is not None and av.decided["step"] == t.global_step:  # a resume of a run that had ended
-        t.log(av.decided["line"])
+    if av.decided is not None and av.decided["step"] == loop.global_step:  # a resume of a run that had ended
+        loop.log(av.decided["line"])
         return False
     if len(av.steps) < 2:
         return False
-    t._drain("average")
-    te = t.clock()
+    loop.drain("average")
+    te = loop.clock()
     held_stats, STATS.sites = STATS.sites, {}  # the evaluation's host waits are not training's
-    wall_s = t.run_wall_s()
-
-    def stop() -> bool:  # as the run's evaluations: a time limit that the end would no longer fit
-        return t.signalled or (t.budget.limit_s is not None and t.budget.expired(t._reserve(evaluation=False)))
-
-    weights = None
-    if t.dist.main:
-        weights = av.mean()
-        with loaded(ev.model, weights):
-            t0 = time.perf_counter()
-            val_loss = ev.validate()
-            val_s = time.perf_counter() - t0
-            bleu, bleu_s, bleu_n = ev.bleu(stop)
-        asked = len(ev._pairs or ())  # the dev sentences a full BLEU pass scores
-    else:
-        val_loss, val_s, bleu, bleu_s, bleu_n, asked = math.nan, 0.0, None, 0.0, 0, 0
-    val_loss, val_s, bleu, bleu_s, bleu_n, asked = t.dist.broadcast((val_loss, val_s, bleu, bleu_s, bleu_n, asked),
-                                                                    "dist.average")
-    stopper = ev.stopper
+    wall_s = loop.run.wall_s()
+    weights, result, asked = _score_mean(loop, av)
+    stopper = loop.evaluator.stopper
     metric = stopper.metric
-    score = bleu if metric == "bleu" else val_loss
-    cut = metric == "bleu" and bleu is not None and bleu_n < asked
-    winner = "single" if cut else choose(metric, score, stopper.best)
-    on_disk = t.best_on_disk  # a resume's best.pt may hold a better model than the run's evaluations
-    held = on_disk if on_disk is not None and better(metric, on_disk, stopper.best) else None
-    if winner == "average" and held is not None and not better(metric, score, held):
-        winner = "single"
+    score = result.bleu if metric == "bleu" else result.val_loss
+    cut = metric == "bleu" and result.bleu is not None and result.bleu_n < asked
+    winner, held = decide(metric, score, cut, stopper.best, loop.checkpoints.best_on_disk)
     save_s = 0.0
     if winner == "average":
-        ts = t.clock()
-        if t.dist.main:
-            path = t.save_dir / "weights" / "best.pt"
-            state = {**weights_only(t.checkpoint_state()), "model": weights, "step": t.global_step,
-                     "best": {"metric": metric, "value": score, "step": t.global_step, "averaged": list(av.steps)},
-                     "weights_id": new_weights_id()}
-            t.checkpointer.save(path, state, kind="best", then=safetensors_beside(path))
-        t.best_on_disk = score
-        save_s = t.clock() - ts
-    ema = av.last[1] if t.job.run.eval_ema and av.last is not None else None
+        ts = loop.clock()
+        loop.checkpoints.write_average(loop.record(), weights, score, av.steps)
+        save_s = loop.clock() - ts
+    result.better = winner == "average"
+    ema = av.last[1] if loop.job.run.eval_ema and av.last is not None else None
     line = end_line(metric, winner, len(av.steps), av.steps, score, cut, stopper.best, stopper.best_step, ema,
                     held=held if winner == "single" else None)
-    t.waits["stats"].append(STATS.reset())
+    loop.metrics.waits["stats"].append(STATS.reset())
     STATS.sites = held_stats
-    cost = t.clock() - te - save_s
-    t._account(evaluation=cost, checkpoints=save_s)
-    if t.dist.main and not _logged(t.save_dir / "evals.csv", t.global_step):
-        epoch = t.epoch if t.epoch and not t.epoch_pos else t.epoch + 1  # the epoch of the last step
-        t.evals_log.write({"step": t.global_step, "epoch": epoch, "wall_s": "" if wall_s is None else round(wall_s, 1),
-                           "val_loss": val_loss, "bleu": "" if bleu is None else round(bleu, 2),
-                           "bleu_n": "" if bleu is None else bleu_n, "bleu_s": round(bleu_s, 3),
-                           "val_s": round(val_s, 3), "best": int(winner == "average"), "eval_s": round(cost, 3),
-                           "save_s": round(save_s, 3), "kind": KIND})
-    av.decided = {"step": t.global_step, "line": line}
-    t.log(line)
+    cost = loop.clock() - te - save_s
+    loop.metrics.account(evaluation=cost, checkpoints=save_s)
+    if loop.dist.main and not _logged(loop.save_dir / "evals.csv", loop.global_step):
+        epoch = loop.epoch if loop.epoch and not loop.epoch_pos else loop.epoch + 1  # the epoch of the last step
+        loop.metrics.log_eval(result, epoch, wall_s, cost, save_s, kind=KIND)
+    av.decided = {"step": loop.global_step, "line": line}
+    loop.log(line)
     return True
+
+
+def _score_mean(loop: Any, av: Averager) -> tuple[dict[str, torch.Tensor] | None, MeanScore, int]:
+    """The mean of the kept weights (rank 0's; None elsewhere), validated and scored on dev with the
+    loop's stop rule as the run's evaluations are; every rank learns the scores and the dev
+    sentences a full BLEU pass scores."""
+    ev, weights = loop.evaluator, None
+    got: tuple[Any, ...] = (math.nan, 0.0, None, 0.0, 0, 0)
+    if loop.dist.main:
+        weights = av.mean()
+        with loaded(ev.model, weights):
+            got = ev.score(loop.evaluations.bleu_stop(loop))
+    val_loss, val_s, bleu, bleu_s, bleu_n, asked = loop.dist.broadcast(got, "dist.average")
+    return weights, MeanScore(loop.global_step, val_loss, bleu, bleu_s, bleu_n, val_s), asked
 
 
 def _logged(path: Any, step: int) -> bool:

@@ -244,11 +244,7 @@ class Evaluator:
         with ema.swapped() if ema is not None else contextlib.nullcontext():
             self.averager.add(step, self.model.state_dict())  # --average-last: the weights scored here
             if self.dist.main:
-                t0 = time.perf_counter()
-                val_loss = self.validate()
-                val_s = time.perf_counter() - t0
-                bleu, bleu_s, bleu_n = self.bleu(stop)
-                asked = len(self._pairs or ())
+                val_loss, val_s, bleu, bleu_s, bleu_n, asked = self.score(stop)
                 if (not self.dist.active and bleu is not None and bleu_n < asked and interrupted is not None
                         and interrupted()):
                     weights = self._snapshot.take(self.model.state_dict())
@@ -284,12 +280,11 @@ class Evaluator:
         if self._side is not None:
             self._side.wait_stream(torch.cuda.current_stream(self.device))  # the copies (done already)
         result = Evaluation(val_loss, None, 0.0, False, 0, val_s, step)
-        self.pending = (result, weights, Beside(lambda: self._decode(self._or_aborted(stop)), self.device, self._side))
+        def cut() -> bool:  # the pass stops where the loop's rule says, or where train() raised (abort)
+            return self.aborted or (stop is not None and stop())
+        self.pending = (result, weights, Beside(lambda: self._decode(cut), self.device, self._side))
         self.pending_on_loop = False
         return result
-
-    def _or_aborted(self, stop: Callable[[], bool] | None) -> Callable[[], bool]:
-        return lambda: self.aborted or (stop is not None and stop())
 
     def _deferred(self, weights: dict[str, torch.Tensor]) -> Deferred:
         """A BLEU pass of ``weights`` that runs on the loop when collected (its own decoding copy,
@@ -442,6 +437,16 @@ class Evaluator:
         self.model.train()
         # Needed: the validation loss is reported and compared for best.pt.
         return float(host_sync("eval.val_loss", lambda: (total / ntok.clamp(min=1)).item()))
+
+    def score(self, stop: Callable[[], bool] | None = None) -> tuple[float, float, float | None, float, int, int]:
+        """The model as it is, validated and scored on rank 0, nothing decided: validation loss, its
+        seconds, BLEU, its seconds, the dev sentences scored and those a full pass scores (more
+        where ``stop()`` cut the pass). :meth:`evaluate`'s measure, and --average-last's of its mean."""
+        t0 = time.perf_counter()
+        val_loss = self.validate()
+        val_s = time.perf_counter() - t0
+        bleu, bleu_s, bleu_n = self.bleu(stop)
+        return val_loss, val_s, bleu, bleu_s, bleu_n, len(self._pairs or ())
 
     def bleu(self, stop: Callable[[], bool] | None = None) -> tuple[float | None, float, int]:
         """Dev BLEU, its seconds and the sentences it scored (fewer when ``stop()`` cut it)."""

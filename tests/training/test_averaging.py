@@ -86,6 +86,17 @@ def test_the_winner_is_chosen_by_dev_score_and_a_tie_keeps_the_single_evaluation
         "best.pt: the best single evaluation, step 3 (validation loss 3.1000; average of")
 
 
+def test_a_better_best_pt_on_disk_must_be_beaten_by_the_mean_too():
+    """A resume's best.pt may hold a better model than the run's best single evaluation: the mean
+    replaces it only where it beats that one as well; a cut BLEU pass is never compared."""
+    assert averaging.decide("bleu", 31.0, False, 30.0, None) == ("average", None)
+    assert averaging.decide("bleu", 31.0, False, 30.0, 32.0) == ("single", 32.0)  # best.pt keeps its model
+    assert averaging.decide("bleu", 33.0, False, 30.0, 32.0) == ("average", 32.0)
+    assert averaging.decide("bleu", 31.0, False, 30.0, 29.0) == ("average", None)  # the run's best is better
+    assert averaging.decide("val_loss", 2.0, False, 3.0, 2.5) == ("average", 2.5)
+    assert averaging.decide("bleu", 99.0, True, 30.0, None) == ("single", None)
+
+
 def test_average_last_one_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="average.last.*at least 2"):
         make_trainer(tmp_path, "--average-last", "1")

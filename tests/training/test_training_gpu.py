@@ -63,7 +63,7 @@ def test_dev_bleu_decodes_through_graphs_captured_once(trained):
     again, _, _ = ev.bleu()
     assert again == bleu and decoder.captures == captures  # graph against graph: exactly
     fp32 = decoding_copy(trained.model, torch.float32, None, separate=True)
-    graph, eager = (bleu_on_pairs(fp32, trained.data.src_tok, trained.data.tgt_tok, ev._pairs, device="cuda",
+    graph, eager = (bleu_on_pairs(fp32, trained.run.data.src_tok, trained.run.data.tgt_tok, ev._pairs, device="cuda",
                                   beam_size=ev.options.beam_size, batch_size=EVAL_BATCH, tgt_lang="ch",
                                   options=SearchOptions(beam_size=ev.options.beam_size, graph=g))
                     for g in (True, False))

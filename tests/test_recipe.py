@@ -111,14 +111,14 @@ def test_eval_ema_writes_the_average_to_best_and_resume_restores_it(tmp_path):
         assert torch.equal(best["model"][name], shadow)  # best.pt holds the EMA weights
     assert not torch.equal(last["model"][names[0]], last["ema"]["shadow"][0])  # last.pt the trained ones
     resumed = Trainer.from_checkpoint(str(tmp_path / "ema" / "weights" / "last.pt"), log=lambda _: None)
-    assert all(torch.equal(a, b) for a, b in zip(resumed.step_fn.ema.shadow, last["ema"]["shadow"]))
-    assert resumed.step_fn.updates == last["step"] > 0  # --ema-every counts on from the saved step
-    assert resumed.step_fn.ema.every == 4  # the default, recorded in config.yaml and the checkpoint
+    assert all(torch.equal(a, b) for a, b in zip(resumed.train_step.ema.shadow, last["ema"]["shadow"]))
+    assert resumed.train_step.updates == last["step"] > 0  # --ema-every counts on from the saved step
+    assert resumed.train_step.ema.every == 4  # the default, recorded in config.yaml and the checkpoint
     # a checkpoint from before --ema-every: its average was updated at every step, and stays so
     old = tmp_path / "old.pt"
     del last["config"]["run"]["ema_every"]
     torch.save(last, old)
-    assert Trainer.from_checkpoint(str(old), log=lambda _: None).step_fn.ema.every == 1
+    assert Trainer.from_checkpoint(str(old), log=lambda _: None).train_step.ema.every == 1
 
 
 # -- early stopping, best metric, eval-every -------------------------------------------------------

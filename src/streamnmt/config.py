@@ -115,16 +115,16 @@ class OptimConfig:
 
 
 # -- the default batch and warm-up (the "recipe"): needs no fairseq knowledge --------------------
-# Measured reference: the base model on the built-in corpus trains best (one H200, time budget) with
-# batches of 6144 tokens and 800 warm-up steps, i.e. a warm-up over about 4.9M (padded) tokens.
+# The base model on the built-in corpus trained best for a time budget (docs/PERFORMANCE.md, "Token
+# budgets") with batches of 6144 tokens and 800 warm-up steps, i.e. a warm-up over about 4.9M (padded) tokens.
 TOKENS_PER_GIB = 64            # default token budget per GiB of GPU memory, at d_model 512
 MAX_TOKENS_RANGE = (1024, 16384)
 WARMUP_TOKENS = 6144 * 800     # tokens the warm-up spans, whatever the batch
 WARMUP_RANGE = (100, 4000)
 
 
-# The budget with the best time to BLEU: on one H100 (base, 2026-11-26, docs/PERFORMANCE.md "Token
-# budgets by time to BLEU"), 4096 tokens reached the best dev BLEU first of 4096-32768 on a 40k-pair
+# The budget with the best time to BLEU (base model, docs/PERFORMANCE.md "Token budgets by time
+# to BLEU"): 4096 tokens reached the best dev BLEU first of 4096-32768 on a 40k-pair
 # corpus in 2 minutes and on 1M pairs in 20: larger batches train more tokens per second, but fewer
 # updates. The default budget is this or what the GPU's memory holds, the smaller.
 TIME_TO_BLEU_TOKENS = 4096
@@ -141,7 +141,7 @@ EMA_EVERY = 4
 
 def recipe_max_tokens(gpu_mem_gib: float, d_model: int) -> int:
     """The token budget a GPU's memory holds: ``TOKENS_PER_GIB`` per GiB of its memory, scaled by
-    512 / d_model, rounded down to a power of two within ``MAX_TOKENS_RANGE`` (one H200, base: 8192).
+    512 / d_model, rounded down to a power of two within ``MAX_TOKENS_RANGE`` (base, 141 GiB: 8192).
     Wider models need more memory per token; a power of two keeps batch shapes few and aligned."""
     raw = TOKENS_PER_GIB * gpu_mem_gib * 512 / d_model
     lo, hi = MAX_TOKENS_RANGE
@@ -150,7 +150,7 @@ def recipe_max_tokens(gpu_mem_gib: float, d_model: int) -> int:
 
 def recipe_budget(gpu_mem_gib: float, d_model: int) -> int:
     """Default token budget per batch on a GPU: ``TIME_TO_BLEU_TOKENS``, or less where the memory
-    rule (``recipe_max_tokens``) says so (base: 4096 on an H100 or H200, 1024 on a 24-GiB GPU)."""
+    rule (``recipe_max_tokens``) says so (base: 4096 from 80 GiB, 1024 at 24 GiB)."""
     return min(TIME_TO_BLEU_TOKENS, recipe_max_tokens(gpu_mem_gib, d_model))
 
 

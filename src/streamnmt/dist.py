@@ -225,8 +225,8 @@ def parallelize(model: torch.nn.Module, device: torch.device, bucket_cap_mb: flo
     Call it under the stream the forwards will run on (the strategy's compute or capture stream):
     DDP ties its gradient hooks to the stream it was built under, and a mismatch makes autograd
     add cross-stream waits (and a warning) on every backward. Gradients are views into DDP's
-    buckets (``gradient_as_bucket_view``: no copy between them, measured ~5 % faster per captured
-    step on one H200); buffers are not broadcast each forward (the model's are constants), so a
+    buckets (``gradient_as_bucket_view``: no copy between them, a faster captured step: docs/PERFORMANCE.md,
+    "Several GPUs (DDP)"); buffers are not broadcast each forward (the model's are constants), so a
     forward launches no collective. ``bucket_cap_mb``: ``--bucket-cap-mb`` (DDP's own default 25).
     """
     import inspect

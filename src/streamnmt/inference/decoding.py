@@ -84,8 +84,8 @@ def sync_interval(device: torch.device) -> int:
     decoding steps are small and launch-bound: a row of a finished sentence left in the batch for
     a few more steps costs almost nothing, while each sync makes the host wait for the GPU before
     it queues the next step. So we check every 4th step, which wastes at most 3 steps per sentence.
-    Measured (scripts/bench_decode.py, H100, base model, beam 3, batch 64 and 256, 2026-11-22):
-    intervals 1, 2, 4, 8 and 16 gave the same sentences/s within the run-to-run spread, so the
+    Measured (scripts/bench_decode.py, base model, beam 3, batch 64 and 256; docs/PERFORMANCE.md,
+    "Decoding"): intervals 1, 2, 4, 8 and 16 gave the same sentences/s within the run-to-run spread, so the
     choice rests on the argument above, not on a measured gain.
     """
     return 1 if device.type == "cpu" else 4

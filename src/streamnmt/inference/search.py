@@ -41,8 +41,8 @@ NEG_INF = float("-inf")
 SPAN = 32
 
 # Each decoding step brings new attention shapes (the keys grow by one position). cuDNN's fused
-# attention builds a plan for every new shape: in bf16 on an H100 that made single benchmark runs
-# 3 to 15 times slower than their median; the other kernels need no per-shape set-up.
+# attention builds a plan for every new shape: in bf16 that made single benchmark runs several
+# times slower than their median (docs/PERFORMANCE.md, "Decoding"); the other kernels need no per-shape set-up.
 DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # The attention of a cached step has one query per row. The fused kernels tile the queries in

@@ -76,8 +76,7 @@ def dense_masks(src_seg: torch.Tensor, tgt_seg: torch.Tensor, dtype: torch.dtype
 def sdpa_mask_dtype(device: torch.device) -> torch.dtype | None:
     """The dtype of the packed masks fed to SDPA: autocast's where it is on, so that the attention
     kernels read an additive mask of their own dtype (a boolean one is turned into that on every
-    call: 0.02-0.08 ms more per call, forward and backward, at the packed base-model shape on an
-    H200); None (boolean masks) otherwise."""
+    call, forward and backward: docs/PERFORMANCE.md, "Masks, and attention's share of the step"); None (boolean masks) otherwise."""
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 

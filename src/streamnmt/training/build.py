@@ -67,7 +67,7 @@ class Run:
     data: Any  # tokenizers and tokenized splits
     shape: ModelShape
     model: Transformer
-    step_fn: Any  # the step function: loss, backward, optimizer, schedule, scaler, EMA
+    train_step: Any  # the step function: loss, backward, optimizer, schedule, scaler, EMA
     strategy: Any  # the engine's strategy
     losses: DeferredLosses
     train_loader: Any
@@ -201,7 +201,14 @@ class _RunBuilder:
                                 m.n_layers, m.n_heads, m.d_ff, m.dropout,
                                 max_positions=max(1024, job.data.max_len + 8), tie_embeddings=m.tie_embeddings,
                                 attention_dropout=m.attention_dropout, activation_dropout=m.activation_dropout)
-        self.model = Transformer(self.shape).to(self.device)
+        # Built on the GPU it trains on, as translate's models are: the random initialisation (each
+        # matrix filled twice) is most of a warm set-up's model phase on the CPU (docs/PERFORMANCE.md,
+        # "The set-up before the first step"). Several ranks build on the CPU: a GPU's random stream
+        # depends on its kind, and ranks on GPUs of two kinds must start from the same weights.
+        here = self.device.type == "cuda" and not self.dist.active
+        with torch.device(self.device) if here else contextlib.nullcontext():
+            self.model = Transformer(self.shape)
+        self.model.to(self.device)  # the positional table, computed on the CPU (and all of it there)
         self.model.set_attention(resolve_attention(m.attention, self.device, self.log, head_dim=m.d_model // m.n_heads,
                                                    attention_dropout=m.attention_dropout))
         if job.run.weights and resume is None:
@@ -209,15 +216,15 @@ class _RunBuilder:
             self.log(f"weights: started from {job.run.weights}")
         if self.dist.rank > 0:  # same initial weights on every rank, its own dropout stream after
             torch.manual_seed(job.run.seed + 1_000_003 * self.dist.rank)
-        self.step_fn = make_step(self.model, self.device, d_model=m.d_model, lr=job.optim.lr,
+        self.train_step = make_step(self.model, self.device, d_model=m.d_model, lr=job.optim.lr,
                                  warmup=job.optim.warmup, amp=job.optim.amp, clip=job.optim.clip_grad,
                                  label_smoothing=m.label_smoothing, compile=job.engine.compile == "on",
                                  shapes=len({*batch_shapes(self.data.train, job.data),  # validation's too
                                              *batch_shapes(self.data.dev, job.data, train=False)}), ema=job.run.ema or 0.0,
                                  ema_every=job.run.ema_every,
                                  ddp=self.dist.active, bucket_cap_mb=job.engine.bucket_cap_mb)
-        self.optimizer, self.schedule, self.scaler = (self.step_fn.optimizer, self.step_fn.schedule,
-                                                      self.step_fn.scaler)
+        self.optimizer, self.schedule, self.scaler = (self.train_step.optimizer, self.train_step.schedule,
+                                                      self.train_step.scaler)
 
     def _build_engine(self) -> None:
         """The strategy; its streams are created once, here."""
@@ -250,16 +257,16 @@ class _RunBuilder:
         # Each step's plain NLL (summed like the loss), gradient norm and skipped flag travel with its
         # loss (no extra sync); with DDP on a GPU, waits on replayed collectives poll with a deadline.
         wait = (lambda ev: distributed.wait_event(ev, d.timeout_s)) if d.active and self.device.type == "cuda" else None
-        stats = self.step_fn.stats
+        stats = self.train_step.stats
         losses = DeferredLosses(self.device, job.engine.loss_interval, group=job.engine.accum_steps,
                                 reduce=d.reduce_sum_ if d.active else None, values=("nll",),
                                 extras={"grad_norm": stats[0], "skipped": stats[1]}, wait=wait)
         # validation, BLEU, best.pt's choice, --patience and when to evaluate
-        evaluator = Evaluator(model=self.model, amp_dtype=self.step_fn.amp_dtype, dev_loader=self.dev_loader,
+        evaluator = Evaluator(model=self.model, amp_dtype=self.train_step.amp_dtype, dev_loader=self.dev_loader,
                               data=self.data, job=job, device=self.device, dist=d, bleu_dtype=self.bleu_dtype,
                               log=self.log)
         self.run = run = Run(job=job, log=self.log, dist=d, device=self.device, recipe_device=self.recipe_device,
-                             data=self.data, shape=self.shape, model=self.model, step_fn=self.step_fn,
+                             data=self.data, shape=self.shape, model=self.model, train_step=self.train_step,
                              strategy=self.strategy, losses=losses, train_loader=self.train_loader,
                              evaluator=evaluator, budget=TimeBudget(job.run.time_limit_s(), t0=self.t_command),
                              setup_s=self.setup_s, t_command=self.t_command, bleu_dtype=self.bleu_dtype)
@@ -284,12 +291,12 @@ class _RunBuilder:
             self.job = dataclasses.replace(self.job, model=dataclasses.replace(self.job.model, attention="sdpa"))
             self.run.job = self.job  # the run's checkpoints and config.yaml say what trains
             self.run.checkpoints.use_job(self.job)
-        self.strategy.prepare(self.step_fn, [example_batch(shape, self.shape, self.job.run.seed,
+        self.strategy.prepare(self.train_step, [example_batch(shape, self.shape, self.job.run.seed,
                                                            packed=self.job.data.packs)
                                              for shape in self.train_loader.shapes()])
         # Several ranks: graph capture succeeded everywhere, or every rank stops with one line.
         self.dist.agree_on_capture(self.strategy.report.get("capture_error"))
-        self.step_fn.compile_ready(self.log)  # --compile: artefacts saved; "engine: ready in X s" (cache warm/cold)
+        self.train_step.compile_ready(self.log)  # --compile: artefacts saved; "engine: ready in X s" (cache warm/cold)
 
     def _build_run_dir(self, resume: dict[str, Any] | None) -> None:
         """The run directory (only now that everything above is valid): rank 0 makes it, the others learn it."""
@@ -324,7 +331,7 @@ class _RunBuilder:
         run.metrics = RunMetrics(run.save_dir, main=self.dist.main, tensorboard=self.job.run.tensorboard,
                                  run=self.job.run, log=self.log, step=step, epoch=run.start.epoch,
                                  evals_after=min(step, pending), resumed=resume is not None,
-                                 overflow_skips=self.step_fn.scaler is not None)
+                                 overflow_skips=self.train_step.scaler is not None)
 
     def _log_start(self, resume: dict[str, Any] | None) -> None:
         """The start lines: run directory, model, device, precision, the strategy that runs, data."""

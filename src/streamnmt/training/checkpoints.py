@@ -24,7 +24,7 @@ from streamnmt.training.checkpointer import Checkpointer, new_weights_id, safete
 from streamnmt.training.evaluator import Cadence
 
 
-PARTS = ("job", "log", "dist", "device", "recipe_device", "data", "shape", "model", "step_fn", "train_loader",
+PARTS = ("job", "log", "dist", "device", "recipe_device", "data", "shape", "model", "train_step", "train_loader",
          "evaluator")
 
 
@@ -61,12 +61,12 @@ class CheckpointManager:
     # -- what a checkpoint holds ------------------------------------------------------------------
     def state(self, loop: LoopRecord) -> dict[str, Any]:
         run = self.run
-        step_fn = run.step_fn
+        train_step = run.train_step
         return {
             "model": run.model.state_dict(),
             "model_shape": dataclasses.asdict(run.shape),
-            "optimizer": step_fn.optimizer.state_dict(),
-            "scaler": step_fn.scaler.state_dict() if step_fn.scaler else None,
+            "optimizer": train_step.optimizer.state_dict(),
+            "scaler": train_step.scaler.state_dict() if train_step.scaler else None,
             "tokenizers": {side: tokenizer_entry(tok) for side, tok in (("src", run.data.src_tok),
                                                                           ("tgt", run.data.tgt_tok))},
             "config": run.job.to_dict(),
@@ -79,7 +79,7 @@ class CheckpointManager:
             "sampler": {**run.train_loader.state_dict(), "epoch": loop.epoch, "position": loop.epoch_pos},
             "rng": rng_state(),
             "stopping": run.evaluator.state_dict(),
-            "ema": step_fn.ema.state_dict() if step_fn.ema is not None else None,
+            "ema": train_step.ema.state_dict() if train_step.ema is not None else None,
             "averager": run.evaluator.averager.state_dict(),  # --average-last: an exact resume ends alike
         }
 
@@ -147,7 +147,7 @@ class CheckpointManager:
     def export_ema(self, loop: LoopRecord) -> None:
         """--ema: the averaged weights as weights/ema.pt, a weights-only checkpoint that translate, eval,
         export, average and --weights load like any other (last.pt keeps the trained weights)."""
-        ema = self.run.step_fn.ema
+        ema = self.run.train_step.ema
         if ema is None or loop.step == 0:
             return
         path = self.save_dir / "weights" / "ema.pt"
@@ -172,21 +172,21 @@ class CheckpointManager:
         this run's units (the loader converts a position saved at another world size)."""
         run = self.run
         load_model_weights(run.model, ckpt, run.job.run.resume, flag="--resume")
-        step_fn = run.step_fn
-        step_fn.optimizer.load_state_dict(ckpt["optimizer"])
-        for group in step_fn.optimizer.param_groups:  # the saved groups carry the saving device's settings
-            group["lr"] = step_fn.schedule.lr_t       # keep reading the schedule's device tensor
+        train_step = run.train_step
+        train_step.optimizer.load_state_dict(ckpt["optimizer"])
+        for group in train_step.optimizer.param_groups:  # the saved groups carry the saving device's settings
+            group["lr"] = train_step.schedule.lr_t       # keep reading the schedule's device tensor
             group["fused"], group["capturable"] = True, run.device.type == "cuda"
-        step_fn.schedule.set_step(ckpt["step"])
-        step_fn.count_updates(ckpt["step"])  # which of the next updates refresh the EMA (--ema-every)
-        if step_fn.scaler is not None and ckpt.get("scaler"):
-            step_fn.scaler.load_state_dict(ckpt["scaler"])
+        train_step.schedule.set_step(ckpt["step"])
+        train_step.count_updates(ckpt["step"])  # which of the next updates refresh the EMA (--ema-every)
+        if train_step.scaler is not None and ckpt.get("scaler"):
+            train_step.scaler.load_state_dict(ckpt["scaler"])
         run.evaluator.best_val = ckpt["best_val"]
         self.last_save_step = ckpt["step"]
         run.train_loader.load_state_dict(ckpt["sampler"])
         run.evaluator.load_state_dict(ckpt.get("stopping"))
-        if step_fn.ema is not None and ckpt.get("ema"):
-            step_fn.ema.load_state_dict(ckpt["ema"])
+        if train_step.ema is not None and ckpt.get("ema"):
+            train_step.ema.load_state_dict(ckpt["ema"])
         run.evaluator.averager.load_state_dict(ckpt.get("averager"))  # --average-last's kept weights
         self._restore_rng(ckpt)
         return run.train_loader.epoch, run.train_loader.position

@@ -27,7 +27,7 @@ class LoopEvaluation:
 
     def __init__(self, run: Any):
         # the parts it reads, not the Run that holds this part: no reference cycle keeps the run alive
-        self.evaluator, self.step_fn, self.device, self.budget = run.evaluator, run.step_fn, run.device, run.budget
+        self.evaluator, self.train_step, self.device, self.budget = run.evaluator, run.train_step, run.device, run.budget
         self.eval_ema = run.job.run.eval_ema
         self.last_eval: Evaluation | None = None
         self.launched: dict[str, Any] | None = None  # the evaluation whose BLEU pass runs beside training
@@ -52,7 +52,7 @@ class LoopEvaluation:
         losses = loop.drain("eval")
         wall_s = loop.run.wall_s()  # when the run reached the evaluated weights (the drain: the GPU too)
         held, STATS.sites = STATS.sites, {}  # the evaluation's host waits are not training's
-        ema = self.step_fn.ema if self.eval_ema else None
+        ema = self.train_step.ema if self.eval_ema else None
         stop = self.bleu_stop(loop)
         if beside and ev.beside and ev.passes:
             result = ev.launch(step, ema, stop)

@@ -269,8 +269,8 @@ def device_error(job: TrainJob, mine: RankDevice, first: RankDevice, rank: int, 
     tokens, d_model = job.data.max_tokens, job.model.d_model
     if tokens and d_model and mine.gib is not None and first.gib is not None:
         own, first_own = recipe_max_tokens(mine.gib, d_model), recipe_max_tokens(first.gib, d_model)
-        # The rule's 64 tokens per GiB leaves about 4x headroom (the base model trained 32768-token
-        # batches on one H200, where it picks 8192: docs/PERFORMANCE.md), so a rank safely runs up to
+        # The rule's tokens per GiB leave headroom (the base model trained batches four times the
+        # rule's budget: docs/PERFORMANCE.md, "Token budgets"), so a rank safely runs up to
         # twice its own rule's budget (a GPU of half rank 0's memory runs rank 0's auto budget).
         # Beyond that, on a smaller GPU than rank 0's (a smaller power of two by the rule, so that
         # GPUs of one kind never fail, whatever --max-tokens the user chose), it would run out of

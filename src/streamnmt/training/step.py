@@ -46,8 +46,8 @@ from streamnmt.training.optim import Adam
 
 def _loss_eager() -> Callable[..., Any]:
     """The chunked loss, kept outside torch.compile: compiled by inductor for CUDA (torch 2.11, bf16),
-    its gradients came out zero (grad_norm 0.0 on an H200 under `--compile on`, graph and full
-    strategies alike), while compiled on the CPU and eager everywhere they are right. The model body
+    its gradients came out zero (grad_norm 0.0 under `--compile on`, graph and full strategies
+    alike; docs/PERFORMANCE.md), while compiled on the CPU and eager everywhere they are right. The model body
     is still compiled; the loss's kernels run eagerly (and inside graph mode's CUDA graph). Made on
     first use of a compiled step: ``torch.compiler.disable`` imports TorchDynamo (about a second of
     every run's start-up otherwise)."""
@@ -387,10 +387,9 @@ def inductor_options() -> dict[str, bool]:
 
     Mix-order reduction off. With it (on by default in the torch 2.11 and 2.13 builds used here)
     Inductor fuses each layer norm's backward with its weight and bias gradient sums over the rows
-    into one kernel (16 rows per program in the kernels read). In the packed base-model step (H200,
-    bf16, 16,384 target positions) those kernels, with the residual dropout's mask fused in, took
-    3.17 ms of a 27.4 ms step, and 0.77 ms in the same step without dropout; with the setting off
-    the step ran in 25.82 ms instead of 27.87 (docs/PERFORMANCE.md, section 9). Where this torch has
+    into one kernel (16 rows per program in the kernels read). In the packed base-model step
+    those kernels, with the residual dropout's mask fused in, were slow, and with the setting off
+    the step ran faster (docs/PERFORMANCE.md, "Inductor's mix-order reduction"). Where this torch has
     no such setting, or the user set ``TORCHINDUCTOR_MIX_ORDER_REDUCTION`` themselves, nothing is
     changed."""
     import torch._inductor.config as inductor_config

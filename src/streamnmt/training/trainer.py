@@ -55,7 +55,7 @@ class Trainer:
         run = self.run
         # the parts the loop calls
         self.job, self.log, self.dist, self.device = run.job, run.log, run.dist, run.device
-        self.model, self.step_fn, self.strategy, self.losses = run.model, run.step_fn, run.strategy, run.losses
+        self.model, self.train_step, self.strategy, self.losses = run.model, run.train_step, run.strategy, run.losses
         self.train_loader, self.budget, self.save_dir = run.train_loader, run.budget, run.save_dir
         self.evaluator, self.evaluations, self.metrics = run.evaluator, run.evaluations, run.metrics
         self.checkpoints, self.checkpointer = run.checkpoints, run.checkpoints.writer
@@ -172,7 +172,7 @@ class Trainer:
         # --average-last: the end scores the mean of the last evaluated weights too, and may write best.pt
         ev += cost + w.get("best", 0.0) if evaluation and self.evaluator.averager.on else 0.0
         writes = w.get("last", 0.0) + (max(w.values(), default=0.0) if self.checkpointer.busy else 0.0)
-        if self.step_fn.ema is not None and self.dist.main:  # weights/ema.pt, written after the last.pt
+        if self.train_step.ema is not None and self.dist.main:  # weights/ema.pt, written after the last.pt
             writes += w.get("ema") or w.get("best") or w.get("last", 0.0)  # weights only, as best.pt
         # several ranks agree to stop every --sync-interval steps: up to that many more steps run
         agreeing = (self.job.engine.sync_interval - 1) * self._loop_s / max(self._loop_steps, 1) \
@@ -239,7 +239,7 @@ class Trainer:
         tokens, padded, losses = 0, 0, []
         end_pos = self.epoch_pos + n_batches  # where this epoch's part of the run ends (its own evaluation)
         mark = self.clock()
-        for info in self.strategy.run(itertools.islice(self.train_loader, n_batches), self.step_fn, self.losses,
+        for info in self.strategy.run(itertools.islice(self.train_loader, n_batches), self.train_step, self.losses,
                                       start_step=self.global_step):
             # 1. bookkeeping on the host only: no device value is read here
             self.epoch_pos += 1

@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(e, (PeerLost, CaptureFailed)) and "WORLD_SIZE" in os.environ:
             # PeerLost: a collective whose peer died may never finish. CaptureFailed: graphs that
             # captured NCCL collectives may be alive, and tearing down the process group under them
-            # hung every rank (two GPUs, docs/PERFORMANCE.md "Two H100s"). No teardown waits for either.
+            # hung every rank (docs/PERFORMANCE.md, "Several GPUs (DDP)"). No teardown waits for either.
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(e.exit_code)

@@ -3,7 +3,7 @@
 The compile-ro peer runs ``torch.compile(mode="reduce-overhead")``, whose CUDA graph trees manage
 CUDA graphs, their memory pool and the generator states of dropout themselves. In a bench process
 that also replays graph mode's captured step, the first replay of that step after the trees have
-run ended in a segmentation fault (the packed base-model shape on an H200, docs/PERFORMANCE.md
+run ended in a segmentation fault (the packed base-model shape, docs/PERFORMANCE.md
 section 9; not at 32 x 32). So when compile-ro shares a run with a row that replays CUDA graphs
 (:data:`APART`), compile-ro runs first, in a child ``streamnmt bench`` of the same settings
 (``OUT/compile-ro/``: its own bench.json and log), and its timed runs join this run's table: that

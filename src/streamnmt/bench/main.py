@@ -160,7 +160,7 @@ def run_bench(cfg: BenchConfig, log: Log = print) -> int:
             raise distributed.peer_lost(d, e) from None
         raise  # the process group stays up: the error's frames may hold graphs that captured NCCL work
     # The rows' CUDA graphs (captured NCCL collectives among them) go before the process group:
-    # destroying it under them hangs every rank (docs/PERFORMANCE.md, "Two H100s").
+    # destroying it under them hangs every rank (docs/PERFORMANCE.md, "Several GPUs (DDP)").
     gc.collect()
     d.close()
     return code

@@ -242,7 +242,7 @@ def resolve_compile_for_ranks(job: TrainJob, train: TokenizedCorpus, device: tor
 class RankDevice:
     """What one rank's device offers that the resolved job depends on."""
 
-    name: str  # e.g. "cuda:1, NVIDIA H100 80GB HBM3", for the error line
+    name: str  # the device and its name (torch.cuda.get_device_name), for the error line
     gib: float | None  # memory (None on the CPU: no token budget is sized from it)
     bf16: bool  # native bf16
     flex: str | None  # why FlexAttention cannot train here (None: it can, or --attention is not flex)

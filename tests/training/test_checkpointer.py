@@ -143,3 +143,46 @@ def test_a_kill_mid_write_leaves_the_last_good_checkpoint_exact_to_resume(tmp_pa
     ref = [(r["step"], r["loss"]) for r in read_csv(tmp_path / "ref" / "steps.csv")]
     got = [(r["step"], r["loss"]) for r in read_csv(tmp_path / "killed" / "steps.csv")]
     assert got == ref and len(ref) == 9
+
+
+def test_ema_pt_is_written_beside_a_last_pt_write_and_close_waits_for_both(tmp_path, monkeypatch):
+    """ema.pt (an OVERLAPS kind) does not wait for the last.pt write in flight; last.pt and best.pt
+    still wait for every write (last.pt names the best.pt on disk); close() waits for all, and an
+    error of either write reaches the loop."""
+    gate, order = threading.Event(), []
+    real = ckpt_mod.save_checkpoint
+
+    def slow_last(path, state):
+        order.append(("start", path.name))
+        if path.name == "last.pt":
+            gate.wait(10)
+        real(path, state)
+        order.append(("end", path.name))
+
+    monkeypatch.setattr(ckpt_mod, "save_checkpoint", slow_last)
+    c = Checkpointer(torch.device("cpu"), background=True)
+    c.save(tmp_path / "last.pt", {"step": 1})
+    waited = c.save(tmp_path / "ema.pt", {"step": 1}, kind="ema")
+    assert waited < 5.0 and c.busy  # not after last.pt: that write is still held by the gate
+    deadline = time.monotonic() + 10
+    while ("end", "ema.pt") not in order and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert order == [("start", "last.pt"), ("start", "ema.pt"), ("end", "ema.pt")]
+    threading.Timer(0.3, gate.set).start()
+    waited = c.save(tmp_path / "best.pt", {"step": 1}, kind="best")  # waits for last.pt's write
+    assert waited >= 0.2 and order.index(("end", "last.pt")) < order.index(("start", "best.pt"))
+    c.close()
+    assert not c.busy and {p.name for p in tmp_path.glob("*.pt")} == {"last.pt", "ema.pt", "best.pt"}
+    assert load_checkpoint(tmp_path / "ema.pt")["step"] == 1
+
+    def broken_ema(path, state):
+        if path.name == "ema.pt":
+            raise OSError(28, "No space left on device", str(path))
+        real(path, state)
+
+    monkeypatch.setattr(ckpt_mod, "save_checkpoint", broken_ema)
+    c.save(tmp_path / "last.pt", {"step": 2})
+    c.save(tmp_path / "ema.pt", {"step": 2}, kind="ema")
+    with pytest.raises(OSError, match="No space left"):
+        c.close()
+    assert load_checkpoint(tmp_path / "last.pt")["step"] == 2

@@ -7,7 +7,10 @@ issued on a side stream and waited on through one event; a writer thread then se
 (``torch.save``), fsyncs it and renames it over the target (:func:`streamnmt.checkpoint.save_checkpoint`),
 so a kill at any moment leaves the previous file whole. At most one write is in flight: a save
 that finds the writer busy waits for it first, and so do the end of the run, a stop (SIGTERM,
-``--time-limit``, ``--patience``) and :meth:`Checkpointer.close`.
+``--time-limit``, ``--patience``) and :meth:`Checkpointer.close`. The one exception is ema.pt
+(:data:`OVERLAPS`): written at the end of a run, right after the last last.pt, and named by no other
+file, it is written beside that last.pt instead of after it, so the end waits for the longer write
+rather than for both.
 
 Why a thread of our own and not ``torch.distributed.checkpoint.async_save`` (torchtitan's
 choice): DCP writes a directory of shards with its own metadata, made for sharded models that
@@ -43,6 +46,9 @@ from streamnmt.syncstats import host_sync
 # What best.pt and ema.pt keep: enough to translate, evaluate, export, average and start a run
 # from (--weights); an exact resume needs last.pt alone, so best.pt skips the optimizer's moments.
 WEIGHTS_KEYS = ("model", "model_shape", "tokenizers", "config", "step", "best")
+# Kinds whose write may run beside a write of another kind. Not last.pt and best.pt: last.pt records
+# which best.pt is on disk, so best.pt must have landed before the last.pt that names it.
+OVERLAPS = ("ema",)
 
 
 class Checkpointer:
@@ -53,8 +59,9 @@ class Checkpointer:
         self.cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if self.cuda and background else None  # made once
         self._pinned: dict[tuple, torch.Tensor] = {}  # staging buffers, by (kind, path in the state)
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._threads: dict[str, threading.Thread] = {}  # writes in flight, by kind
+        self._error: BaseException | None = None  # the first error of a write, raised on the loop
+        self._lock = threading.Lock()  # two writers (OVERLAPS) record their seconds
         # how long the last write of each kind (last, best, ema) took on the writer (serialise,
         # fsync, rename): last.pt holds the optimizer's moments too, best.pt a third of that.
         # Replaced, never changed in place: a BLEU pass's thread reads it (the run's time reserve)
@@ -72,24 +79,28 @@ class Checkpointer:
         in place.
         """
         t0 = time.perf_counter()
-        self.wait()  # at most one write in flight: the staging buffers are free again after this
+        # at most one write in flight (one of an OVERLAPS kind aside): the staging buffers are free after this
+        self.wait(kind if kind in OVERLAPS else None)
         if not self.background:
             # Needed: torch.save copies every device tensor to the host (callers drained the
             # streams first, so this waits for nothing queued, but it is a host-device sync).
             host_sync("checkpoint.save", lambda: self._write(kind, path, state, keep, step, then))
             return time.perf_counter() - t0
         staged = self._stage(kind, state)
-        self._thread = threading.Thread(target=self._run, args=(kind, path, staged, keep, step, then),
-                                        name="streamnmt-checkpoint-writer", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, args=(kind, path, staged, keep, step, then),
+                                  name=f"streamnmt-checkpoint-writer-{kind}", daemon=True)
+        self._threads[kind] = thread
+        thread.start()
         return time.perf_counter() - t0
 
-    def wait(self) -> float:
-        """Wait for the write in flight (if any); re-raise its error here. Returns the seconds waited."""
+    def wait(self, kind: str | None = None) -> float:
+        """Wait for the writes in flight (those of ``kind`` only, where given); re-raise an error of
+        any write here. Returns the seconds waited."""
         t0 = time.perf_counter()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        for k in [kind] if kind is not None else list(self._threads):
+            thread = self._threads.pop(k, None)
+            if thread is not None:
+                thread.join()
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -97,7 +108,7 @@ class Checkpointer:
 
     @property
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return any(thread.is_alive() for thread in self._threads.values())
 
     def close(self) -> float:
         """The end of the run: every write finished (or its error raised)."""
@@ -150,7 +161,8 @@ class Checkpointer:
         try:
             self._write(kind, path, state, keep, step, then)
         except BaseException as e:  # raised on the loop's thread at its next save or wait
-            self._error = e
+            with self._lock:
+                self._error = self._error or e
 
     def _write(self, kind: str, path: Path, state: dict[str, Any], keep: int, step: int,
                then: Callable[[dict[str, Any]], None] | None) -> None:
@@ -160,8 +172,9 @@ class Checkpointer:
             keep_step_copy(path, step, keep)
         if then is not None:
             then(state)
-        self.write_s = {**self.write_s, kind: time.perf_counter() - t0}
-        self.writes += 1
+        with self._lock:
+            self.write_s = {**self.write_s, kind: time.perf_counter() - t0}
+            self.writes += 1
 
 
 def weights_only(state: dict[str, Any]) -> dict[str, Any]:

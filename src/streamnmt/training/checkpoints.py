@@ -144,18 +144,19 @@ class CheckpointManager:
         due = not self.writer.busy and self.cadence.due(step, epoch_end=True)
         return dist.broadcast(due, "dist.cadence") if dist.active else due
 
-    def export_ema(self, loop: LoopRecord) -> None:
+    def export_ema(self, loop: LoopRecord) -> Path | None:
         """--ema: the averaged weights as weights/ema.pt, a weights-only checkpoint that translate, eval,
-        export, average and --weights load like any other (last.pt keeps the trained weights)."""
+        export, average and --weights load like any other (last.pt keeps the trained weights). Staged
+        here and written beside a last.pt write in flight (the writer's OVERLAPS): the caller waits
+        for both with ``writer.close()``. Its path, or None where there is no moving average."""
         ema = self.run.train_step.ema
         if ema is None or loop.step == 0:
-            return
+            return None
         path = self.save_dir / "weights" / "ema.pt"
         with ema.swapped():  # the model holds the averaged weights until they are staged
             state = {**weights_only(self.state(loop)), "ema_of_step": loop.step}
             self.writer.save(path, state, kind="ema")
-        self.writer.wait()
-        self.run.log(f"EMA weights: {path}")
+        return path
 
     def last_good(self) -> str:
         """The checkpoint a failed run leaves to go on from, as it is on disk now."""

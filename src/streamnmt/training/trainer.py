@@ -116,15 +116,17 @@ class Trainer:
             loop_s = self.clock() - loop_start
             times["training"] = loop_s - times["evaluation"] - times["checkpoints"]
             end_start = self.clock()
+            # rank 0: ema.pt staged, then written beside the last last.pt; _close_logs waits for both
+            ema = self.checkpoints.export_ema(self.record()) if self.dist.main else None
+            ema_s = self.clock() - end_start
+            times["checkpoints"] += ema_s
             write_s = self._close_logs()  # inside: a SIGTERM meanwhile is caught as in the loop
         result = {"save_dir": self.save_dir, "best_val": self.evaluator.best_val, "steps": self.global_step,
                   "last": row, "stopped": self.stopped, "times": times}
         if not self.dist.main:
             return result
-        te = self.clock()
-        self.checkpoints.export_ema(self.record())
-        ema_s = self.clock() - te
-        times["checkpoints"] += ema_s
+        if ema is not None:
+            self.log(f"EMA weights: {ema}")
         if self.stopped:
             reason = self.stop_reason(self.global_step) if callable(self.stop_reason) else self.stop_reason
             if not reason:
@@ -137,8 +139,9 @@ class Trainer:
         return result
 
     def _close_logs(self) -> float:
-        """The sync table, the logs closed and the plots drawn while the last last.pt is written;
-        then the wait for that write (returned, in seconds), so it ends before the run says it saved."""
+        """The sync table, the logs closed and the plots drawn while the last last.pt (and ema.pt) is
+        written; then the wait for those writes (returned, in seconds), so they end before the run says
+        it saved."""
         try:
             self.metrics.finish(self.global_step)
         finally:
@@ -161,9 +164,9 @@ class Trainer:
 
     def reserve(self, evaluation: bool = True) -> float:
         """Seconds the end of the run will take after the last step: its evaluation (unless not
-        ``evaluation``) and the best.pt it may write, its last.pt write and with ``--ema`` its
-        ema.pt (each as long as the last one of its kind took, ema.pt as best.pt; a write still in
-        flight counts once more) and the exports and plots (a small share)."""
+        ``evaluation``) and the best.pt it may write, its last.pt write and with ``--ema`` what its
+        ema.pt, written beside it, takes longer (each as long as the last one of its kind took, ema.pt
+        as best.pt; a write still in flight counts once more) and the exports and plots (a small share)."""
         w = self.checkpointer.write_s
         cost = self.evaluator.cadence.cost_s or 0.0
         ev = cost + w.get("best", 0.0) if evaluation else 0.0
@@ -172,8 +175,9 @@ class Trainer:
         # --average-last: the end scores the mean of the last evaluated weights too, and may write best.pt
         ev += cost + w.get("best", 0.0) if evaluation and self.evaluator.averager.on else 0.0
         writes = w.get("last", 0.0) + (max(w.values(), default=0.0) if self.checkpointer.busy else 0.0)
-        if self.train_step.ema is not None and self.dist.main:  # weights/ema.pt, written after the last.pt
-            writes += w.get("ema") or w.get("best") or w.get("last", 0.0)  # weights only, as best.pt
+        if self.train_step.ema is not None and self.dist.main:  # weights/ema.pt, written beside the last.pt
+            ema = w.get("ema") or w.get("best") or w.get("last", 0.0)  # weights only, as best.pt
+            writes += max(ema - w.get("last", 0.0), 0.0)  # the end waits for the longer of the two
         # several ranks agree to stop every --sync-interval steps: up to that many more steps run
         agreeing = (self.job.engine.sync_interval - 1) * self._loop_s / max(self._loop_steps, 1) \
             if self.dist.active else 0.0

@@ -291,6 +291,8 @@ def test_time_limit_in_a_real_process_counts_from_the_command_start(tmp_path, ho
     assert evals and int(evals[-1]["step"]) == step  # the end of the run was evaluated
     end = [x for _, x in lines if x.startswith("wall ")]
     assert len(end) == 1 and "training" in end[0] and "set-up" in end[0]
+    kept = float(end[0].split("the loop stopped with ")[1].split()[0])  # the reserve it stopped with
+    assert 0 < kept < 8
     # "set-up S s: start-up (interpreter and imports) U s, ...": written S s after the clock's start
     arrived, setup = next((t, x) for t, x in lines if x.startswith("set-up "))
     total = float(setup.split()[1])

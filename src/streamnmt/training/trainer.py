@@ -65,6 +65,7 @@ class Trainer:
         self.stop_requested, self.stop_reason = False, ""  # this rank: a signal, --time-limit or --patience
         self._loop_s, self._loop_steps = 0.0, 0  # the loop's training seconds and steps (mean step time)
         self.stopped = False  # the ranks agreed to stop
+        self.kept_s: float | None = None  # --time-limit: the seconds the loop stopped with for the end
         self.signalled = False  # a first signal arrived (a second Ctrl-C aborts)
         self.pending_losses: list[StepLoss] = []  # drained by a stop mid-epoch, for the end's means
 
@@ -135,7 +136,10 @@ class Trainer:
             self.log(f"{reason}; saved {self.save_dir / 'weights' / 'last.pt'}")
         times["other"] = self.clock() - end_start - write_s - ema_s  # the sync table, logs closed, plots
         result["wall_s"] = time.monotonic() - self.run.t_command
-        self.log(time_line(times, result["wall_s"]))
+        line = time_line(times, result["wall_s"])
+        if self.kept_s is not None:  # what the loop left for the end against what it took
+            line += f"; the loop stopped with {self.kept_s:.1f} s of --time-limit kept for the end"
+        self.log(line)
         return result
 
     def _close_logs(self) -> float:
@@ -159,7 +163,8 @@ class Trainer:
 
     def _check_budget(self) -> None:
         """Ask to stop once --time-limit leaves only what the end of the run needs (reserve)."""
-        if not self.stop_requested and self.budget.expired(self.reserve()):
+        if not self.stop_requested and self.budget.expired(reserve := self.reserve()):
+            self.kept_s = reserve  # the end line says it beside what the end took
             self.request_stop(self.budget.reason)
 
     def reserve(self, evaluation: bool = True) -> float:

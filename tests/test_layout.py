@@ -72,7 +72,7 @@ FLOORS = (
     ("data", "engine"),
     ("dist", "configbase"),                  # process group; dataclass-to-flags machinery
     ("models",),
-    ("syncstats", "errors", "fsutil", "devices", "lazyinit", "setupclock", "streamnmt"),  # the ground
+    ("syncstats", "errors", "fsutil", "devices", "lazyinit", "setupclock", "testhooks", "streamnmt"),  # the ground
 )
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from streamnmt.errors import InputError
-from streamnmt.fsutil import atomic_path, atomic_write
+from streamnmt.fsutil import atomic_path, atomic_write, streamnmt_home
 
 FORMAT, VERSION = "streamnmt-checkpoint", 1
 
@@ -269,7 +269,7 @@ def tokenizers_of_weights(job: Any, log: Callable[[str], None]) -> Any:
     one = (metas.get("src") or {}).get("sha256") == (metas.get("tgt") or {}).get("sha256")
     if d.shared_vocab and not one:
         return job  # two models cannot serve --shared-vocab: the data directory's shared model is used
-    home = Path(os.environ.get("STREAMNMT_HOME", "~/.cache/streamnmt")).expanduser() / "tokenizers"
+    home = streamnmt_home() / "tokenizers"
     files = embedded_tokenizers(ckpt, job.run.weights, home, shared=d.shared_vocab, by_hash=True)
     if files:
         log(f"weights: tokenizers from {job.run.weights} ({', '.join(sorted(set(files.values())))})")

@@ -18,6 +18,12 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
+def streamnmt_home() -> Path:
+    """``$STREAMNMT_HOME`` (default ``~/.cache/streamnmt``): the built-in corpus, tokenizers taken
+    from checkpoints and the compile cache live under it."""
+    return Path(os.environ.get("STREAMNMT_HOME", "~/.cache/streamnmt")).expanduser()
+
+
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``target``; on success it replaces ``target``.

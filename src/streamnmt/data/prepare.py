@@ -12,7 +12,6 @@ one (BLEU references); ``overlong=drop`` applies to the training split only.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 from streamnmt.data.cache import cache_key, entry_dir, load_entry, save_entry
 from streamnmt.data.config import DataConfig
 from streamnmt.data.corpus import BuildStats, TokenizedCorpus, tokenize_pairs
+from streamnmt.fsutil import streamnmt_home
 from streamnmt.data.readers import ReadStats, SplitSource, find_split, iter_pairs, require_split
 from streamnmt.data.tokenizer import Tokenizer, cpu_threads, train_shared_tokenizer, train_tokenizer
 from streamnmt.dist import several_hosts
@@ -61,8 +61,7 @@ class DataBundle:
 
 
 def builtin_dir(cfg: DataConfig) -> Path:
-    home = Path(os.environ.get("STREAMNMT_HOME", "~/.cache/streamnmt")).expanduser()
-    return home / f"builtin-{cfg.builtin_pairs}"
+    return streamnmt_home() / f"builtin-{cfg.builtin_pairs}"
 
 
 def resolve_data_dir(cfg: DataConfig, build: bool = True) -> Path:

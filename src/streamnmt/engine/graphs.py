@@ -68,22 +68,14 @@ from streamnmt.engine.losses import DeferredLosses
 from streamnmt.engine.strategies import FullPipeline
 from streamnmt.syncstats import host_sync
 from streamnmt.fsutil import atomic_path
+from streamnmt import testhooks
 
 DDP_WARMUP_STEPS = 11  # PyTorch's notes on DDP with CUDA graphs: at least 11 eager iterations first
-INJECT_ENV = "STREAMNMT_TEST_CAPTURE_FAIL_RANK"  # test hook: capture "fails" on this rank
 
 
 def _data_parallel(step: StepFunction) -> bool:
     """The step's gradients are all-reduced by DDP (built or about to be), at any world size."""
     return bool(getattr(step, "data_parallel", False))
-
-
-def _injected_failure() -> str | None:
-    """Test hook: a capture failure on the rank named by ``STREAMNMT_TEST_CAPTURE_FAIL_RANK``."""
-    want = os.environ.get(INJECT_ENV)
-    if want is not None and want == os.environ.get("RANK", "0"):
-        return f"injected by {INJECT_ENV}"
-    return None
 
 
 def _ema_variants(step: StepFunction) -> tuple[bool, ...]:
@@ -188,7 +180,7 @@ class GraphStrategy(Strategy):
         A failed capture falls back to ``full`` on one process; with DDP it is recorded in
         ``report["capture_error"]`` instead, for the caller to agree on across ranks."""
         self.polling = _data_parallel(step)  # replayed collectives: host waits poll with a deadline
-        injected = _injected_failure()
+        injected = testhooks.capture_failure()  # test hook (streamnmt.testhooks)
         if injected is not None:
             self._capture_failed(step, injected)
             return

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from streamnmt.fsutil import atomic_write
+from streamnmt.fsutil import atomic_write, streamnmt_home
 
 KEY_VERSION = 2  # bump when the key's layout or what the files hold changes (2: the package's code, buckets)
 INDUCTOR_ENV, TRITON_ENV = "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"
@@ -57,11 +57,6 @@ Log = Callable[[str], None]
 
 _ours: set[str] = set()  # directories this module pointed the variables at (not the user's)
 _staged: CompileCache | None = None  # staged by resolve_compile for the next make_step(compile=True)
-
-
-def streamnmt_home() -> Path:
-    """``$STREAMNMT_HOME``, resolved as the data and checkpoint code resolve it."""
-    return Path(os.environ.get("STREAMNMT_HOME", "~/.cache/streamnmt")).expanduser()
 
 
 def environment(device: torch.device) -> dict[str, Any]:

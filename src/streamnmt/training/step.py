@@ -42,6 +42,7 @@ from streamnmt.training.ema import EMA
 from streamnmt.models.transformer import ModelShape
 from streamnmt.models.xent import linear_cross_entropy
 from streamnmt.training.optim import Adam
+from streamnmt import testhooks
 
 
 def _loss_eager() -> Callable[..., Any]:
@@ -166,11 +167,11 @@ class NMTStep:
         self.grads_to_none = True  # graph mode with accumulation keeps the .grad tensors in place
         # Every micro-batch loss of the step so far was finite (in place: graph mode captures it).
         self.loss_ok = torch.ones((), dtype=torch.bool, device=self.params[0].device)
-        # Test hook: make the loss of this (1-based) call non-finite, to exercise the NaN policy.
-        # Eager strategies only: graph mode's warm-up and capture calls count too.
-        self.inject_inf_at = int(os.environ.get("STREAMNMT_INJECT_INF_STEP", "0"))
-        # Test hook: from this (1-based) call on, an infinite gradient under a finite loss.
-        self.inject_inf_grad_from = int(os.environ.get("STREAMNMT_INJECT_INF_GRAD_FROM", "0"))
+        # Test hooks (streamnmt.testhooks): a non-finite loss at this (1-based) call, to exercise the
+        # NaN policy (eager strategies only: graph mode's warm-up and capture calls count too), and
+        # from that call on an infinite gradient under a finite loss.
+        self.inject_inf_at = testhooks.inf_loss_call()
+        self.inject_inf_grad_from = testhooks.inf_grad_from_call()
         self.calls = 0
         self.updates = 0  # optimizer steps so far, on the host (which of them update the EMA; set on resume)
         self.ema: EMA | None = None  # set by make_step(ema=...): averaged weights, updated in the step

@@ -38,10 +38,9 @@ from streamnmt.training.monitor import CpuSampler, NvmlSampler
 from streamnmt.training.reporting import merge_sync_stats, progress, time_line
 from streamnmt.training.step import noam_lr
 from streamnmt.training.stopping import stop_signals
+from streamnmt import testhooks
 
 END_SHARE = 0.02  # of --time-limit, kept for the run's end (exports, plots), at most 5 s
-# test hook: a run that reaches this step is killed (SIGKILL) after its checkpoints land
-KILL_AT_STEP = "STREAMNMT_TEST_KILL_AT_STEP"
 
 
 class Trainer:
@@ -285,7 +284,7 @@ class Trainer:
             if r.save_every and self.global_step % r.save_every == 0:
                 losses += self.drain("save")
                 self._save_last(keep=r.keep_last)
-            if self.global_step == int(os.environ.get(KILL_AT_STEP, "0")):
+            if self.global_step == testhooks.kill_at_step():
                 # a crash after the checkpoints written so far: those in flight land first, so the
                 # tests' resume point does not hang on a loaded machine's write speed
                 self.checkpointer.wait()

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from streamnmt.errors import ConfigError, InputError
+from streamnmt.errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported where it is used, so that the CLI starts fast
     import torch

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from streamnmt.config import ModelConfig, build_job, job_from_dict, load_yaml
+from streamnmt.config import PRESETS, ModelConfig, build_job, job_from_dict, load_yaml
 from streamnmt.errors import ConfigError
 
 
@@ -66,6 +66,18 @@ def test_big_preset_sizes_and_dropout():
     # an explicit --dropout wins over the preset's, 0.1 included
     assert build_job({"model": "big", "dropout": "0.1"}).model.resolve("big").dropout == 0.1
     assert build_job({"model": "big", "dropout": "0"}).model.resolve("big").dropout == 0.0
+
+
+def test_iwslt_preset_is_fairseqs_iwslt_model_between_small_and_base():
+    m = ModelConfig().resolve("iwslt")
+    assert (m.d_model, m.n_layers, m.n_heads, m.d_ff, m.dropout) == (512, 6, 4, 1024, 0.3)
+    assert build_job({"model": "iwslt", "dropout": "0.1"}).model.resolve("iwslt").dropout == 0.1
+    assert build_job({"model": "iwslt", "n_heads": "8"}).model.resolve("iwslt").n_heads == 8
+
+    def weights(preset):  # parameters besides the embeddings and the output layer
+        d, n, _, f = PRESETS[preset]
+        return n * (4 * d * d + 2 * d * f) + n * (8 * d * d + 2 * d * f)
+    assert weights("small") < weights("iwslt") < weights("base")
 
 
 def test_model_big_resolves_to_a_job(tmp_path):

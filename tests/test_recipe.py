@@ -292,7 +292,8 @@ def test_time_limit_in_a_real_process_counts_from_the_command_start(tmp_path, ho
     end = [x for _, x in lines if x.startswith("wall ")]
     assert len(end) == 1 and "training" in end[0] and "set-up" in end[0]
     kept = float(end[0].split("the loop stopped with ")[1].split()[0])  # the reserve it stopped with
-    assert 0 < kept < 8
+    parts = end[0].split("kept for the end (")[1].rstrip(")").split(", ")  # "evaluation 0.2", ...
+    assert 0 < kept < 8 and sum(float(x.rsplit(" ", 1)[1]) for x in parts) == pytest.approx(kept, abs=0.2)
     # "set-up S s: start-up (interpreter and imports) U s, ...": written S s after the clock's start
     arrived, setup = next((t, x) for t, x in lines if x.startswith("set-up "))
     total = float(setup.split()[1])

@@ -65,6 +65,8 @@ class Trainer:
         self._loop_s, self._loop_steps = 0.0, 0  # the loop's training seconds and steps (mean step time)
         self.stopped = False  # the ranks agreed to stop
         self.kept_s: float | None = None  # --time-limit: the seconds the loop stopped with for the end
+        self.kept_parts: dict[str, float] = {}  # what they were for (reserve)
+        self.reserve_parts: dict[str, float] = {}
         self.signalled = False  # a first signal arrived (a second Ctrl-C aborts)
         self.pending_losses: list[StepLoss] = []  # drained by a stop mid-epoch, for the end's means
 
@@ -137,7 +139,8 @@ class Trainer:
         result["wall_s"] = time.monotonic() - self.run.t_command
         line = time_line(times, result["wall_s"])
         if self.kept_s is not None:  # what the loop left for the end against what it took
-            line += f"; the loop stopped with {self.kept_s:.1f} s of --time-limit kept for the end"
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in self.kept_parts.items())
+            line += f"; the loop stopped with {self.kept_s:.1f} s of --time-limit kept for the end ({parts})"
         self.log(line)
         return result
 
@@ -163,7 +166,8 @@ class Trainer:
     def _check_budget(self) -> None:
         """Ask to stop once --time-limit leaves only what the end of the run needs (reserve)."""
         if not self.stop_requested and self.budget.expired(reserve := self.reserve()):
-            self.kept_s = reserve  # the end line says it beside what the end took
+            self.kept_s = reserve  # the end line says it (and its parts) beside what the end took
+            self.kept_parts = dict(self.reserve_parts)
             self.request_stop(self.budget.reason)
 
     def reserve(self, evaluation: bool = True) -> float:
@@ -185,7 +189,9 @@ class Trainer:
         # several ranks agree to stop every --sync-interval steps: up to that many more steps run
         agreeing = (self.job.engine.sync_interval - 1) * self._loop_s / max(self._loop_steps, 1) \
             if self.dist.active else 0.0
-        return ev + writes + agreeing + min(END_SHARE * (self.budget.limit_s or 0.0), 5.0)
+        rest = min(END_SHARE * (self.budget.limit_s or 0.0), 5.0)
+        self.reserve_parts = {"evaluation": ev, "writes": writes, "the rest": agreeing + rest}  # the end line's
+        return ev + writes + agreeing + rest
 
     def _stop_agreed(self) -> bool:
         """Between epochs: stop now? One process: a signal, --time-limit or --patience asked for it.

@@ -47,17 +47,25 @@ def test_the_written_state_is_the_state_at_save_time(tmp_path):
     assert got["nested"][1] == ("x", 1) and not list(tmp_path.glob(".*.tmp"))
 
 
-def test_one_write_in_flight_and_its_error_reaches_the_loop(tmp_path, monkeypatch):
+def _gated_writes(monkeypatch, held=None) -> tuple[threading.Event, list[tuple[str, str]]]:
+    """Writes that record their start and end and wait for the gate (those named in ``held`` only,
+    where given) before they write."""
     gate, order = threading.Event(), []
     real = ckpt_mod.save_checkpoint
 
-    def slow(path, state):
+    def gated(path, state):
         order.append(("start", path.name))
-        gate.wait(10)
+        if held is None or path.name in held:
+            gate.wait(10)
         real(path, state)
         order.append(("end", path.name))
 
-    monkeypatch.setattr(ckpt_mod, "save_checkpoint", slow)
+    monkeypatch.setattr(ckpt_mod, "save_checkpoint", gated)
+    return gate, order
+
+
+def test_one_write_in_flight_and_its_error_reaches_the_loop(tmp_path, monkeypatch):
+    gate, order = _gated_writes(monkeypatch)
     c = Checkpointer(torch.device("cpu"), background=True)
     c.save(tmp_path / "a.pt", {"step": 1})
     assert c.busy
@@ -149,17 +157,8 @@ def test_ema_pt_is_written_beside_a_last_pt_write_and_close_waits_for_both(tmp_p
     """ema.pt (an OVERLAPS kind) does not wait for the last.pt write in flight; last.pt and best.pt
     still wait for every write (last.pt names the best.pt on disk); close() waits for all, and an
     error of either write reaches the loop."""
-    gate, order = threading.Event(), []
     real = ckpt_mod.save_checkpoint
-
-    def slow_last(path, state):
-        order.append(("start", path.name))
-        if path.name == "last.pt":
-            gate.wait(10)
-        real(path, state)
-        order.append(("end", path.name))
-
-    monkeypatch.setattr(ckpt_mod, "save_checkpoint", slow_last)
+    gate, order = _gated_writes(monkeypatch, held={"last.pt"})
     c = Checkpointer(torch.device("cpu"), background=True)
     c.save(tmp_path / "last.pt", {"step": 1})
     waited = c.save(tmp_path / "ema.pt", {"step": 1}, kind="ema")

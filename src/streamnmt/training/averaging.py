@@ -35,6 +35,7 @@ import torch
 from streamnmt.engine import STATS
 from streamnmt.syncstats import host_sync
 from streamnmt.training.runs import read_csv
+from streamnmt.training.stopping import is_better
 
 KIND = "average"  # evals.csv's kind of the averaged row (an evaluation's row leaves it empty)
 
@@ -159,20 +160,10 @@ class Averager:
                 f"{self.memory_mb(model):.0f} MiB of host memory, and as much in last.pt)")
 
 
-def better(metric: str, value: float | None, than: float | None) -> bool:
-    """``value`` strictly better than ``than`` by ``metric`` (BLEU: higher, val_loss: lower); a
-    missing or non-finite value is never better, anything finite beats a missing one."""
-    if value is None or not math.isfinite(value):
-        return False
-    if than is None:
-        return True
-    return value > than if metric == "bleu" else value < than
-
-
 def choose(metric: str, average: float | None, best_single: float | None) -> str:
     """``average`` or ``single``: the mean wins only where it is strictly better; on a tie the best
     single evaluation's weights stay (they are on disk already, and are one model, not a mix)."""
-    return "average" if better(metric, average, best_single) else "single"
+    return "average" if is_better(metric, average, best_single) else "single"
 
 
 def end_line(metric: str, winner: str, n: int, steps: list[int], average: float | None, cut: bool,
@@ -232,8 +223,8 @@ def decide(metric: str, score: float | None, cut: bool, best: float | None,
     single evaluation (a resume's: it held a better model than last.pt knew of), or None: the mean
     must beat that too. A BLEU pass cut short is not compared."""
     winner = "single" if cut else choose(metric, score, best)
-    held = on_disk if on_disk is not None and better(metric, on_disk, best) else None
-    if winner == "average" and held is not None and not better(metric, score, held):
+    held = on_disk if on_disk is not None and is_better(metric, on_disk, best) else None
+    if winner == "average" and held is not None and not is_better(metric, score, held):
         winner = "single"
     return winner, held
 

@@ -22,6 +22,7 @@ import torch
 from streamnmt.checkpoint import load_model_weights, rng_state, set_rng_state, tokenizer_entry
 from streamnmt.training.checkpointer import Checkpointer, new_weights_id, safetensors_beside, weights_only
 from streamnmt.training.evaluator import Cadence
+from streamnmt.training.stopping import is_better
 
 
 PARTS = ("job", "log", "dist", "device", "recipe_device", "data", "shape", "model", "train_step", "train_loader",
@@ -121,7 +122,7 @@ class CheckpointManager:
         stopper = self.run.evaluator.stopper
         value, metric, on_disk = stopper.best, stopper.metric, self.best_on_disk
         # a resume's best.pt may hold a better model than last.pt knew of
-        if on_disk is not None and value is not None and not (value > on_disk if metric == "bleu" else value < on_disk):
+        if on_disk is not None and value is not None and not is_better(metric, value, on_disk):
             return 0.0
         ts = clock()
         self.save("best.pt", loop, kind="best", weights=weights, step=step)

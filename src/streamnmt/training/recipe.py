@@ -44,7 +44,7 @@ from streamnmt.inference.decoding import decode_dtype, dtype_name
 from streamnmt.models.attention import flex_available, resolve_attention, triton_runs
 from streamnmt.training.step import noam_lr
 
-GPU_PRESETS = ("base", "big", "iwslt")  # the presets sized for a GPU: the 40k-pair corpus, 4000 warm-up steps
+GPU_PRESETS = ("base", "big", "iwslt")  # presets sized for a GPU: the larger built-in corpus, the paper's warm-up
 
 
 def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[str], None]) -> TrainJob:

@@ -23,6 +23,17 @@ from typing import Any
 
 import psutil
 
+
+def is_better(metric: str, value: float | None, than: float | None) -> bool:
+    """``value`` strictly better than ``than`` by ``metric`` (BLEU: higher, val_loss: lower); a
+    missing or non-finite value is never better, anything finite beats a missing one."""
+    if value is None or not math.isfinite(value):
+        return False
+    if than is None:
+        return True
+    return value > than if metric == "bleu" else value < than
+
+
 class EarlyStopping:
     """Tracks ``metric`` over evaluations: improvements, the best value, and ``patience``."""
 
@@ -36,12 +47,7 @@ class EarlyStopping:
 
     def update(self, value: float | None, step: int) -> bool:
         """Record one evaluation; True when it improved on every earlier one (write best.pt)."""
-        if value is None or not math.isfinite(value):
-            better = False
-        elif self.best is None:
-            better = True
-        else:
-            better = value > self.best if self.metric == "bleu" else value < self.best
+        better = is_better(self.metric, value, self.best)
         if better:
             self.best, self.best_step, self.bad = value, step, 0
         else:

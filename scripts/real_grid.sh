@@ -19,7 +19,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LOGS=${GRID_LOGS:-/tmp/grid_logs}; mkdir -p "$LOGS"
 corpus=$1 lang=$2 budget=$3; shift 3
 root=${GRID_ROOT:-/tmp/grid}/$(basename "$corpus"); mkdir -p "$root"
-gpus=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$gpus" -ge 1 ] || gpus=1
+# GRID_GPUS="1 3" runs on those GPUs only (another job may hold the rest); default: every GPU of the machine.
+read -ra G <<< "${GRID_GPUS:-$(seq -s' ' 0 $(( $(nvidia-smi -L 2>/dev/null | wc -l) - 1 )) 2>/dev/null)}"
+[ ${#G[@]} -ge 1 ] || G=(0)
+gpus=${#G[@]}
 V=("$@")
 
 seconds() {  # 2m, 90s, 1.5h, 1h30m, 120 -> whole seconds
@@ -46,7 +49,7 @@ for ((i = 0; i < ${#V[@]}; i += gpus)); do  # one wave: a run on every GPU
   for ((g = 0; g < gpus && i + g < ${#V[@]}; g++)); do
     v=${V[$((i + g))]}; name=${v%%:*}; flags=()
     [ "${v#*:}" != "$v" ] && IFS=, read -ra flags <<< "${v#*:}"
-    train_one "$g" "$name" "${flags[@]}" &
+    train_one "${G[$g]}" "$name" "${flags[@]}" &
   done
   wait
   tar czf "$OUT/.grid_logs.tgz.tmp" -C "$LOGS" . && mv "$OUT/.grid_logs.tgz.tmp" "$OUT/grid_logs.tgz"

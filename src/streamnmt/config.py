@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from streamnmt.configbase import check, check_choice, from_dict, opt, to_dict
-from streamnmt.data.config import DataConfig
+from streamnmt.data.config import DataConfig, small_corpus
 from streamnmt.engine.config import EngineConfig
 from streamnmt.errors import ConfigError
 
@@ -40,6 +40,10 @@ PRESETS = {
 # every other preset the paper's 0.1.
 PRESET_DROPOUT = {"big": 0.3, "iwslt": 0.3}
 DEFAULT_DROPOUT = 0.1
+# The corpus rule's dropout: a --data corpus under data.config.SMALL_CORPUS_PAIRS training pairs trains
+# with at least this, as fairseq's IWSLT recipe does; the real-text grid measured it with the halved
+# vocabulary (docs/PERFORMANCE.md, "The recipe on real text"). --dropout overrides it.
+SMALL_CORPUS_DROPOUT = 0.3
 
 
 @dataclass(kw_only=True)
@@ -100,6 +104,13 @@ class ModelConfig:
 def preset_dropout(preset: str) -> float:
     """The dropout ``preset`` trains with unless --dropout says otherwise."""
     return PRESET_DROPOUT.get(preset, DEFAULT_DROPOUT)
+
+
+def corpus_dropout(preset: str, pairs: int | None) -> float:
+    """The dropout when --dropout is not given, for a --data corpus of ``pairs`` training pairs (None:
+    the built-in corpus, which keeps the preset's)."""
+    base = preset_dropout(preset)
+    return max(base, SMALL_CORPUS_DROPOUT) if small_corpus(pairs) else base
 
 
 @dataclass(kw_only=True)

@@ -6,6 +6,23 @@ from dataclasses import dataclass
 
 from streamnmt.configbase import check, check_choice, opt
 
+# The corpus rule's vocabulary: a --data corpus under SMALL_CORPUS_PAIRS training pairs trains its
+# tokenizers with half the 32k of the WMT recipes, the size the real-text grid favoured; larger corpora
+# and the built-in one keep 32k (docs/PERFORMANCE.md, "The recipe on real text").
+SMALL_CORPUS_PAIRS = 1_000_000
+SMALL_CORPUS_VOCAB = 16000
+CORPUS_VOCAB = 32000
+
+
+def small_corpus(pairs: int | None) -> bool:
+    """A --data corpus (``pairs`` its training pairs; None: the built-in one) the small-corpus recipe fits."""
+    return pairs is not None and pairs < SMALL_CORPUS_PAIRS
+
+
+def auto_vocab(pairs: int | None) -> int:
+    """Pieces per tokenizer when --src-vocab/--tgt-vocab are not given (``pairs`` None: the built-in corpus)."""
+    return SMALL_CORPUS_VOCAB if small_corpus(pairs) else CORPUS_VOCAB
+
 
 @dataclass(kw_only=True)
 class DataConfig:
@@ -17,10 +34,12 @@ class DataConfig:
     tokenizer_chn: str | None = opt(None, "existing SentencePiece model for the target side")
     shared_vocab: bool = opt(False, "one SentencePiece model for both sides, trained on both sides' text "
                                     "(DIR/tokenizer/shared.model; needed by --tie-embeddings all)")
-    src_vocab: int = opt(32000, "source SentencePiece vocabulary size when training one "
-                                "(capped for small corpora)")
-    tgt_vocab: int = opt(32000, "target SentencePiece vocabulary size when training one "
-                                "(capped for small corpora)")
+    src_vocab: int | None = opt(None, "source SentencePiece vocabulary size when training one (capped for "
+                                      f"small corpora); default: {SMALL_CORPUS_VOCAB} for a --data corpus under "
+                                      f"{SMALL_CORPUS_PAIRS:,} training pairs, else {CORPUS_VOCAB}")
+    tgt_vocab: int | None = opt(None, "target SentencePiece vocabulary size when training one (capped for "
+                                      f"small corpora); default: {SMALL_CORPUS_VOCAB} for a --data corpus under "
+                                      f"{SMALL_CORPUS_PAIRS:,} training pairs, else {CORPUS_VOCAB}")
     batch_size: int = opt(32, "sentences per batch (when --max-tokens is 0)")
     max_tokens: int | None = opt(None, "token budget per batch (padded tokens, the longer side); 0 = batch by "
                                        "sentences; default: on a GPU a budget sized for it (see "
@@ -46,8 +65,8 @@ class DataConfig:
                                         "when none exists; more is slower and rarely better")
 
     def __post_init__(self) -> None:
-        check(self.src_vocab >= 16, "src_vocab", f"must be at least 16; got {self.src_vocab}")
-        check(self.tgt_vocab >= 16, "tgt_vocab", f"must be at least 16; got {self.tgt_vocab}")
+        check(self.src_vocab is None or self.src_vocab >= 16, "src_vocab", f"must be at least 16; got {self.src_vocab}")
+        check(self.tgt_vocab is None or self.tgt_vocab >= 16, "tgt_vocab", f"must be at least 16; got {self.tgt_vocab}")
         check(self.batch_size > 0, "batch_size", f"must be a positive integer; got {self.batch_size}")
         check(self.max_tokens is None or self.max_tokens >= 0, "max_tokens",
               f"must be 0 (off) or a positive integer; got {self.max_tokens}")

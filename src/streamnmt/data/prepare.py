@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from streamnmt.data.cache import cache_key, entry_dir, load_entry, save_entry
-from streamnmt.data.config import DataConfig
+from streamnmt.data.config import DataConfig, auto_vocab
 from streamnmt.data.corpus import BuildStats, TokenizedCorpus, tokenize_pairs
 from streamnmt.fsutil import streamnmt_home
 from streamnmt.data.readers import ReadStats, SplitSource, find_split, iter_pairs, require_split
@@ -53,6 +53,14 @@ class DataBundle:
     data_dir: Path
     stats: dict[str, dict[str, int]] = field(default_factory=dict)
     cache_keys: dict[str, str] = field(default_factory=dict)  # split -> its cache entry's key
+    # the sizes the corpus rule asked of tokenizers trained now (--src-vocab/--tgt-vocab not given)
+    auto_vocab: tuple[int, int] | None = None
+    builtin: bool = False  # the built-in corpus (the corpus rule is for --data corpora)
+
+    @property
+    def train_pairs(self) -> int | None:
+        """Training pairs read from a --data corpus (None: the built-in corpus), as the corpus rule counts them."""
+        return None if self.builtin else self.stats.get("train", {}).get("read")
 
     def fingerprint(self) -> dict[str, str]:
         """What every rank must share: the tokenizers' hashes and each split's cache key."""
@@ -109,7 +117,7 @@ def prepare_data(cfg: DataConfig, log: Log = print, build: bool = True) -> DataB
     if cfg.data is None:
         log(f"data: built-in corpus ({cfg.builtin_pairs} training pairs) in {directory}")
     sources = find_sources(cfg, directory)
-    src_tok, tgt_tok = _tokenizers(cfg, directory, sources, log, build)
+    src_tok, tgt_tok, auto = _tokenizers(cfg, directory, sources, log, build)
     corpora: dict[str, TokenizedCorpus] = {}
     stats: dict[str, dict[str, int]] = {}
     keys: dict[str, str] = {}
@@ -123,21 +131,24 @@ def prepare_data(cfg: DataConfig, log: Log = print, build: bool = True) -> DataB
     log(f"data: ready in {time.perf_counter() - t0:.1f}s (vocab {src_tok.vocab_size} source, "
         f"{tgt_tok.vocab_size} target)")
     return DataBundle(train=corpora["train"], dev=corpora["dev"], test=corpora.get("test"),
-                      src_tok=src_tok, tgt_tok=tgt_tok, data_dir=directory, stats=stats, cache_keys=keys)
+                      src_tok=src_tok, tgt_tok=tgt_tok, data_dir=directory, stats=stats, cache_keys=keys,
+                      auto_vocab=auto, builtin=cfg.data is None)
 
 
 def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],
-                log: Log, build: bool = True) -> tuple[Tokenizer, Tokenizer]:
-    """Given models as they are; else ``DIR/tokenizer/{eng,chn}.model``, trained when absent."""
+                log: Log, build: bool = True) -> tuple[Tokenizer, Tokenizer, tuple[int, int] | None]:
+    """Given models as they are; else ``DIR/tokenizer/{eng,chn}.model``, trained when absent. Third:
+    the sizes the corpus rule asked of those it trained (None: every size given, or none trained)."""
     if cfg.shared_vocab:
-        tok = _shared_tokenizer(cfg, directory, sources, log, build)
-        return tok, tok
+        tok, auto = _shared_tokenizer(cfg, directory, sources, log, build)
+        return tok, tok, auto
     sides = [  # (given?, path, vocab size, language, name)
         (cfg.tokenizer_eng is not None, Path(cfg.tokenizer_eng or directory / "tokenizer" / "eng.model"),
          cfg.src_vocab, cfg.src_lang, "source tokenizer"),
         (cfg.tokenizer_chn is not None, Path(cfg.tokenizer_chn or directory / "tokenizer" / "chn.model"),
          cfg.tgt_vocab, cfg.tgt_lang, "target tokenizer"),
     ]
+    auto = None
     loaded = {k: Tokenizer(path) for k, (given, path, *_) in enumerate(sides) if given or path.is_file()}
     missing = [k for k in range(2) if k not in loaded]
     if missing and not build:
@@ -146,16 +157,19 @@ def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource
         log(f"data: {sides[k][4]}: {tok.path} (vocab {tok.vocab_size})")
     if missing:
         t0 = time.perf_counter()
-        samples = _sample_train(cfg, sources["train"])
+        samples, pairs = _sample_train(cfg, sources["train"])
         _check_other_splits(cfg, sources)
+        sizes = [size or auto_vocab(None if cfg.data is None else pairs) for _, _, size, *_ in sides]
+        if any(sides[k][2] is None for k in missing):
+            auto = (sizes[0], sizes[1])
         threads = max(1, cpu_threads() // len(missing))
         with ThreadPoolExecutor(len(missing)) as pool:  # SentencePiece trains outside the GIL
-            jobs = {k: pool.submit(train_tokenizer, samples[k], sides[k][1], sides[k][2], sides[k][3],
+            jobs = {k: pool.submit(train_tokenizer, samples[k], sides[k][1], sizes[k], sides[k][3],
                                    threads=threads, log=log, name=sides[k][4]) for k in missing}
             loaded.update({k: job.result() for k, job in jobs.items()})
         log(f"data: trained {' and '.join(sides[k][4] for k in missing)} on {len(samples[0])} sampled "
             f"pairs in {time.perf_counter() - t0:.1f}s -> {directory / 'tokenizer'}")
-    return loaded[0], loaded[1]
+    return loaded[0], loaded[1], auto
 
 
 def _check_other_splits(cfg: DataConfig, sources: dict[str, SplitSource | None]) -> None:
@@ -167,39 +181,43 @@ def _check_other_splits(cfg: DataConfig, sources: dict[str, SplitSource | None])
 
 
 def _shared_tokenizer(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],
-                      log: Log, build: bool = True) -> Tokenizer:
-    """``--shared-vocab``: the given model, else ``DIR/tokenizer/shared.model``, trained on both sides."""
+                      log: Log, build: bool = True) -> tuple[Tokenizer, tuple[int, int] | None]:
+    """``--shared-vocab``: the given model, else ``DIR/tokenizer/shared.model``, trained on both sides
+    (with the corpus rule's size where neither --src-vocab nor --tgt-vocab is given)."""
     given = cfg.tokenizer_eng or cfg.tokenizer_chn
     path = Path(given or directory / "tokenizer" / "shared.model")
     if given or path.is_file():
         tok = Tokenizer(path)
         log(f"data: shared tokenizer: {tok.path} (vocab {tok.vocab_size})")
-        return tok
+        return tok, None
     if not build:
         raise NotPrepared(f"{path}: not trained yet")
     t0 = time.perf_counter()
-    samples = _sample_train(cfg, sources["train"])
+    samples, pairs = _sample_train(cfg, sources["train"])
     _check_other_splits(cfg, sources)
-    tok = train_shared_tokenizer(samples[0], samples[1], path, max(cfg.src_vocab, cfg.tgt_vocab), cfg.src_lang,
-                                 cfg.tgt_lang, log=log)
+    asked = [v for v in (cfg.src_vocab, cfg.tgt_vocab) if v is not None]
+    size = max(asked) if asked else auto_vocab(None if cfg.data is None else pairs)
+    tok = train_shared_tokenizer(samples[0], samples[1], path, size, cfg.src_lang, cfg.tgt_lang, log=log)
     log(f"data: trained the shared tokenizer on both sides of {len(samples[0])} sampled pairs in "
         f"{time.perf_counter() - t0:.1f}s -> {path}")
-    return tok
+    return tok, None if asked else (size, size)
 
 
-def _sample_train(cfg: DataConfig, source: SplitSource) -> tuple[list[str], list[str]]:
-    """A seeded uniform sample (reservoir) of training pairs, read in one streaming pass."""
+def _sample_train(cfg: DataConfig, source: SplitSource) -> tuple[tuple[list[str], list[str]], int]:
+    """A seeded uniform sample (reservoir) of training pairs, read in one streaming pass, and the
+    pairs read (what the corpus rule counts, as the tokenized split's ``read``)."""
     rng = random.Random(0)
     k = cfg.tokenizer_sample
     sample: list[tuple[str, str]] = []
-    for n, pair in enumerate(iter_pairs(source, cfg.src_lang, cfg.tgt_lang)):
+    read = ReadStats()
+    for n, pair in enumerate(iter_pairs(source, cfg.src_lang, cfg.tgt_lang, read)):
         if n < k:
             sample.append(pair)
         else:
             j = rng.randrange(n + 1)
             if j < k:
                 sample[j] = pair
-    return [p[0] for p in sample], [p[1] for p in sample]
+    return ([p[0] for p in sample], [p[1] for p in sample]), read.read
 
 
 def _tokenized(cfg: DataConfig, cache_dir: Path, source: SplitSource, src_tok: Tokenizer,

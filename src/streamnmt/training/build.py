@@ -39,7 +39,7 @@ from streamnmt.training.checkpoints import CheckpointManager
 from streamnmt.training.evaluator import Evaluator
 from streamnmt.training.loop_evaluation import LoopEvaluation
 from streamnmt.training.metrics import RunMetrics
-from streamnmt.training.recipe import resolve_compile_for_ranks, resolve_job_for_ranks
+from streamnmt.training.recipe import resolve_compile_for_ranks, resolve_corpus, resolve_job_for_ranks
 from streamnmt.training.reporting import overlong_note, running
 from streamnmt.training.runs import increment_path
 from streamnmt.training.step import example_batch, import_in_background, make_step
@@ -110,6 +110,7 @@ class _RunBuilder:
         self.t_command = command_start()  # --time-limit and the end line count from the command's start
         self.setup_s: dict[str, float] = {"start-up": time.monotonic() - self.t_command}
         self.asked_attention = job.model.attention  # as given (auto, triton, ...): named where it falls back
+        self.dropout_given = job.model.dropout is not None  # else the corpus rule chooses it (a new run)
         with self._phase("device"):
             self._build_process(job, log)
         with self._phase("recipe"):
@@ -192,6 +193,7 @@ class _RunBuilder:
                                        seed=int(state.get("seed", self.job.run.seed)))
                 sampler.plan_ahead(int(state["epoch"]))
         else:
+            self.job = resolve_corpus(self.job, self.data, self.dropout_given, self.log)
             self.job = resolve_compile_for_ranks(self.job, self.data.train, self.device, self.dist, self.log)
 
     def _build_model(self, resume: dict[str, Any] | None) -> None:

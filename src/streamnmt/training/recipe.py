@@ -30,13 +30,14 @@ from streamnmt.config import (
     OptimConfig,
     RunConfig,
     TrainJob,
+    corpus_dropout,
     job_from_dict,
     recipe_budget,
     recipe_max_tokens,
     recipe_warmup,
 )
 from streamnmt.data import TokenizedCorpus, batch_plan
-from streamnmt.data.config import DataConfig
+from streamnmt.data.config import SMALL_CORPUS_PAIRS, DataConfig
 from streamnmt.dist import Dist
 from streamnmt.engine.auto import choose_compile, choose_strategy, graph_step_s
 from streamnmt.errors import ConfigError, InputError
@@ -82,6 +83,35 @@ def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[
         log(f"engine: strategy {strategy.value} ({strategy.why})")
     engine = dataclasses.replace(job.engine, sync_strategy=strategy.value)
     return dataclasses.replace(job, model=model, optim=optim, run=run, data=data, engine=engine)
+
+
+def resolve_corpus(job: TrainJob, data: Any, dropout_given: bool, log: Callable[[str], None]) -> TrainJob:
+    """The settings chosen from the training corpus (``data``, prepare_data's bundle) once it is read:
+    the dropout where --dropout was not given, and where --src-vocab/--tgt-vocab were not, the sizes
+    of the tokenizers it runs with (what config.yaml records, the same on every rank). One start line
+    says the corpus it saw and what it chose; the rule is streamnmt.config.corpus_dropout and
+    streamnmt.data.config.auto_vocab, chosen on the real-text grid (docs/PERFORMANCE.md, "The recipe
+    on real text")."""
+    pairs, model, d = data.train_pairs, job.model, job.data
+    d = dataclasses.replace(d, src_vocab=d.src_vocab or data.src_tok.vocab_size,
+                            tgt_vocab=d.tgt_vocab or data.tgt_tok.vocab_size)
+    if not dropout_given:
+        model = dataclasses.replace(model, dropout=corpus_dropout(model.model, pairs))
+    if pairs is not None:
+        small = pairs < SMALL_CORPUS_PAIRS
+        chose = [f"--dropout {model.dropout:g}" + ("" if dropout_given else " (auto)")]
+        if data.auto_vocab:
+            chose.append(f"tokenizers of {data.auto_vocab[0]} source and {data.auto_vocab[1]} target pieces asked "
+                         "(auto)")
+        else:
+            chose.append(f"the tokenizers found ({data.src_tok.vocab_size} source and {data.tgt_tok.vocab_size} "
+                         "target pieces)")
+        kept, (_, tgt_tokens) = len(data.train), data.train.num_tokens()
+        mean = f", {tgt_tokens / kept:.1f} target tokens a pair" if kept else ""
+        log(f"recipe: a corpus of {pairs:,} training pairs{mean} ({'under' if small else 'at least'} "
+            f"{SMALL_CORPUS_PAIRS:,}: the {'small' if small else 'large'}-corpus recipe): {'; '.join(chose)}; "
+            "--dropout, --src-vocab and --tgt-vocab override it")
+    return dataclasses.replace(job, model=model, data=d)
 
 
 def resolve_ema(run: RunConfig) -> RunConfig:

@@ -1,0 +1,102 @@
+"""The corpus rule (CPU): the dropout and the tokenizers' vocabulary chosen from the training corpus's
+size where the flags leave them unset, said in one start line, and recorded in config.yaml."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from streamnmt.config import SMALL_CORPUS_DROPOUT, TrainJob, build_job, corpus_dropout, preset_dropout
+from streamnmt.data.config import CORPUS_VOCAB, SMALL_CORPUS_PAIRS, SMALL_CORPUS_VOCAB, DataConfig, auto_vocab
+from streamnmt.data.prepare import prepare_data
+from streamnmt.training.recipe import resolve_corpus
+from tests.data.conftest import write_corpus
+
+
+@pytest.mark.parametrize("pairs, vocab", [(600, SMALL_CORPUS_VOCAB), (SMALL_CORPUS_PAIRS - 1, SMALL_CORPUS_VOCAB),
+                                          (SMALL_CORPUS_PAIRS, CORPUS_VOCAB), (None, CORPUS_VOCAB)])
+def test_the_vocabulary_halves_below_the_small_corpus_bound_and_not_for_the_builtin_corpus(pairs, vocab):
+    assert auto_vocab(pairs) == vocab
+
+
+@pytest.mark.parametrize("preset", ["base", "small", "big", "iwslt"])
+def test_a_small_corpus_trains_with_at_least_the_small_corpus_dropout(preset):
+    assert corpus_dropout(preset, 40000) == max(preset_dropout(preset), SMALL_CORPUS_DROPOUT)
+    assert corpus_dropout(preset, 5_000_000) == preset_dropout(preset)
+    assert corpus_dropout(preset, None) == preset_dropout(preset)  # the built-in corpus keeps the preset's
+    assert corpus_dropout("base", 40000) > corpus_dropout("base", 5_000_000)
+
+
+def test_data_config_leaves_the_vocabulary_to_the_rule_and_still_checks_a_given_one():
+    assert DataConfig().src_vocab is None and DataConfig().tgt_vocab is None
+    with pytest.raises(Exception, match="src_vocab"):
+        DataConfig(src_vocab=8)
+
+
+def _bundle(pairs: int | None, auto: tuple[int, int] | None, kept: int = 4, tokens: int = 30):
+    train = type("Train", (), {"__len__": lambda self: kept, "num_tokens": lambda self: (tokens, tokens)})()
+    tok = SimpleNamespace(vocab_size=777)
+    return SimpleNamespace(train_pairs=pairs, auto_vocab=auto, train=train, src_tok=tok, tgt_tok=tok)
+
+
+def _job(**model) -> TrainJob:
+    """A job as resolve_job leaves it: the preset resolved (its dropout filled where none is given)."""
+    job = build_job({"model": "base", **model})
+    return dataclasses.replace(job, model=job.model.resolve("base"))
+
+
+def test_resolve_corpus_chooses_the_dropout_unless_given_and_says_so():
+    lines: list[str] = []
+    job = resolve_corpus(_job(), _bundle(40000, (16000, 16000)), dropout_given=False, log=lines.append)
+    assert job.model.dropout == SMALL_CORPUS_DROPOUT
+    assert job.data.src_vocab == job.data.tgt_vocab == 777  # the tokenizers' own sizes, as every rank has them
+    assert len(lines) == 1 and "40,000 training pairs" in lines[0] and "7.5 target tokens a pair" in lines[0]
+    assert "--dropout 0.3 (auto)" in lines[0] and "16000 source and 16000 target pieces asked" in lines[0]
+
+    lines.clear()
+    given = resolve_corpus(_job(dropout=0.1), _bundle(40000, None), dropout_given=True, log=lines.append)
+    assert given.model.dropout == 0.1 and "--dropout 0.1;" in lines[0] and "(auto)" not in lines[0]
+    assert "tokenizers found (777 source and 777 target pieces)" in lines[0]
+
+    lines.clear()
+    large = resolve_corpus(_job(), _bundle(2_000_000, (32000, 32000)), dropout_given=False, log=lines.append)
+    assert large.model.dropout == preset_dropout("base") and "large-corpus recipe" in lines[0]
+
+
+def test_the_builtin_corpus_gets_no_corpus_line_and_keeps_the_presets_dropout():
+    lines: list[str] = []
+    job = resolve_corpus(_job(), _bundle(None, None), dropout_given=False, log=lines.append)
+    assert job.model.dropout == preset_dropout("base") and lines == []
+
+
+def test_prepare_asks_the_rules_size_where_no_flag_gives_one(tmp_path):
+    write_corpus(tmp_path / "c", n_train=300)
+    lines: list[str] = []
+    bundle = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24, tgt_vocab=120), log=lines.append)
+    assert bundle.train_pairs == 300 and bundle.auto_vocab == (SMALL_CORPUS_VOCAB, 120)
+    assert any(f"asked for {SMALL_CORPUS_VOCAB}" in line for line in lines)  # capped: the corpus is small
+    assert bundle.tgt_tok.vocab_size <= 120
+    again = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24), log=lambda _: None)
+    assert again.auto_vocab is None and again.train_pairs == 300  # found on disk: nothing asked
+    assert np.array_equal(again.train.tgt_offsets, bundle.train.tgt_offsets)
+
+
+def test_a_data_run_trains_and_records_the_rules_choice_and_a_flag_overrides_it(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from streamnmt.cli import main
+
+    monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path / "home"))
+    write_corpus(tmp_path / "c", n_train=120)
+    flags = ["train", "--data", str(tmp_path / "c"), "--device", "cpu", "--model", "tiny", "--max-steps", "2",
+             "--bleu-samples", "0", "--max-len", "24", "--project", str(tmp_path / "runs")]
+    for name, extra, dropout in (("auto", [], SMALL_CORPUS_DROPOUT), ("given", ["--dropout", "0.05"], 0.05)):
+        assert main([*flags, "--name", name, *extra]) == 0
+        config = yaml.safe_load((tmp_path / "runs" / name / "config.yaml").read_text())
+        assert config["model"]["dropout"] == dropout
+        assert isinstance(config["data"]["src_vocab"], int) and config["data"]["src_vocab"] <= SMALL_CORPUS_VOCAB
+    out = capsys.readouterr().out
+    assert out.count("recipe: a corpus of 120 training pairs") == 2 and "--dropout 0.05;" in out

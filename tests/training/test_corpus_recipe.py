@@ -36,7 +36,7 @@ def test_data_config_leaves_the_vocabulary_to_the_rule_and_still_checks_a_given_
         DataConfig(src_vocab=8)
 
 
-def _bundle(pairs: int | None, auto: tuple[int, int] | None, kept: int = 4, tokens: int = 30):
+def _bundle(pairs: int | None, auto: dict[str, int], kept: int = 4, tokens: int = 30):
     train = type("Train", (), {"__len__": lambda self: kept, "num_tokens": lambda self: (tokens, tokens)})()
     tok = SimpleNamespace(vocab_size=777)
     return SimpleNamespace(train_pairs=pairs, auto_vocab=auto, train=train, src_tok=tok, tgt_tok=tok)
@@ -50,25 +50,26 @@ def _job(**model) -> TrainJob:
 
 def test_resolve_corpus_chooses_the_dropout_unless_given_and_says_so():
     lines: list[str] = []
-    job = resolve_corpus(_job(), _bundle(40000, (16000, 16000)), dropout_given=False, log=lines.append)
+    job = resolve_corpus(_job(), _bundle(40000, {"source": 16000, "target": 16000}), dropout_given=False, log=lines.append)
     assert job.model.dropout == SMALL_CORPUS_DROPOUT
     assert job.data.src_vocab == job.data.tgt_vocab == 777  # the tokenizers' own sizes, as every rank has them
     assert len(lines) == 1 and "40,000 training pairs" in lines[0] and "7.5 target tokens a pair" in lines[0]
-    assert "--dropout 0.3 (auto)" in lines[0] and "16000 source and 16000 target pieces asked" in lines[0]
+    assert "--dropout 0.3 (auto)" in lines[0] and "source tokenizer of 16000 pieces asked (auto); target tokenizer of 16000" in lines[0]
 
     lines.clear()
-    given = resolve_corpus(_job(dropout=0.1), _bundle(40000, None), dropout_given=True, log=lines.append)
+    given = resolve_corpus(_job(dropout=0.1), _bundle(40000, {}), dropout_given=True, log=lines.append)
     assert given.model.dropout == 0.1 and "--dropout 0.1;" in lines[0] and "(auto)" not in lines[0]
-    assert "tokenizers found (777 source and 777 target pieces)" in lines[0]
+    assert "tokenizers given or found (777 source and 777 target pieces)" in lines[0]
 
     lines.clear()
-    large = resolve_corpus(_job(), _bundle(2_000_000, (32000, 32000)), dropout_given=False, log=lines.append)
+    large = resolve_corpus(_job(), _bundle(2_000_000, {"shared": 32000}), dropout_given=False, log=lines.append)
     assert large.model.dropout == preset_dropout("base") and "large-corpus recipe" in lines[0]
+    assert "shared tokenizer of 32000 pieces asked" in lines[0]
 
 
 def test_the_builtin_corpus_gets_no_corpus_line_and_keeps_the_presets_dropout():
     lines: list[str] = []
-    job = resolve_corpus(_job(), _bundle(None, None), dropout_given=False, log=lines.append)
+    job = resolve_corpus(_job(), _bundle(None, {}), dropout_given=False, log=lines.append)
     assert job.model.dropout == preset_dropout("base") and lines == []
 
 
@@ -76,11 +77,11 @@ def test_prepare_asks_the_rules_size_where_no_flag_gives_one(tmp_path):
     write_corpus(tmp_path / "c", n_train=300)
     lines: list[str] = []
     bundle = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24, tgt_vocab=120), log=lines.append)
-    assert bundle.train_pairs == 300 and bundle.auto_vocab == (SMALL_CORPUS_VOCAB, 120)
+    assert bundle.train_pairs == 300 and bundle.auto_vocab == {"source": SMALL_CORPUS_VOCAB}  # the target's size was given
     assert any(f"asked for {SMALL_CORPUS_VOCAB}" in line for line in lines)  # capped: the corpus is small
     assert bundle.tgt_tok.vocab_size <= 120
     again = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24), log=lambda _: None)
-    assert again.auto_vocab is None and again.train_pairs == 300  # found on disk: nothing asked
+    assert again.auto_vocab == {} and again.train_pairs == 300  # found on disk: nothing asked
     assert np.array_equal(again.train.tgt_offsets, bundle.train.tgt_offsets)
 
 
@@ -100,3 +101,15 @@ def test_a_data_run_trains_and_records_the_rules_choice_and_a_flag_overrides_it(
         assert isinstance(config["data"]["src_vocab"], int) and config["data"]["src_vocab"] <= SMALL_CORPUS_VOCAB
     out = capsys.readouterr().out
     assert out.count("recipe: a corpus of 120 training pairs") == 2 and "--dropout 0.05;" in out
+
+
+def test_a_shared_tokenizer_takes_the_rules_size_unless_either_side_gives_one(tmp_path):
+    write_corpus(tmp_path / "c", n_train=200)
+    lines: list[str] = []
+    bundle = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24, shared_vocab=True), log=lines.append)
+    assert bundle.auto_vocab == {"shared": SMALL_CORPUS_VOCAB} and bundle.src_tok is bundle.tgt_tok
+    assert any(f"asked for {SMALL_CORPUS_VOCAB}" in line for line in lines)
+    write_corpus(tmp_path / "d", n_train=200)
+    given = prepare_data(DataConfig(data=str(tmp_path / "d"), max_len=24, shared_vocab=True, src_vocab=90),
+                         log=lambda _: None)
+    assert given.auto_vocab == {} and given.src_tok.vocab_size <= 90

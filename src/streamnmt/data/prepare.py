@@ -53,8 +53,9 @@ class DataBundle:
     data_dir: Path
     stats: dict[str, dict[str, int]] = field(default_factory=dict)
     cache_keys: dict[str, str] = field(default_factory=dict)  # split -> its cache entry's key
-    # the sizes the corpus rule asked of tokenizers trained now (--src-vocab/--tgt-vocab not given)
-    auto_vocab: tuple[int, int] | None = None
+    # the sizes the corpus rule asked of tokenizers trained now (--src-vocab/--tgt-vocab not given):
+    # "source", "target" or "shared" -> pieces
+    auto_vocab: dict[str, int] = field(default_factory=dict)
     builtin: bool = False  # the built-in corpus (the corpus rule is for --data corpora)
 
     @property
@@ -136,9 +137,9 @@ def prepare_data(cfg: DataConfig, log: Log = print, build: bool = True) -> DataB
 
 
 def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],
-                log: Log, build: bool = True) -> tuple[Tokenizer, Tokenizer, tuple[int, int] | None]:
+                log: Log, build: bool = True) -> tuple[Tokenizer, Tokenizer, dict[str, int]]:
     """Given models as they are; else ``DIR/tokenizer/{eng,chn}.model``, trained when absent. Third:
-    the sizes the corpus rule asked of those it trained (None: every size given, or none trained)."""
+    the sizes the corpus rule asked of those it trained, by side (empty: sizes given, or none trained)."""
     if cfg.shared_vocab:
         tok, auto = _shared_tokenizer(cfg, directory, sources, log, build)
         return tok, tok, auto
@@ -148,7 +149,7 @@ def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource
         (cfg.tokenizer_chn is not None, Path(cfg.tokenizer_chn or directory / "tokenizer" / "chn.model"),
          cfg.tgt_vocab, cfg.tgt_lang, "target tokenizer"),
     ]
-    auto = None
+    auto: dict[str, int] = {}
     loaded = {k: Tokenizer(path) for k, (given, path, *_) in enumerate(sides) if given or path.is_file()}
     missing = [k for k in range(2) if k not in loaded]
     if missing and not build:
@@ -160,8 +161,7 @@ def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource
         samples, pairs = _sample_train(cfg, sources["train"])
         _check_other_splits(cfg, sources)
         sizes = [size or auto_vocab(None if cfg.data is None else pairs) for _, _, size, *_ in sides]
-        if any(sides[k][2] is None for k in missing):
-            auto = (sizes[0], sizes[1])
+        auto = {("source", "target")[k]: sizes[k] for k in missing if sides[k][2] is None}
         threads = max(1, cpu_threads() // len(missing))
         with ThreadPoolExecutor(len(missing)) as pool:  # SentencePiece trains outside the GIL
             jobs = {k: pool.submit(train_tokenizer, samples[k], sides[k][1], sizes[k], sides[k][3],
@@ -181,7 +181,7 @@ def _check_other_splits(cfg: DataConfig, sources: dict[str, SplitSource | None])
 
 
 def _shared_tokenizer(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],
-                      log: Log, build: bool = True) -> tuple[Tokenizer, tuple[int, int] | None]:
+                      log: Log, build: bool = True) -> tuple[Tokenizer, dict[str, int]]:
     """``--shared-vocab``: the given model, else ``DIR/tokenizer/shared.model``, trained on both sides
     (with the corpus rule's size where neither --src-vocab nor --tgt-vocab is given)."""
     given = cfg.tokenizer_eng or cfg.tokenizer_chn
@@ -189,7 +189,7 @@ def _shared_tokenizer(cfg: DataConfig, directory: Path, sources: dict[str, Split
     if given or path.is_file():
         tok = Tokenizer(path)
         log(f"data: shared tokenizer: {tok.path} (vocab {tok.vocab_size})")
-        return tok, None
+        return tok, {}
     if not build:
         raise NotPrepared(f"{path}: not trained yet")
     t0 = time.perf_counter()
@@ -200,7 +200,7 @@ def _shared_tokenizer(cfg: DataConfig, directory: Path, sources: dict[str, Split
     tok = train_shared_tokenizer(samples[0], samples[1], path, size, cfg.src_lang, cfg.tgt_lang, log=log)
     log(f"data: trained the shared tokenizer on both sides of {len(samples[0])} sampled pairs in "
         f"{time.perf_counter() - t0:.1f}s -> {path}")
-    return tok, None if asked else (size, size)
+    return tok, {} if asked else {"shared": size}
 
 
 def _sample_train(cfg: DataConfig, source: SplitSource) -> tuple[tuple[list[str], list[str]], int]:

@@ -100,12 +100,10 @@ def resolve_corpus(job: TrainJob, data: Any, dropout_given: bool, log: Callable[
     if pairs is not None:
         small = pairs < SMALL_CORPUS_PAIRS
         chose = [f"--dropout {model.dropout:g}" + ("" if dropout_given else " (auto)")]
-        if data.auto_vocab:
-            chose.append(f"tokenizers of {data.auto_vocab[0]} source and {data.auto_vocab[1]} target pieces asked "
-                         "(auto)")
-        else:
-            chose.append(f"the tokenizers found ({data.src_tok.vocab_size} source and {data.tgt_tok.vocab_size} "
-                         "target pieces)")
+        chose += [f"{side} tokenizer of {size} pieces asked (auto)" for side, size in data.auto_vocab.items()]
+        if not data.auto_vocab:
+            chose.append(f"the tokenizers given or found ({data.src_tok.vocab_size} source and "
+                         f"{data.tgt_tok.vocab_size} target pieces)")
         kept, (_, tgt_tokens) = len(data.train), data.train.num_tokens()
         mean = f", {tgt_tokens / kept:.1f} target tokens a pair" if kept else ""
         log(f"recipe: a corpus of {pairs:,} training pairs{mean} ({'under' if small else 'at least'} "

@@ -1,5 +1,10 @@
+from __future__ import annotations
+
 import contextlib
+import multiprocessing
 import os
+import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,6 +25,30 @@ def single_thread():
         yield
     finally:
         torch.set_num_threads(n)
+
+
+def in_child(fn: Callable[[], int], timeout: float = 120.0) -> int:
+    """``fn()`` in a forked child of the test process (its imports paid once, which a fresh
+    ``python -m streamnmt`` pays again); its return value is the exit code (-9: killed by SIGKILL)."""
+    def body() -> None:
+        code = 99
+        try:
+            code = fn()
+        except BaseException as e:  # noqa: BLE001 - reported through the exit code
+            print(f"child raised {type(e).__name__}: {e}", file=sys.stderr)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    proc = multiprocessing.get_context("fork").Process(target=body)
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        pytest.fail("the run in a forked child hung")
+    return proc.exitcode
 
 
 @pytest.fixture(scope="module")

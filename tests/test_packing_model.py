@@ -162,24 +162,28 @@ def test_start_line_padding_under_five_percent_with_pack(tmp_path, capsys):
 PACKED = ["--max-tokens", "160", "--max-len", "32"]  # a token budget: packed batches by default
 
 
-def test_packed_training_resumes_exactly_after_sigkill(tmp_path, tmp_path_factory):
-    """Killed after step 35 of 60 (an epoch ends inside the run): the resumed run logs the same
-    losses and ends with the same weights as the uninterrupted one."""
+def test_packed_training_resumes_exactly_after_sigkill(tmp_path, tmp_path_factory, monkeypatch, capsys):
+    """Killed after step 15 of 32, resumed from step 10 (mid-epoch): the resumed run crosses an epoch
+    boundary (the next epoch's packing planned after the resume), logs the same losses and ends with the
+    same weights as the uninterrupted one (which runs in the test process; the killed run in a forked
+    child of it)."""
     import signal
 
-    from tests.test_reliability import TINY, losses, run_cli
+    from tests.test_reliability import TINY, killed_in_child, losses, run_cli, train_here
 
     home = str(tmp_path_factory.getbasetemp() / "home")  # the session's corpora and tokenizers, as test_reliability's
-    common = [*TINY, *PACKED, "--max-steps", "60", "--seed", "5", "--save-every", "10", "--project",
+    common = [*TINY, *PACKED, "--max-steps", "32", "--seed", "5", "--save-every", "10", "--project",
               str(tmp_path), "--builtin-size", "500", "--workers", "0"]
-    ref = run_cli([*common, "--name", "ref"], home)
-    assert ref.returncode == 0, ref.stderr[-2000:]
-    assert "in packed rows of" in ref.stdout + ref.stderr  # packed: one batch shape
+    code, out = train_here([*common, "--name", "ref"], home, monkeypatch, capsys)
+    assert code == 0, out[-2000:]
+    assert "in packed rows of" in out  # packed: one batch shape
     ref_losses = losses(tmp_path / "ref")
-    assert len(ref_losses) == 60 and len({e for _, e, _ in ref_losses}) >= 2  # crosses an epoch boundary
-    killed = run_cli([*common, "--name", "killed"], home, env={"STREAMNMT_TEST_KILL_AT_STEP": "35"})
-    assert killed.returncode == -signal.SIGKILL
+    assert len(ref_losses) == 32 and len({e for _, e, _ in ref_losses}) >= 2  # crosses an epoch boundary
+    assert all(e == "1" for s, e, _ in ref_losses if int(s) <= 15)  # the kill (15) and its checkpoint (10) in epoch 1
+    code, out = killed_in_child([*common, "--name", "killed"], home, 15, tmp_path / "killed.log")
+    assert code == -signal.SIGKILL, out[-2000:]
     last = tmp_path / "killed" / "weights" / "last.pt"
+    assert torch.load(last, weights_only=True)["step"] == 10
     resumed = run_cli(["--resume", str(last)], home)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert losses(tmp_path / "killed") == ref_losses
@@ -243,16 +247,18 @@ def test_a_given_pack_width_must_hold_the_longest_training_target():
         pack_shape(src, tgt, **kw, pad_multiple=1, width=30)
 
 
-def test_pack_width_packs_rows_of_that_width_and_resumes_exactly(tmp_path, tmp_path_factory):
-    from tests.test_reliability import TINY, losses, run_cli
+def test_pack_width_packs_rows_of_that_width_and_resumes_exactly(tmp_path, tmp_path_factory, monkeypatch, capsys):
+    """The uninterrupted run in the test process, the killed run in a forked child of it, the resume
+    in a process of its own."""
+    from tests.test_reliability import TINY, killed_in_child, losses, run_cli, train_here
 
     home = str(tmp_path_factory.getbasetemp() / "home")  # the session's corpora and tokenizers, as test_reliability's
     common = [*TINY, "--max-tokens", "256", "--max-len", "64", "--max-steps", "24", "--seed", "5", "--save-every",
               "10", "--project", str(tmp_path), "--builtin-size", "500", "--workers", "0", "--pack-width", "40"]
-    ref = run_cli([*common, "--name", "ref"], home)
-    assert ref.returncode == 0, ref.stderr[-2000:]
-    assert "packed rows of 40 target" in ref.stdout and "(--pack-width 40)" in ref.stdout
-    killed = run_cli([*common, "--name", "k"], home, env={"STREAMNMT_TEST_KILL_AT_STEP": "15"})
+    code, out = train_here([*common, "--name", "ref"], home, monkeypatch, capsys)
+    assert code == 0, out[-2000:]
+    assert "packed rows of 40 target" in out and "(--pack-width 40)" in out
+    killed, _ = killed_in_child([*common, "--name", "k"], home, 15, tmp_path / "k.log")
     resumed = run_cli(["--resume", str(tmp_path / "k" / "weights" / "last.pt")], home)
-    assert killed.returncode != 0 and resumed.returncode == 0, resumed.stderr[-2000:]
+    assert killed != 0 and resumed.returncode == 0, resumed.stderr[-2000:]
     assert "packed rows of 40 target" in resumed.stdout and losses(tmp_path / "k") == losses(tmp_path / "ref")

@@ -18,6 +18,7 @@ import torch
 from streamnmt.checkpoint import load_safetensors
 from streamnmt.cli import main
 from streamnmt.training.runs import read_csv
+from tests.conftest import in_child
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (conftest.single_thread)
 
@@ -51,27 +52,54 @@ def losses(run: Path) -> list[tuple[str, str, str]]:
     return [(r["step"], r["epoch"], r["loss"]) for r in read_csv(run / "steps.csv")]
 
 
+def train_here(args: list[str], home: str, monkeypatch, capsys) -> tuple[int, str]:
+    """``streamnmt train ARGS`` in the test process (its imports paid once): the exit code and what it
+    printed. For the runs that are not killed and need no fresh process: references, injected faults."""
+    monkeypatch.setenv("STREAMNMT_HOME", home)
+    capsys.readouterr()
+    code = main(["train", *args])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def killed_in_child(args: list[str], home: str, step: int, log: Path) -> tuple[int, str]:
+    """``streamnmt train ARGS`` in a forked child of the test process (its imports paid once) that the
+    trainer ends with SIGKILL after step ``step`` (STREAMNMT_TEST_KILL_AT_STEP): the child's exit code
+    and what it printed (to ``log``)."""
+    def run() -> int:
+        os.environ.update(STREAMNMT_HOME=home, STREAMNMT_TEST_KILL_AT_STEP=str(step))
+        sys.stdout = sys.stderr = open(log, "w")  # noqa: SIM115 - the child's to its end
+        return main(["train", *args])
+
+    code = in_child(run)
+    return code, log.read_text() if log.is_file() else ""
+
+
 @pytest.mark.parametrize("corpus", ["2000", "500"])
-def test_resume_after_sigkill_is_exact(tmp_path, home, corpus):
-    """Killed after step 35: resumes from the last checkpoint, step 30 (mid-epoch) or, when an
+def test_resume_after_sigkill_is_exact(tmp_path, home, corpus, monkeypatch, capsys):
+    """Killed after step 35 of 40: resumes from the last checkpoint, step 30 (mid-epoch) or, when an
     epoch ends between 30 and 35 and the epoch-end save rule saved there, that epoch's end; the
-    smaller corpus crosses an epoch boundary."""
-    common = [*TINY, "--max-steps", "60", "--seed", "5", "--save-every", "10", "--project", str(tmp_path),
+    smaller corpus crosses an epoch boundary. The killed run and its resume are processes of their
+    own (the killed one forked from the test process, the resume started fresh); the uninterrupted
+    reference runs in the test process."""
+    common = [*TINY, "--max-steps", "40", "--seed", "5", "--save-every", "10", "--project", str(tmp_path),
               "--builtin-size", corpus]
-    ref = run_cli([*common, "--name", "ref"], home)
-    assert ref.returncode == 0, ref.stderr[-2000:]
+    code, out = train_here([*common, "--name", "ref"], home, monkeypatch, capsys)
+    assert code == 0, out[-2000:]
     ref_losses = losses(tmp_path / "ref")
     per_epoch = sum(1 for _, e, _ in ref_losses if e == "1")
     resumed_from = {30, per_epoch} if 30 < per_epoch < 35 else {30}
-    killed = run_cli([*common, "--name", "killed"], home, env={"STREAMNMT_TEST_KILL_AT_STEP": "35"})
-    assert killed.returncode == -signal.SIGKILL
+    code, out = killed_in_child([*common, "--name", "killed"], home, 35, tmp_path / "killed.log")
+    assert code == -signal.SIGKILL, out[-2000:]
     last = tmp_path / "killed" / "weights" / "last.pt"
     assert torch.load(last, weights_only=True)["step"] in resumed_from
     resumed = run_cli(["--resume", str(last)], home)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert len(ref_losses) == 60
+    assert len(ref_losses) == 40
     if corpus == "500":
-        assert per_epoch < 60 and len({e for _, e, _ in ref_losses}) == 2  # crosses an epoch boundary
+        assert per_epoch < 35 and len({e for _, e, _ in ref_losses}) == 2  # crosses an epoch boundary
+    else:
+        assert {e for _, e, _ in ref_losses} == {"1"}  # the resume starts mid-epoch
     assert losses(tmp_path / "killed") == ref_losses
     a = torch.load(tmp_path / "ref" / "weights" / "last.pt", weights_only=True)["model"]
     b = torch.load(last, weights_only=True)["model"]
@@ -100,20 +128,23 @@ def test_sigterm_saves_and_exits_0(tmp_path, home):
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
-def test_nan_policies(tmp_path, home, policy):
+def test_nan_policies(tmp_path, home, policy, monkeypatch, capsys):
     args = [*TINY, "--max-steps", "20", "--save-every", "5", "--loss-interval", "1", "--on-nan", policy,
             "--project", str(tmp_path), "--name", policy]
-    res = run_cli(args, home, env={"STREAMNMT_INJECT_INF_STEP": "7"})
+    monkeypatch.setenv("STREAMNMT_INJECT_INF_STEP", "7")
+    monkeypatch.setenv("STREAMNMT_HOME", home)
+    code = main(["train", *args])
+    out = capsys.readouterr()
     run = tmp_path / policy
     rows = read_csv(run / "steps.csv")
     if policy == "stop":
-        assert res.returncode == 1 and "step 7" in res.stderr
+        assert code == 1 and "step 7" in out.err
         assert torch.load(run / "weights" / "last.pt", weights_only=True)["step"] == 5  # last good one
     else:
-        assert res.returncode == 0, res.stderr[-2000:]
+        assert code == 0, out.err[-2000:]
         assert len(rows) == 20 and rows[6]["loss"] == "inf"
         assert all(float(r["loss"]) < 100 for i, r in enumerate(rows) if i != 6)
-        assert "step 7" in res.stdout + res.stderr
+        assert "step 7" in out.out + out.err
 
 
 def test_bad_checkpoints_are_refused(tmp_path, home, capsys, monkeypatch):
@@ -150,9 +181,10 @@ def test_bad_checkpoints_are_refused(tmp_path, home, capsys, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks resuming a GPU run on a machine without one")
-def test_resume_a_gpu_checkpoint_on_cpu(tmp_path, home):
+def test_resume_a_gpu_checkpoint_on_cpu(tmp_path, home, monkeypatch, capsys):
     args = [*TINY, "--max-steps", "4", "--save-every", "2", "--project", str(tmp_path), "--name", "g"]
-    assert run_cli(args, home).returncode == 0
+    code, out = train_here(args, home, monkeypatch, capsys)
+    assert code == 0, out[-2000:]
     last = tmp_path / "g" / "weights" / "last.pt"
     ckpt = torch.load(last, weights_only=True)
     ckpt["config"]["run"]["device"] = "cuda"  # as written by a run on a GPU
@@ -160,22 +192,25 @@ def test_resume_a_gpu_checkpoint_on_cpu(tmp_path, home):
     for group in ckpt["optimizer"]["param_groups"]:
         group["capturable"] = True
     torch.save(ckpt, last)
-    res = run_cli(["--resume", str(last), "--device", "cpu"], home)
-    assert res.returncode == 0, res.stderr[-2000:]
+    code, out = train_here(["--resume", str(last), "--device", "cpu"], home, monkeypatch, capsys)
+    assert code == 0, out[-2000:]
     assert [int(r["step"]) for r in read_csv(tmp_path / "g" / "steps.csv")] == list(range(1, 7))
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
-def test_non_finite_gradient_under_a_finite_loss(tmp_path, home, policy):
+def test_non_finite_gradient_under_a_finite_loss(tmp_path, home, policy, monkeypatch, capsys):
     """From step 6 on every gradient is infinite while the loss stays finite (test hook): steps.csv
     shows each step's gradient norm and skipped flag; --on-nan stop ends at step 6, --on-nan skip
     warns per step and --max-skipped-steps 3 ends the run after 3 skipped updates in a row."""
     args = [*TINY, "--max-steps", "20", "--save-every", "5", "--loss-interval", "1", "--on-nan", policy,
             "--max-skipped-steps", "3", "--project", str(tmp_path), "--name", policy]
-    res = run_cli(args, home, env={"STREAMNMT_INJECT_INF_GRAD_FROM": "6"})
+    monkeypatch.setenv("STREAMNMT_INJECT_INF_GRAD_FROM", "6")
+    monkeypatch.setenv("STREAMNMT_HOME", home)
+    code = main(["train", *args])
+    err = capsys.readouterr().err
     rows = read_csv(tmp_path / policy / "steps.csv")
-    assert res.returncode == 1
-    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("streamnmt: error:")]
+    assert code == 1
+    errors = [ln for ln in err.splitlines() if ln.startswith("streamnmt: error:")]
     last = 6 if policy == "stop" else 8
     assert len(errors) == 1 and f"step {last}" in errors[0]
     assert ("non-finite gradient norm" if policy == "stop" else "3 updates in a row skipped") in errors[0]

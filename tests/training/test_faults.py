@@ -17,7 +17,6 @@ cases; pytest's report gives each one's result.
 from __future__ import annotations
 
 import errno
-import multiprocessing
 import os
 import signal
 import sys
@@ -38,7 +37,7 @@ from streamnmt.training import evaluator as evaluator_mod
 from streamnmt.training.checkpointer import Checkpointer
 from streamnmt.training.runs import read_csv
 from streamnmt.training.trainer import Trainer
-from tests.conftest import single_thread
+from tests.conftest import in_child, single_thread
 
 MODES = ("off", "on")  # --async-eval
 FLAGS = ["--device", "cpu", "--model", "tiny", "--builtin-size", "200", "--batch-size", "16", "--max-len", "32",
@@ -98,29 +97,6 @@ def trainer(project: Path, name: str, mode: str, *extra: str) -> Trainer:
     for key in ("_run", "command"):
         args.pop(key)
     return Trainer(build_job(args), log=lambda _: None)
-
-
-def in_child(fn: Callable[[], int], timeout: float = 120.0) -> int:
-    """``fn()`` in a forked child; its return value is the exit code (-9: killed by SIGKILL)."""
-    def body() -> None:
-        code = 99
-        try:
-            code = fn()
-        except BaseException as e:  # noqa: BLE001 - reported through the exit code
-            print(f"child raised {type(e).__name__}: {e}", file=sys.stderr)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-
-    proc = multiprocessing.get_context("fork").Process(target=body)
-    proc.start()
-    proc.join(timeout)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-        pytest.fail("the faulted run hung")
-    return proc.exitcode
 
 
 def kill_self() -> None:

@@ -1,6 +1,10 @@
 """Data parallel on CPU (gloo, 2 processes under torchrun): 2 ranks x batch B train the same model
 as 1 rank x batch 2B; rank 0 alone writes; kill -9 of the launcher then --resume is exact; a
 signal to one rank stops all cleanly; a dead rank ends the run; bad set-ups exit 2 writing nothing.
+
+Each torchrun costs seconds of start-up (a launcher and two ranks importing torch on a 2-core CI
+machine), so the runs that several tests check are module fixtures, and runs that need no process of
+their own (the one-process references, a resume on another world size) run in the test process.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from streamnmt.cli import main
 from streamnmt.training.runs import read_csv
+from tests.conftest import in_child, single_thread
 from tests.test_accum import TINY, assert_same_training
 
 STEPS = 30
@@ -71,19 +76,50 @@ def common(tmp: Path, strategy: str = "full") -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, home) -> Path:
-    """The reference 2-rank run (full strategy, batch 8 per rank, a checkpoint every 10 steps)."""
+def two_ranks_run(tmp_path_factory, home) -> tuple[Path, subprocess.CompletedProcess]:
+    """The reference 2-rank run (batch 8 per rank, a checkpoint every 10 steps) and its output. It
+    asks for --sync-strategy graph, which is unavailable on the CPU: the ranks agree to run full (the
+    graph test checks that), so this is the full strategy's 2-rank run too."""
     tmp = tmp_path_factory.mktemp("ddp")
-    res = torchrun([*common(tmp), "--batch-size", "8", "--save-every", "10", "--keep-last", "2", "--name", "ref"],
+    res = torchrun([*common(tmp, "graph"), "--batch-size", "8", "--save-every", "10", "--keep-last", "2",
+                    "--name", "ref"], home)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return tmp / "ref", res
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_ranks_run) -> Path:
+    return two_ranks_run[0]
+
+
+def one_rank(tmp: Path, home: str, strategy: str) -> Path:
+    """The 1-rank x batch 16 run of ``strategy``, in the test process."""
+    with pytest.MonkeyPatch.context() as mp, single_thread():
+        mp.setenv("STREAMNMT_HOME", home)
+        assert main(["train", *common(tmp, strategy), "--batch-size", "16", "--name", "one"]) == 0
+    return tmp / "one"
+
+
+@pytest.fixture(scope="module")
+def one_rank_full(tmp_path_factory, home) -> Path:
+    """The 1-rank full run that 2 ranks of half the batch match, with and without accumulation."""
+    return one_rank(tmp_path_factory.mktemp("one"), home, "full")
+
+
+@pytest.fixture(scope="module")
+def fresh_corpus_run(tmp_path_factory, home) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """2 ranks x 2 micro-batches of 4 (--accum-steps 2) on a corpus directory without tokenizers or
+    cache that holds the built-in corpus of 500 pairs: (the run, the corpus, the output). Its
+    training is checked against one rank's, its preparation against one process's."""
+    from streamnmt.data import synthetic
+
+    tmp = tmp_path_factory.mktemp("fresh")
+    corpus = tmp / "corpus"
+    synthetic.write_builtin(corpus, 500, seed=0)  # the built-in corpus the one-rank reference trains on
+    res = torchrun([*common(tmp), "--batch-size", "4", "--accum-steps", "2", "--data", str(corpus), "--name", "two"],
                    home)
     assert res.returncode == 0, res.stderr[-3000:]
-    return tmp / "ref"
-
-
-def one_rank(tmp: Path, home: str, strategy: str, monkeypatch) -> Path:
-    monkeypatch.setenv("STREAMNMT_HOME", home)
-    assert main(["train", *common(tmp, strategy), "--batch-size", "16", "--name", "one"]) == 0
-    return tmp / "one"
+    return tmp / "two", corpus, res
 
 
 def rank_processes(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
@@ -120,8 +156,8 @@ def wait_for_rows(steps: Path, n: int, proc: subprocess.Popen) -> None:
     raise AssertionError(f"{steps}: fewer than {n} rows in time")
 
 
-def test_two_ranks_equal_one_rank_double_batch_full(two_ranks, tmp_path, home, monkeypatch, one_thread):
-    ref = one_rank(tmp_path, home, "full", monkeypatch)
+def test_two_ranks_equal_one_rank_double_batch_full(two_ranks, one_rank_full):
+    ref = one_rank_full
     assert_same_training(two_ranks, ref, steps=STEPS)
     rows, ref_rows = read_csv(two_ranks / "steps.csv"), read_csv(ref / "steps.csv")
     assert [r["tokens"] for r in rows] == [r["tokens"] for r in ref_rows]  # global tokens per step
@@ -130,34 +166,36 @@ def test_two_ranks_equal_one_rank_double_batch_full(two_ranks, tmp_path, home, m
     assert sorted(p.name for p in (two_ranks / "weights").glob("step_*.pt")) == ["step_000020.pt", "step_000030.pt"]
 
 
-def test_two_ranks_equal_one_rank_double_batch_graph(tmp_path, home, monkeypatch, one_thread):
-    res = torchrun([*common(tmp_path, "graph"), "--batch-size", "8", "--name", "two"], home)
-    assert res.returncode == 0, res.stderr[-3000:]
+def test_two_ranks_equal_one_rank_double_batch_graph(two_ranks_run, tmp_path, home):
+    two, res = two_ranks_run  # asked for graph
     assert res.stderr.count("graph mode unavailable") + res.stdout.count("graph mode unavailable") == 1  # rank 0
     assert "strategy full (in place of graph); 2 processes (gloo)" in res.stdout  # the strategy that runs
-    assert_same_training(tmp_path / "two", one_rank(tmp_path, home, "graph", monkeypatch), steps=STEPS)
+    assert_same_training(two, one_rank(tmp_path, home, "graph"), steps=STEPS)
 
 
-def test_two_ranks_with_accumulation_equal_one_rank(tmp_path, home, monkeypatch, one_thread):
-    """2 ranks x 2 micro-batches of 4 (DDP all-reduces on the second only) == 1 rank x 16."""
-    res = torchrun([*common(tmp_path), "--batch-size", "4", "--accum-steps", "2", "--name", "two"], home)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert_same_training(tmp_path / "two", one_rank(tmp_path, home, "full", monkeypatch), steps=STEPS)
+def test_two_ranks_with_accumulation_equal_one_rank(fresh_corpus_run, one_rank_full):
+    """2 ranks x 2 micro-batches of 4 (DDP all-reduces on the second only) == 1 rank x 16 (on the
+    same corpus, the built-in one in a directory of its own)."""
+    assert_same_training(fresh_corpus_run[0], one_rank_full, steps=STEPS)
 
 
-def test_kill_launcher_then_resume_is_exact(two_ranks, tmp_path, home):
+def test_kill_launcher_then_resume_is_exact(two_ranks, tmp_path, home, capsys):
     args = [*common(tmp_path), "--batch-size", "8", "--save-every", "10", "--name", "killed"]
     killed = torchrun(args, home, env={"STREAMNMT_TEST_KILL_AT_STEP": "25"})
     assert killed.returncode == -signal.SIGKILL
     run = tmp_path / "killed"
     last = run / "weights" / "last.pt"
     assert torch.load(last, weights_only=True)["step"] == 20
-    # Another world size: it resumes, says in one line that it is not bit-exact, and finishes.
+    # Another world size: it resumes, says in one line that it is not bit-exact, and finishes (one
+    # process: the test's own).
     other = tmp_path / "other"
     shutil.copytree(run, other)
-    res = streamnmt(["--resume", str(other / "weights" / "last.pt")], home)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "not bit-exactly" in res.stdout + res.stderr
+    with pytest.MonkeyPatch.context() as mp, single_thread():
+        mp.setenv("STREAMNMT_HOME", home)
+        capsys.readouterr()
+        assert main(["train", "--resume", str(other / "weights" / "last.pt")]) == 0
+    out = capsys.readouterr()
+    assert "not bit-exactly" in out.out + out.err
     assert [int(r["step"]) for r in read_csv(other / "steps.csv")] == list(range(1, STEPS + 1))
     # The same world size: exact.
     res = torchrun(["--resume", str(last)], home)
@@ -172,9 +210,13 @@ def test_kill_launcher_then_resume_is_exact(two_ranks, tmp_path, home):
 def test_one_process_checkpoint_resumes_on_two_ranks(tmp_path, home):
     """A position saved by one process is converted to the two ranks' units: no batch of the epoch
     is skipped or repeated, and the run ends at its last step."""
-    killed = streamnmt([*common(tmp_path), "--batch-size", "16", "--save-every", "10", "--name", "one"], home,
-                       env={"STREAMNMT_TEST_KILL_AT_STEP": "15"})
-    assert killed.returncode == -signal.SIGKILL
+    def killed() -> int:  # in a forked child of the test process, its imports paid
+        os.environ.update(STREAMNMT_HOME=home, STREAMNMT_TEST_KILL_AT_STEP="15")
+        sys.stdout = sys.stderr = open(tmp_path / "one.log", "w")  # noqa: SIM115 - the child's to its end
+        with single_thread():
+            return main(["train", *common(tmp_path), "--batch-size", "16", "--save-every", "10", "--name", "one"])
+
+    assert in_child(killed) == -signal.SIGKILL, (tmp_path / "one.log").read_text()[-3000:]
     res = torchrun(["--resume", str(tmp_path / "one" / "weights" / "last.pt")], home)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "not bit-exactly" in res.stdout + res.stderr
@@ -263,35 +305,41 @@ def test_capture_failure_on_one_rank_stops_every_rank_with_one_line(tmp_path, ho
     assert not (tmp_path / "runs").exists()  # no run directory: the ranks stopped before it
 
 
-def test_fresh_corpus_is_prepared_once(tmp_path, home):
+def test_fresh_corpus_is_prepared_once(fresh_corpus_run, tmp_path):
     """Two ranks on a corpus directory without tokenizers or cache: rank 0 trains one tokenizer per
     side and writes one cache entry per split; rank 1 waits and reads them (it logs nothing, so
     rank 0's log shows the one training); the runs' tokenizers equal a one-process preparation's."""
-    from streamnmt.data import synthetic
+    from streamnmt.data import DataConfig, prepare_data, synthetic
     from streamnmt.data.tokenizer import file_sha256
 
-    corpus = tmp_path / "corpus"
-    synthetic.write_builtin(corpus, 400, seed=0)
-    fresh = tmp_path / "fresh"
-    shutil.copytree(corpus, fresh)
-    res = torchrun([*TINY, "--data", str(fresh), "--max-steps", "2", "--batch-size", "8", "--project",
-                    str(tmp_path / "runs"), "--name", "p"], home)
-    assert res.returncode == 0, res.stderr[-3000:]
+    _, fresh, res = fresh_corpus_run
     out = res.stdout + res.stderr
     assert out.count("data: trained source tokenizer and target tokenizer") == 1
     assert sorted(p.name for p in (fresh / "tokenizer").iterdir()) == ["chn.model", "eng.model"]
     entries = sorted(p.name.split("-")[0] for p in (fresh / "cache").iterdir())
     assert entries == ["dev", "test", "train"]  # one entry per split: every rank had the same key
     # Seeded SentencePiece: a one-process preparation of the same corpus trains the same models.
-    from streamnmt.data import DataConfig, prepare_data
+    corpus = tmp_path / "corpus"
+    synthetic.write_builtin(corpus, 500, seed=0)
     bundle = prepare_data(DataConfig(data=str(corpus), max_len=32), log=lambda _: None)
     assert bundle.src_tok.sha256 == file_sha256(fresh / "tokenizer" / "eng.model")
     assert bundle.tgt_tok.sha256 == file_sha256(fresh / "tokenizer" / "chn.model")
 
 
-def _prepare_once_rank(rank: int, port: int, out: str, differ: bool, hosts: int = 1) -> None:
-    """One rank of a gloo group: ``prepare_once`` with a preparation that records when it ran
-    (``hosts`` 2: each rank the local rank 0 of a host of its own)."""
+PREPARE_CASES = [(False, 1), (True, 1), (False, 2)]  # (the ranks' preparations differ, hosts)
+
+
+def _prepare_once_rank(rank: int, ports: list[int], out: str) -> None:
+    """One rank of a gloo group, for each case of PREPARE_CASES in turn (a group of its own each)."""
+    for (differ, hosts), port in zip(PREPARE_CASES, ports):
+        case = Path(out) / f"{differ}-{hosts}"
+        case.mkdir(exist_ok=True)
+        _prepare_once_case(rank, port, case, differ, hosts)
+
+
+def _prepare_once_case(rank: int, port: int, out: Path, differ: bool, hosts: int) -> None:
+    """``prepare_once`` with a preparation that records when it ran (``hosts`` 2: each rank the
+    local rank 0 of a host of its own)."""
     local = "0" if hosts == 2 else str(rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=local, LOCAL_WORLD_SIZE=str(2 // hosts), GROUP_RANK=str(rank if hosts == 2 else 0))
@@ -299,7 +347,7 @@ def _prepare_once_rank(rank: int, port: int, out: str, differ: bool, hosts: int 
     from streamnmt.data.prepare import prepare_once
     from streamnmt.errors import InputError
     d = dist.init("gloo", "cpu", 30)
-    log = Path(out) / f"rank{rank}"
+    log = out / f"rank{rank}"
 
     def prepare() -> str:
         log.write_text(f"start {time.time()}\n")
@@ -313,19 +361,27 @@ def _prepare_once_rank(rank: int, port: int, out: str, differ: bool, hosts: int 
         result = "ok"
     except InputError as e:
         result = f"error: {e}"
-    (Path(out) / f"result{rank}").write_text(result)
+    (out / f"result{rank}").write_text(result)
     d.close()
 
 
-@pytest.mark.parametrize("differ,hosts", [(False, 1), (True, 1), (False, 2)])
-def test_prepare_once_waits_for_rank0_then_checks_fingerprints(tmp_path, differ, hosts):
+@pytest.fixture(scope="module")
+def prepare_once_cases(tmp_path_factory) -> Path:
+    """Every case of PREPARE_CASES, run by one spawned pair of processes (a spawn costs seconds)."""
+    out = tmp_path_factory.mktemp("prepare-once")
+    torch.multiprocessing.spawn(_prepare_once_rank, args=([free_port() for _ in PREPARE_CASES], str(out)),
+                                nprocs=2, join=True)
+    return out
+
+
+@pytest.mark.parametrize("differ,hosts", PREPARE_CASES)
+def test_prepare_once_waits_for_rank0_then_checks_fingerprints(prepare_once_cases, differ, hosts):
     """Rank 0 prepares first; on two hosts too, where each rank is its host's local rank 0 (a shared
     data directory: the other host's preparation must find rank 0's files, not write beside it)."""
-    torch.multiprocessing.spawn(_prepare_once_rank, args=(free_port(), str(tmp_path), differ, hosts), nprocs=2,
-                                join=True)
-    times = {r: dict(line.split() for line in (tmp_path / f"rank{r}").read_text().splitlines()) for r in (0, 1)}
+    out = prepare_once_cases / f"{differ}-{hosts}"
+    times = {r: dict(line.split() for line in (out / f"rank{r}").read_text().splitlines()) for r in (0, 1)}
     assert float(times[1]["start"]) >= float(times[0]["end"])  # rank 1 prepared only after rank 0 had
-    results = [(tmp_path / f"result{r}").read_text() for r in (0, 1)]
+    results = [(out / f"result{r}").read_text() for r in (0, 1)]
     if not differ:
         assert results == ["ok", "ok"]
     else:  # every rank stops with the same line naming the rank that differs

@@ -121,16 +121,18 @@ def test_ranges_of_a_row_without_pairs_are_empty_for_real_ids():
     assert r.lo.tolist() == [[0] * 8] and r.hi.tolist() == [list(range(1, 9))]  # padding sees padding, causally
 
 
-def _attention_mismatches(dtype=torch.float32, device="cpu", tol=1e-5, tiles: str = "32x32") -> list[tuple]:
+def _attention_mismatches(dtype=torch.float32, device="cpu", tol=1e-5, tiles: str = "32x32", rows: int = 3) -> list[tuple]:
     """The kernels' outputs and gradients against dense-mask SDPA's: (attention, tensor, largest
-    error) of each that differs by more than ``tol`` (relative to the largest value, at least 1)."""
+    error) of each that differs by more than ``tol`` (relative to the largest value, at least 1), on a
+    packed batch of ``rows`` rows of 96 source and 64 target positions (pairs split by tile edges,
+    padding on both sides, a last tile of each size that is cut short)."""
     from streamnmt.models import segattn_triton
     from streamnmt.models.segattn_triton import Tiles, segment_attention
 
     segattn_triton.set_tiles(Tiles.parse(tiles))
 
     torch.manual_seed(0)
-    src_seg, tgt_seg = (s.to(device) for s in packed_segments())
+    src_seg, tgt_seg = (s.to(device) for s in packed_segments(rows=rows))
     bad = []
     for name, (r, allowed) in attentions(src_seg, tgt_seg).items():
         b, tq, tk = allowed.shape
@@ -149,10 +151,11 @@ def _attention_mismatches(dtype=torch.float32, device="cpu", tol=1e-5, tiles: st
 
 def _check_packed_model_equals_sdpa() -> None:
     """A tiny packed model: the same loss and gradients with the Triton kernels as with SDPA, eager
-    and compiled."""
+    and compiled (one row of several pairs, padding on both sides)."""
     from streamnmt.models.transformer import make_model
 
-    src_seg, tgt_seg = packed_segments(rows=2, width=(64, 48))
+    src_seg, tgt_seg = packed_segments(rows=1, width=(64, 48))
+    assert (src_seg == 0).any() and (tgt_seg == 0).any() and int(tgt_seg.max()) > 1
     src = torch.where(src_seg > 0, 7 + src_seg % 40, 0)
     tgt = torch.where(tgt_seg > 0, 9 + tgt_seg % 40, 0)
     pos = [torch.arange(s.size(1)).expand_as(s) for s in (src_seg, tgt_seg)]
@@ -195,22 +198,6 @@ def _check_probe() -> None:
     assert torch.allclose(got, x.grad, atol=1e-5), (got - x.grad).abs().max()
 
 
-@needs_triton
-def test_kernels_equal_dense_masks_under_the_interpreter():
-    """Outputs and gradients (fp32 and fp16, packed batches; tiles of 32 x 32, 64 x 32 and 16 x 64) of the
-    three attentions, and a tiny packed model's
-    loss and gradients, against dense-mask SDPA; the kernels run in Triton's interpreter on the CPU."""
-    # fp16 too (a half type's casts of p and dS); not bf16: the interpreter computes it wrongly (numpy has no
-    # bf16), which the GPU tests cover
-    code = ("import torch, tests.test_segattn_triton as t; m = t._attention_mismatches; "
-            "assert not (b := m()), b; assert not (b := m(torch.float16, tol=1e-2)), b; "
-            "assert not (b := m(tiles='64x32')), b; assert not (b := m(tiles='16x64')), b; "
-            "t._check_packed_model_equals_sdpa(); t._check_probe(); print('ok')")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
-
-
 def _check_eager_needs_no_torchdynamo() -> None:
     """A tiny packed model trains a step with the Triton kernels and with SDPA, and the set-up's build
     check runs, without importing TorchDynamo (the custom op's first call would)."""
@@ -246,15 +233,72 @@ def _check_function_equals_custom_op(dtype=torch.float32) -> None:
             assert x.shape == y.shape and x.stride() == y.stride() and torch.equal(x, y), (name, what)
 
 
-@needs_triton
-def test_eager_runs_the_kernels_without_torchdynamo_and_both_entries_agree():
-    """Under Triton's interpreter, in a fresh process: an eager tiny model (Triton kernels and SDPA)
-    and the build check import no TorchDynamo; the Function and the custom op agree exactly (fp32, fp16)."""
-    code = ("import torch, tests.test_segattn_triton as t; t._check_eager_needs_no_torchdynamo(); "
-            "t._check_function_equals_custom_op(); t._check_function_equals_custom_op(torch.float16); print('ok')")
+def _interpreted_checks() -> list[tuple[str, object]]:
+    """The checks that run under Triton's interpreter, in this order, in one fresh process (its start-up,
+    Triton's import and the interpreter's set-up paid once): the first comes before anything imports
+    TorchDynamo (the custom op's first call, torch.compile)."""
+    def no_mismatch(**kw):
+        return lambda: _assert_empty(_attention_mismatches(rows=2, **kw))
+
+    return [("eager without TorchDynamo", _check_eager_needs_no_torchdynamo),
+            ("fp32", no_mismatch()),
+            # fp16 too (a half type's casts of p and dS); not bf16: the interpreter computes it wrongly
+            # (numpy has no bf16), which the GPU tests cover
+            ("fp16", no_mismatch(dtype=torch.float16, tol=1e-2)),
+            ("tiles 64x32", no_mismatch(tiles="64x32")),
+            ("tiles 16x64", no_mismatch(tiles="16x64")),
+            ("packed model", _check_packed_model_equals_sdpa),
+            ("build check", _check_probe),
+            ("function == custom op fp32", _check_function_equals_custom_op),
+            ("function == custom op fp16", lambda: _check_function_equals_custom_op(torch.float16))]
+
+
+def _assert_empty(bad: list) -> None:
+    assert not bad, bad
+
+
+def _run_interpreted_checks() -> None:
+    """In the child: each check in turn, one line each ("check NAME: ok" or its error on one line)."""
+    import traceback
+
+    for name, check in _interpreted_checks():
+        try:
+            check()
+            print(f"check {name}: ok", flush=True)
+        except Exception:  # noqa: BLE001 - reported to the test, which fails on it
+            print(f"check {name}: " + traceback.format_exc().replace("\n", " | "), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str]:
+    """Each of _interpreted_checks() -> "ok" or its error, and "stderr" -> the child's stderr's end."""
+    code = "import tests.test_segattn_triton as t; t._run_interpreted_checks()"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           check=False, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    results = dict(line[len("check "):].split(": ", 1) for line in done.stdout.splitlines()
+                   if line.startswith("check ") and ": " in line)
+    return {**results, "stderr": f"exit {done.returncode}: {done.stderr[-3000:]}"}
+
+
+def _assert_checks(interpreted: dict[str, str], names: list[str]) -> None:
+    for name in names:
+        assert interpreted.get(name) == "ok", (name, interpreted.get(name), interpreted["stderr"])
+
+
+@needs_triton
+def test_kernels_equal_dense_masks_under_the_interpreter(interpreted):
+    """Outputs and gradients (fp32 and fp16, packed batches; tiles of 32 x 32, 64 x 32 and 16 x 64) of the
+    three attentions, and a tiny packed model's loss and gradients, against dense-mask SDPA; the
+    kernels run in Triton's interpreter on the CPU."""
+    _assert_checks(interpreted, ["fp32", "fp16", "tiles 64x32", "tiles 16x64", "packed model", "build check"])
+
+
+@needs_triton
+def test_eager_runs_the_kernels_without_torchdynamo_and_both_entries_agree(interpreted):
+    """Under Triton's interpreter, in a fresh process: an eager tiny model (Triton kernels and SDPA)
+    and the build check import no TorchDynamo; the Function and the custom op agree exactly (fp32, fp16)."""
+    _assert_checks(interpreted, ["eager without TorchDynamo", "function == custom op fp32",
+                                 "function == custom op fp16"])
 
 
 @pytest.mark.gpu

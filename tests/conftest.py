@@ -5,6 +5,7 @@ import multiprocessing
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,6 +50,37 @@ def in_child(fn: Callable[[], int], timeout: float = 120.0) -> int:
         proc.join()
         pytest.fail("the run in a forked child hung")
     return proc.exitcode
+
+
+_DRAW_RESULTS_PNG = {"on": False}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _results_png_built_not_drawn():
+    """In the test process a run's results.png figure is built from its files as ever (every series
+    read, every curve added) but neither drawn nor written unless the test is marked ``plots``: its
+    layout and rendering cost as much as a tiny run's training, and few tests look at it. The
+    processes the tests start (``python -m streamnmt``, torchrun ranks) draw it as ever."""
+    from streamnmt.training import plots
+
+    real_save = plots._save
+
+    def save(fig, path, dpi=120):
+        if Path(path).name == "results.png" and not _DRAW_RESULTS_PNG["on"]:
+            return Path(path)
+        return real_save(fig, path, dpi)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(plots, "_save", save)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(autouse=True)
+def _results_png_drawn_where_marked(request):
+    _DRAW_RESULTS_PNG["on"] = request.node.get_closest_marker("plots") is not None
+    yield
+    _DRAW_RESULTS_PNG["on"] = False
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ def train(tmp_path, *extra: str, name: str = "exp") -> int:
     return main(["train", *TINY, "--project", str(tmp_path / "runs"), "--name", name, *extra])
 
 
+@pytest.mark.plots
 def test_train_writes_the_run_dir(tmp_path, capsys):
     assert train(tmp_path, "--max-steps", "20") == 0
     run = tmp_path / "runs" / "exp"

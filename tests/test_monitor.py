@@ -93,6 +93,7 @@ def test_timed_step_passes_through():
     assert time_graph_replays(NoGraphs(), step) == 0
 
 
+@pytest.mark.plots
 def test_plot_results_from_a_hand_written_csv(tmp_path):
     (tmp_path / "results.csv").write_text(RESULTS)
     path = plot_results(tmp_path)

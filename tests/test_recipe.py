@@ -386,6 +386,7 @@ def test_cpu_start_line_names_the_builtin_corpus_only_without_data(tmp_path):
     assert len(lines) == 2 and "built-in" not in lines[0] and "16000-pair built-in corpus" in lines[1]
 
 
+@pytest.mark.plots
 def test_results_png_curves_are_per_step_and_per_evaluation(tmp_path):
     from streamnmt.training.plots import plot_results, results_series
 

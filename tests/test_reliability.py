@@ -127,6 +127,7 @@ def test_sigterm_saves_and_exits_0(tmp_path, home):
     assert ckpt["step"] == len(read_csv(steps)) >= 5
 
 
+@pytest.mark.plots  # results.png of a run with a non-finite loss
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_nan_policies(tmp_path, home, policy, monkeypatch, capsys):
     args = [*TINY, "--max-steps", "20", "--save-every", "5", "--loss-interval", "1", "--on-nan", policy,

@@ -271,17 +271,27 @@ def test_dead_rank_ends_the_run_with_one_line(tmp_path, home):
     assert not list((tmp_path / "d" / "weights").glob("*.tmp*"))  # no half-written checkpoint
 
 
-@pytest.mark.parametrize("flags,names", [
-    (["--device", "cpu", "--dist-backend", "nccl"], "--dist-backend"),
-    (["--nproc", "0"], "--nproc"),
-    (["--builtin-size", "100", "--batch-size", "64", "--no-pack"], "--nproc"),  # rank 1 would get no pair at all
+@pytest.mark.parametrize("flags,names,ranks_start", [
+    (["--device", "cpu", "--dist-backend", "nccl"], "--dist-backend", False),
+    (["--nproc", "0"], "--nproc", False),
+    (["--builtin-size", "100", "--batch-size", "64", "--no-pack"], "--nproc", True),  # rank 1 would get no pair at all
 ])
-def test_bad_set_ups_exit_2_and_write_nothing(tmp_path, home, flags, names):
+def test_bad_set_ups_exit_2_and_write_nothing(tmp_path, home, flags, names, ranks_start, capsys):
+    """Flags the launcher refuses before it starts a rank are refused in the test process (its own
+    imports paid); the ranks' refusal needs the ranks, so that one is a process of its own."""
     args = [*TINY, "--max-steps", "3", "--project", str(tmp_path / "runs"), "--name", "bad"]
     nproc = [] if "--nproc" in flags else ["--nproc", "2"]
-    res = streamnmt([*nproc, *args, *flags], home)
-    assert res.returncode == 2, res.stderr[-3000:]
-    errors = [line for line in res.stderr.splitlines() if line.startswith("streamnmt: error:")]
+    if ranks_start:
+        res = streamnmt([*nproc, *args, *flags], home)
+        code, err = res.returncode, res.stderr
+    else:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("STREAMNMT_HOME", home)
+            capsys.readouterr()
+            code = main(["train", *nproc, *args, *flags])
+        err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("streamnmt: error:")]
     assert errors and names in errors[0]
     assert not (tmp_path / "runs").exists()
 

@@ -112,7 +112,9 @@ class LoopEvaluation:
         budget = self.budget
 
         def stop() -> bool:
-            return loop.signalled or (budget.limit_s is not None and budget.expired(loop.reserve(evaluation=False)))
+            if loop.signalled:
+                return True
+            return budget.limit_s is not None and budget.expired(sum(loop.reserve(evaluation=False).values()))
         return stop
 
     def collect(self, loop: Any, wait: bool = False) -> bool:

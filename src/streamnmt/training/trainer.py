@@ -64,9 +64,7 @@ class Trainer:
         self.stop_requested, self.stop_reason = False, ""  # this rank: a signal, --time-limit or --patience
         self._loop_s, self._loop_steps = 0.0, 0  # the loop's training seconds and steps (mean step time)
         self.stopped = False  # the ranks agreed to stop
-        self.kept_s: float | None = None  # --time-limit: the seconds the loop stopped with for the end
-        self.kept_parts: dict[str, float] = {}  # what they were for (reserve)
-        self.reserve_parts: dict[str, float] = {}
+        self.kept: dict[str, float] | None = None  # --time-limit: the reserve the loop stopped with, by part
         self.signalled = False  # a first signal arrived (a second Ctrl-C aborts)
         self.pending_losses: list[StepLoss] = []  # drained by a stop mid-epoch, for the end's means
 
@@ -138,9 +136,10 @@ class Trainer:
         times["other"] = self.clock() - end_start - write_s - ema_s  # the sync table, logs closed, plots
         result["wall_s"] = time.monotonic() - self.run.t_command
         line = time_line(times, result["wall_s"])
-        if self.kept_s is not None:  # what the loop left for the end against what it took
-            parts = ", ".join(f"{k} {v:.1f}" for k, v in self.kept_parts.items())
-            line += f"; the loop stopped with {self.kept_s:.1f} s of --time-limit kept for the end ({parts})"
+        if self.kept is not None:  # what the loop left for the end against what it took
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in self.kept.items())
+            line += (f"; the loop stopped with {sum(self.kept.values()):.1f} s of --time-limit kept for the end "
+                     f"({parts})")
         self.log(line)
         return result
 
@@ -165,13 +164,12 @@ class Trainer:
 
     def _check_budget(self) -> None:
         """Ask to stop once --time-limit leaves only what the end of the run needs (reserve)."""
-        if not self.stop_requested and self.budget.expired(reserve := self.reserve()):
-            self.kept_s = reserve  # the end line says it (and its parts) beside what the end took
-            self.kept_parts = dict(self.reserve_parts)
+        if not self.stop_requested and self.budget.expired(sum((parts := self.reserve()).values())):
+            self.kept = parts  # the end line says it beside what the end took
             self.request_stop(self.budget.reason)
 
-    def reserve(self, evaluation: bool = True) -> float:
-        """Seconds the end of the run will take after the last step: its evaluation (unless not
+    def reserve(self, evaluation: bool = True) -> dict[str, float]:
+        """Seconds the end of the run will take after the last step, by part: its evaluation (unless not
         ``evaluation``) and the best.pt it may write, its last.pt write and with ``--ema`` what its
         ema.pt, written beside it, takes longer (each as long as the last one of its kind took, ema.pt
         as best.pt; a write still in flight counts once more) and the exports and plots (a small share)."""
@@ -190,8 +188,7 @@ class Trainer:
         agreeing = (self.job.engine.sync_interval - 1) * self._loop_s / max(self._loop_steps, 1) \
             if self.dist.active else 0.0
         rest = min(END_SHARE * (self.budget.limit_s or 0.0), 5.0)
-        self.reserve_parts = {"evaluation": ev, "writes": writes, "the rest": agreeing + rest}  # the end line's
-        return ev + writes + agreeing + rest
+        return {"evaluation": ev, "writes": writes, "the rest": agreeing + rest}
 
     def _stop_agreed(self) -> bool:
         """Between epochs: stop now? One process: a signal, --time-limit or --patience asked for it.

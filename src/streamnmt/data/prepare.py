@@ -1,8 +1,7 @@
 """prepare_data: from a corpus directory (or the built-in corpus) to tokenized, cached splits.
 
 This is the one entry point the trainer calls before training. It finds each split, gets the two
-tokenizers (given, found beside the data, or trained from a sample of the training split) and
-returns each split tokenized, from ``DIR/cache/`` when an entry matches. Every input is checked
+tokenizers (given, found beside the data, or trained from a sample of the training split) and returns each split tokenized, from ``DIR/cache/`` when an entry matches. Every input is checked
 before anything is written: a malformed file stops the run with one InputError line and leaves no
 tokenizer or cache file behind.
 
@@ -12,20 +11,19 @@ one (BLEU references); ``overlong=drop`` applies to the training split only.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from streamnmt.data.cache import cache_key, entry_dir, load_entry, save_entry
-from streamnmt.data.config import DataConfig, auto_vocab
+from streamnmt.data.config import DataConfig
 from streamnmt.data.corpus import BuildStats, TokenizedCorpus, tokenize_pairs
+from streamnmt.data.readers import ReadStats, SplitSource, find_sources, iter_pairs, require_split
+from streamnmt.data.tokenizer import Tokenizer
+from streamnmt.data.tokenizer_training import sides, train
 from streamnmt.fsutil import streamnmt_home
-from streamnmt.data.readers import ReadStats, SplitSource, find_split, iter_pairs, require_split
-from streamnmt.data.tokenizer import Tokenizer, cpu_threads, train_shared_tokenizer, train_tokenizer
 from streamnmt.dist import several_hosts
 from streamnmt.errors import InputError
 
@@ -90,15 +88,6 @@ def resolve_data_dir(cfg: DataConfig, build: bool = True) -> Path:
     return directory
 
 
-def find_sources(cfg: DataConfig, directory: Path) -> dict[str, SplitSource | None]:
-    """train and dev are required; test is optional (None)."""
-    return {
-        "train": require_split(directory, "train", cfg.src_lang, cfg.tgt_lang),
-        "dev": require_split(directory, "dev", cfg.src_lang, cfg.tgt_lang),
-        "test": find_split(directory, "test", cfg.src_lang, cfg.tgt_lang),
-    }
-
-
 def read_pairs(cfg: DataConfig, split: str) -> list[tuple[str, str]]:
     """The usable ``(source, target)`` text pairs of a split, in order (e.g. BLEU references).
 
@@ -117,7 +106,7 @@ def prepare_data(cfg: DataConfig, log: Log = print, build: bool = True) -> DataB
     directory = resolve_data_dir(cfg, build)
     if cfg.data is None:
         log(f"data: built-in corpus ({cfg.builtin_pairs} training pairs) in {directory}")
-    sources = find_sources(cfg, directory)
+    sources = find_sources(directory, cfg.src_lang, cfg.tgt_lang)
     src_tok, tgt_tok, auto = _tokenizers(cfg, directory, sources, log, build)
     corpora: dict[str, TokenizedCorpus] = {}
     stats: dict[str, dict[str, int]] = {}
@@ -138,86 +127,25 @@ def prepare_data(cfg: DataConfig, log: Log = print, build: bool = True) -> DataB
 
 def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],
                 log: Log, build: bool = True) -> tuple[Tokenizer, Tokenizer, dict[str, int]]:
-    """Given models as they are; else ``DIR/tokenizer/{eng,chn}.model``, trained when absent. Third:
-    the sizes the corpus rule asked of those it trained, by side (empty: sizes given, or none trained)."""
-    if cfg.shared_vocab:
-        tok, auto = _shared_tokenizer(cfg, directory, sources, log, build)
-        return tok, tok, auto
-    sides = [  # (given?, path, vocab size, language, name)
-        (cfg.tokenizer_eng is not None, Path(cfg.tokenizer_eng or directory / "tokenizer" / "eng.model"),
-         cfg.src_vocab, cfg.src_lang, "source tokenizer"),
-        (cfg.tokenizer_chn is not None, Path(cfg.tokenizer_chn or directory / "tokenizer" / "chn.model"),
-         cfg.tgt_vocab, cfg.tgt_lang, "target tokenizer"),
-    ]
-    auto: dict[str, int] = {}
-    loaded = {k: Tokenizer(path) for k, (given, path, *_) in enumerate(sides) if given or path.is_file()}
-    missing = [k for k in range(2) if k not in loaded]
+    """Given models as they are; else ``DIR/tokenizer/{eng,chn}.model`` (``shared.model`` with
+    --shared-vocab), trained when absent. Third: the sizes the corpus rule asked of those trained,
+    by role (empty: sizes given, or none trained)."""
+    plan = sides(cfg, directory)
+    loaded = {side.role: Tokenizer(side.path) for side in plan if side.found}
+    missing = [side for side in plan if side.role not in loaded]
     if missing and not build:
-        raise NotPrepared(f"{sides[missing[0]][1]}: not trained yet")
-    for k, tok in loaded.items():
-        log(f"data: {sides[k][4]}: {tok.path} (vocab {tok.vocab_size})")
+        raise NotPrepared(f"{missing[0].path}: not trained yet")
+    for side in plan:
+        if side.role in loaded:
+            log(f"data: {side.name}: {loaded[side.role].path} (vocab {loaded[side.role].vocab_size})")
+    auto: dict[str, int] = {}
     if missing:
-        t0 = time.perf_counter()
-        samples, pairs = _sample_train(cfg, sources["train"])
-        _check_other_splits(cfg, sources)
-        sizes = [size or auto_vocab(None if cfg.data is None else pairs) for _, _, size, *_ in sides]
-        auto = {("source", "target")[k]: sizes[k] for k in missing if sides[k][2] is None}
-        threads = max(1, cpu_threads() // len(missing))
-        with ThreadPoolExecutor(len(missing)) as pool:  # SentencePiece trains outside the GIL
-            jobs = {k: pool.submit(train_tokenizer, samples[k], sides[k][1], sizes[k], sides[k][3],
-                                   threads=threads, log=log, name=sides[k][4]) for k in missing}
-            loaded.update({k: job.result() for k, job in jobs.items()})
-        log(f"data: trained {' and '.join(sides[k][4] for k in missing)} on {len(samples[0])} sampled "
-            f"pairs in {time.perf_counter() - t0:.1f}s -> {directory / 'tokenizer'}")
-    return loaded[0], loaded[1], auto
-
-
-def _check_other_splits(cfg: DataConfig, sources: dict[str, SplitSource | None]) -> None:
-    """Read dev and test through once, so that a bad record stops the run before a tokenizer is written."""
-    for split in ("dev", "test"):
-        if sources[split] is not None:
-            for _ in iter_pairs(sources[split], cfg.src_lang, cfg.tgt_lang):
-                pass
-
-
-def _shared_tokenizer(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],
-                      log: Log, build: bool = True) -> tuple[Tokenizer, dict[str, int]]:
-    """``--shared-vocab``: the given model, else ``DIR/tokenizer/shared.model``, trained on both sides
-    (with the corpus rule's size where neither --src-vocab nor --tgt-vocab is given)."""
-    given = cfg.tokenizer_eng or cfg.tokenizer_chn
-    path = Path(given or directory / "tokenizer" / "shared.model")
-    if given or path.is_file():
-        tok = Tokenizer(path)
-        log(f"data: shared tokenizer: {tok.path} (vocab {tok.vocab_size})")
-        return tok, {}
-    if not build:
-        raise NotPrepared(f"{path}: not trained yet")
-    t0 = time.perf_counter()
-    samples, pairs = _sample_train(cfg, sources["train"])
-    _check_other_splits(cfg, sources)
-    asked = [v for v in (cfg.src_vocab, cfg.tgt_vocab) if v is not None]
-    size = max(asked) if asked else auto_vocab(None if cfg.data is None else pairs)
-    tok = train_shared_tokenizer(samples[0], samples[1], path, size, cfg.src_lang, cfg.tgt_lang, log=log)
-    log(f"data: trained the shared tokenizer on both sides of {len(samples[0])} sampled pairs in "
-        f"{time.perf_counter() - t0:.1f}s -> {path}")
-    return tok, {} if asked else {"shared": size}
-
-
-def _sample_train(cfg: DataConfig, source: SplitSource) -> tuple[tuple[list[str], list[str]], int]:
-    """A seeded uniform sample (reservoir) of training pairs, read in one streaming pass, and the
-    pairs read (what the corpus rule counts, as the tokenized split's ``read``)."""
-    rng = random.Random(0)
-    k = cfg.tokenizer_sample
-    sample: list[tuple[str, str]] = []
-    read = ReadStats()
-    for n, pair in enumerate(iter_pairs(source, cfg.src_lang, cfg.tgt_lang, read)):
-        if n < k:
-            sample.append(pair)
-        else:
-            j = rng.randrange(n + 1)
-            if j < k:
-                sample[j] = pair
-    return ([p[0] for p in sample], [p[1] for p in sample]), read.read
+        trained = train(cfg, directory, sources, missing, log)
+        loaded.update(trained.tokenizers)
+        auto = trained.auto
+    if cfg.shared_vocab:
+        return loaded["shared"], loaded["shared"], auto
+    return loaded["source"], loaded["target"], auto
 
 
 def _tokenized(cfg: DataConfig, cache_dir: Path, source: SplitSource, src_tok: Tokenizer,

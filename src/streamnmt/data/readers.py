@@ -92,6 +92,15 @@ def require_split(data_dir: Path, split: str, src_lang: str, tgt_lang: str) -> S
     return source
 
 
+def find_sources(data_dir: Path, src_lang: str, tgt_lang: str) -> dict[str, SplitSource | None]:
+    """A corpus's splits: train and dev are required (:func:`require_split`); test is optional (None)."""
+    return {
+        "train": require_split(data_dir, "train", src_lang, tgt_lang),
+        "dev": require_split(data_dir, "dev", src_lang, tgt_lang),
+        "test": find_split(data_dir, "test", src_lang, tgt_lang),
+    }
+
+
 def iter_pairs(source: SplitSource, src_lang: str, tgt_lang: str,
                stats: ReadStats | None = None) -> Iterator[tuple[str, str]]:
     """Stream ``(source, target)`` text pairs, stripped, empty ones skipped and counted.

@@ -1,11 +1,14 @@
 """SentencePiece tokenizers: load a model, or train one from the training split.
 
 The trainer, the decoder and BLEU all need the same two things from a tokenizer: text to ids and
-ids back to text, with the special ids fixed by :mod:`streamnmt.models.masks` (pad 0, unk 1, bos 2,
-eos 3). Training is seeded (:data:`SPM_SEED`), so the same sample gives the same model. :class:`Tokenizer` wraps one SentencePiece model file and refuses a model whose special
-ids differ; :func:`train_tokenizer` builds one quietly from a sample of sentences, capping the
-vocabulary for small corpora, and writes it atomically; :func:`train_shared_tokenizer` builds one
-model for both sides (``--shared-vocab``, for tied source/target embeddings).
+ids back to text, with the special ids fixed by :mod:`streamnmt.models.specials` (pad 0, unk 1,
+bos 2, eos 3). Training is seeded (:data:`SPM_SEED`), so the same sample on the same number of
+threads gives the same model (SentencePiece splits its sentences over its threads).
+:class:`Tokenizer` wraps one SentencePiece model file and refuses a model whose special ids differ;
+:func:`train_tokenizer` builds one quietly from a sample of sentences, capping the vocabulary for
+small corpora, and writes it atomically; :func:`train_shared_tokenizer` builds one model for both
+sides (``--shared-vocab``, for tied source/target embeddings). No torch: the tokenizers may be
+trained in a child process that imports none (:mod:`streamnmt.data.tokenizer_child`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import sentencepiece as spm
 
 from streamnmt.errors import InputError
 from streamnmt.fsutil import atomic_write
-from streamnmt.models.masks import BOS, EOS, PAD, UNK
+from streamnmt.models.specials import BOS, EOS, PAD, UNK
 
 # Languages written without spaces between words: SentencePiece keeps rare characters out of the
 # vocabulary (they become UNK) and the text is not NFKC-folded, so that decoded output keeps the

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-PAD, UNK, BOS, EOS = 0, 1, 2, 3
+from streamnmt.models.specials import BOS as BOS, EOS as EOS, PAD as PAD, UNK as UNK  # their usual import
 
 
 def src_mask(src: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,134 @@
+"""Training a corpus's tokenizers: which SentencePiece models ``prepare_data`` trains, and the training.
+
+:func:`sides` names the models a config's run uses (given by --tokenizer-eng/--tokenizer-chn, else
+``DIR/tokenizer/{eng,chn}.model``, or ``shared.model`` with --shared-vocab); :func:`to_train` those
+of them not there yet. :func:`train` trains those: a seeded sample of the training split read in one
+streaming pass, dev and test read through once (a bad record stops the run before a model is
+written), the sizes asked (the corpus rule's :func:`~streamnmt.data.config.auto_vocab` where
+--src-vocab/--tgt-vocab are not given), the two sides at once on SentencePiece's threads.
+
+No torch here, nor numpy: :mod:`streamnmt.data.tokenizer_child` runs this very code in a child
+process started at the command's start, ``prepare_data`` in-process where no child did.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamnmt.data.config import DataConfig, auto_vocab
+from streamnmt.data.readers import ReadStats, SplitSource, iter_pairs
+from streamnmt.data.tokenizer import Tokenizer, cpu_threads, train_shared_tokenizer, train_tokenizer
+
+Log = Callable[[str], None]
+
+# The DataConfig fields that sides() and train() read: a child's models serve a run whose fields agree
+FIELDS = ("data", "src_lang", "tgt_lang", "tokenizer_eng", "tokenizer_chn", "shared_vocab", "src_vocab",
+          "tgt_vocab", "tokenizer_sample")
+
+
+@dataclass(frozen=True)
+class Side:
+    """One model a run uses. ``role``: "source", "target" or "shared" (the key of the sizes asked)."""
+
+    role: str
+    path: Path
+    given: bool  # named by --tokenizer-eng/--tokenizer-chn
+    size: int | None  # the size asked; None: the corpus rule's
+    name: str  # for log lines
+
+    @property
+    def found(self) -> bool:
+        """Used as it is (given, or on disk): not trained."""
+        return self.given or self.path.is_file()
+
+
+def sides(cfg: DataConfig, directory: Path) -> list[Side]:
+    """The source and target models, or with --shared-vocab the one model of both sides (the
+    larger of --src-vocab/--tgt-vocab where either is given)."""
+    if cfg.shared_vocab:
+        given = cfg.tokenizer_eng or cfg.tokenizer_chn
+        asked = [v for v in (cfg.src_vocab, cfg.tgt_vocab) if v is not None]
+        return [Side("shared", Path(given or directory / "tokenizer" / "shared.model"), bool(given),
+                     max(asked) if asked else None, "shared tokenizer")]
+    return [Side("source", Path(cfg.tokenizer_eng or directory / "tokenizer" / "eng.model"),
+                 cfg.tokenizer_eng is not None, cfg.src_vocab, "source tokenizer"),
+            Side("target", Path(cfg.tokenizer_chn or directory / "tokenizer" / "chn.model"),
+                 cfg.tokenizer_chn is not None, cfg.tgt_vocab, "target tokenizer")]
+
+
+def to_train(cfg: DataConfig, directory: Path) -> list[Side]:
+    """The models ``prepare_data`` would train now (empty: every one given or found)."""
+    return [side for side in sides(cfg, directory) if not side.found]
+
+
+def spm_threads(models: int) -> int:
+    """SentencePiece threads for each of ``models`` trained at once. A model's bytes depend on this
+    number (SentencePiece splits its sentences over its threads), so a child process training them
+    is given this process's number rather than working out its own."""
+    return max(1, cpu_threads() // models)
+
+
+@dataclass
+class Trained:
+    tokenizers: dict[str, Tokenizer]  # role -> the model written
+    auto: dict[str, int]  # role -> the size the corpus rule asked (a size not given)
+    pairs: int  # training pairs read (what the corpus rule counts)
+
+
+def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None], missing: list[Side],
+          log: Log, threads: int | None = None) -> Trained:
+    """Train the models ``missing`` (from :func:`to_train`), on ``threads`` SentencePiece threads
+    each (default :func:`spm_threads`), and write them atomically."""
+    t0 = time.perf_counter()
+    samples, pairs = sample_train(cfg, sources["train"])
+    check_other_splits(cfg, sources)
+    rule = auto_vocab(None if cfg.data is None else pairs)
+    auto = {side.role: rule for side in missing if side.size is None}
+    threads = threads or spm_threads(len(missing))
+    if missing[0].role == "shared":
+        (side,) = missing
+        tok = train_shared_tokenizer(samples[0], samples[1], side.path, side.size or rule, cfg.src_lang,
+                                     cfg.tgt_lang, threads=threads, log=log)
+        log(f"data: trained the shared tokenizer on both sides of {len(samples[0])} sampled pairs in "
+            f"{time.perf_counter() - t0:.1f}s -> {side.path}")
+        return Trained({"shared": tok}, auto, pairs)
+    texts = {"source": samples[0], "target": samples[1]}
+    langs = {"source": cfg.src_lang, "target": cfg.tgt_lang}
+    with ThreadPoolExecutor(len(missing)) as pool:  # SentencePiece trains outside the GIL
+        jobs = {side.role: pool.submit(train_tokenizer, texts[side.role], side.path, side.size or rule,
+                                       langs[side.role], threads=threads, log=log, name=side.name)
+                for side in missing}
+        toks = {role: job.result() for role, job in jobs.items()}
+    log(f"data: trained {' and '.join(side.name for side in missing)} on {len(samples[0])} sampled "
+        f"pairs in {time.perf_counter() - t0:.1f}s -> {directory / 'tokenizer'}")
+    return Trained(toks, auto, pairs)
+
+
+def check_other_splits(cfg: DataConfig, sources: dict[str, SplitSource | None]) -> None:
+    """Read dev and test through once, so that a bad record stops the run before a tokenizer is written."""
+    for split in ("dev", "test"):
+        if sources[split] is not None:
+            for _ in iter_pairs(sources[split], cfg.src_lang, cfg.tgt_lang):
+                pass
+
+
+def sample_train(cfg: DataConfig, source: SplitSource) -> tuple[tuple[list[str], list[str]], int]:
+    """A seeded uniform sample (reservoir) of training pairs, read in one streaming pass, and the
+    pairs read (what the corpus rule counts, as the tokenized split's ``read``)."""
+    rng = random.Random(0)
+    k = cfg.tokenizer_sample
+    sample: list[tuple[str, str]] = []
+    read = ReadStats()
+    for n, pair in enumerate(iter_pairs(source, cfg.src_lang, cfg.tgt_lang, read)):
+        if n < k:
+            sample.append(pair)
+        else:
+            j = rng.randrange(n + 1)
+            if j < k:
+                sample[j] = pair
+    return ([p[0] for p in sample], [p[1] for p in sample]), read.read

@@ -60,6 +60,7 @@ def _run_trainer(args: dict, config_file: str | None, resume: str | None) -> int
         job = None
     else:
         job = build_job(args, config_file)  # a bad setting stops here, before the trainer's imports
+        _pretrain_tokenizers(job)
     _prebuild_kernels(job, resume, args.get("device"))
     lazyinit.finish()
     from streamnmt.training.trainer import Trainer
@@ -127,6 +128,15 @@ def _exec_torchrun(nproc: str, args: dict, config_file: str | None, parser: argp
     finally:
         if started is None:
             del os.environ["STREAMNMT_COMMAND_START"]
+
+
+def _pretrain_tokenizers(job: Any) -> None:
+    """Start training a --data corpus's missing tokenizers in a child process now
+    (:mod:`streamnmt.data.tokenizer_child`): prepare_data waits for it after the imports, the device
+    and the recipe. Before the Triton kernels' children, whose start imports torch; this needs no torch."""
+    from streamnmt.data.tokenizer_child import start_for
+
+    start_for(job)
 
 
 def _prebuild_kernels(job: Any, resume: str | None, device: str | None) -> None:

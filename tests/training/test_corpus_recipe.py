@@ -89,9 +89,13 @@ def test_a_data_run_trains_and_records_the_rules_choice_and_a_flag_overrides_it(
     import yaml
 
     from streamnmt.cli import main
+    from streamnmt.data import tokenizer_child
 
     monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path / "home"))
     write_corpus(tmp_path / "c", n_train=120)
+    taken: list = []  # the first run's tokenizers are trained in the child process the command starts
+    take = tokenizer_child.take
+    monkeypatch.setattr(tokenizer_child, "take", lambda cfg, log: taken.append(take(cfg, log)) or taken[-1])
     flags = ["train", "--data", str(tmp_path / "c"), "--device", "cpu", "--model", "tiny", "--max-steps", "2",
              "--bleu-samples", "0", "--max-len", "24", "--project", str(tmp_path / "runs")]
     for name, extra, dropout in (("auto", [], SMALL_CORPUS_DROPOUT), ("given", ["--dropout", "0.05"], 0.05)):
@@ -101,6 +105,10 @@ def test_a_data_run_trains_and_records_the_rules_choice_and_a_flag_overrides_it(
         assert isinstance(config["data"]["src_vocab"], int) and config["data"]["src_vocab"] <= SMALL_CORPUS_VOCAB
     out = capsys.readouterr().out
     assert out.count("recipe: a corpus of 120 training pairs") == 2 and "--dropout 0.05;" in out
+    assert taken[0] is not None and taken[1:] == [None]  # the second run found them: no child
+    assert out.count("data: trained source tokenizer and target tokenizer on 120 sampled pairs") == 1
+    assert (f"source tokenizer of {SMALL_CORPUS_VOCAB} pieces asked (auto); target tokenizer of "
+            f"{SMALL_CORPUS_VOCAB} pieces asked (auto)") in out
 
 
 def test_a_shared_tokenizer_takes_the_rules_size_unless_either_side_gives_one(tmp_path):

@@ -1,7 +1,9 @@
 """prepare_data: from a corpus directory (or the built-in corpus) to tokenized, cached splits.
 
 This is the one entry point the trainer calls before training. It finds each split, gets the two
-tokenizers (given, found beside the data, or trained from a sample of the training split) and returns each split tokenized, from ``DIR/cache/`` when an entry matches. Every input is checked
+tokenizers (given, found beside the data, or trained from a sample of the training split: here, or
+in the child process ``streamnmt train`` started for them, :mod:`streamnmt.data.tokenizer_child`) and
+returns each split tokenized, from ``DIR/cache/`` when an entry matches. Every input is checked
 before anything is written: a malformed file stops the run with one InputError line and leaves no
 tokenizer or cache file behind.
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from streamnmt.data import tokenizer_child
 from streamnmt.data.cache import cache_key, entry_dir, load_entry, save_entry
 from streamnmt.data.config import DataConfig
 from streamnmt.data.corpus import BuildStats, TokenizedCorpus, tokenize_pairs
@@ -128,10 +131,13 @@ def prepare_data(cfg: DataConfig, log: Log = print, build: bool = True) -> DataB
 def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],
                 log: Log, build: bool = True) -> tuple[Tokenizer, Tokenizer, dict[str, int]]:
     """Given models as they are; else ``DIR/tokenizer/{eng,chn}.model`` (``shared.model`` with
-    --shared-vocab), trained when absent. Third: the sizes the corpus rule asked of those trained,
-    by role (empty: sizes given, or none trained)."""
+    --shared-vocab), trained when absent: by the child process the command started for them
+    (:mod:`streamnmt.data.tokenizer_child`), waited for here, else now. Third: the sizes the corpus
+    rule asked of those trained, by role (empty: sizes given, or none trained)."""
+    early = tokenizer_child.take(cfg, log) if build else None  # before looking for the files it writes
+    by_child = set(early.trained) if early is not None else set()
     plan = sides(cfg, directory)
-    loaded = {side.role: Tokenizer(side.path) for side in plan if side.found}
+    loaded = {side.role: Tokenizer(side.path) for side in plan if side.found and str(side.path) not in by_child}
     missing = [side for side in plan if side.role not in loaded]
     if missing and not build:
         raise NotPrepared(f"{missing[0].path}: not trained yet")
@@ -139,7 +145,12 @@ def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource
         if side.role in loaded:
             log(f"data: {side.name}: {loaded[side.role].path} (vocab {loaded[side.role].vocab_size})")
     auto: dict[str, int] = {}
-    if missing:
+    if early is not None and missing and {str(side.path) for side in missing} == by_child:
+        for line in early.lines:
+            log(line)
+        loaded.update({side.role: Tokenizer(side.path) for side in missing})
+        auto = early.auto
+    elif missing:
         trained = train(cfg, directory, sources, missing, log)
         loaded.update(trained.tokenizers)
         auto = trained.auto

@@ -1,0 +1,157 @@
+"""A --data corpus's tokenizers trained in a child process started at the command's start: the same
+models, sizes and lines as trained in-process, the same error for bad input, and no child where
+prepare_data would train none or under torchrun."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from streamnmt.config import build_job
+from streamnmt.data import tokenizer_child, tokenizer_training
+from streamnmt.data.config import SMALL_CORPUS_VOCAB, DataConfig
+from streamnmt.data.prepare import prepare_data
+from streamnmt.errors import InputError
+
+from .conftest import write_corpus
+
+
+@pytest.fixture
+def taken(monkeypatch: pytest.MonkeyPatch) -> list:
+    """What each prepare_data got from tokenizer_child.take (None: no child's models)."""
+    got: list = []
+    real = tokenizer_child.take
+
+    def spy(cfg, log):
+        got.append(real(cfg, log))
+        return got[-1]
+
+    monkeypatch.setattr(tokenizer_child, "take", spy)
+    yield got
+    tokenizer_child.stop()
+
+
+class FakeChild:
+    def __init__(self, code: int = 0, last: str = ""):
+        self.code, self.last, self.stopped = code, last, False
+
+    def wait(self, timeout: float) -> int:
+        return self.code
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def last_line(self) -> str:
+        return self.last
+
+
+def _same(lines: list[str], directory: Path) -> list[str]:
+    """Lines without their seconds and corpus folder, sorted (the two sides' threads log in either order)."""
+    return sorted(re.sub(r"\d+\.\d+s", "Ns", line.replace(str(directory), "DIR")) for line in lines)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["two", "shared"])
+def test_a_child_writes_the_models_sizes_and_lines_prepare_would(tmp_path, monkeypatch, taken, shared):
+    # the models' bytes depend on SentencePiece's thread count: the child must take this process's
+    monkeypatch.setattr(tokenizer_training, "cpu_threads", lambda: 8)
+    poison = tmp_path / "poison"  # a child that imports torch fails, and its models are not taken
+    poison.mkdir()
+    (poison / "torch.py").write_text("raise ImportError('the tokenizers child imported torch')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(poison), os.environ.get("PYTHONPATH")])))
+    for name in ("a", "b"):
+        write_corpus(tmp_path / name, n_train=300)
+    job = build_job({"data": str(tmp_path / "a"), "max_len": 24, "shared_vocab": shared})
+    assert tokenizer_child.start_for(job)
+
+    by_child: list[str] = []
+    a = prepare_data(job.data, log=by_child.append)
+    here: list[str] = []
+    b = prepare_data(dataclasses.replace(job.data, data=str(tmp_path / "b")), log=here.append)
+
+    assert taken[0] is not None and taken[1] is None  # a: the child's models; b: trained here
+    models = ["shared.model"] if shared else ["eng.model", "chn.model"]
+    for model in models:
+        assert (tmp_path / "a" / "tokenizer" / model).read_bytes() == (tmp_path / "b" / "tokenizer" / model).read_bytes()
+    assert sorted(taken[0].trained) == sorted(str(tmp_path / "a" / "tokenizer" / m) for m in models)
+    auto = {"shared": SMALL_CORPUS_VOCAB} if shared else {"source": SMALL_CORPUS_VOCAB, "target": SMALL_CORPUS_VOCAB}
+    assert a.auto_vocab == b.auto_vocab == auto and a.train_pairs == b.train_pairs == 300
+    assert _same(by_child, tmp_path / "a") == _same(here, tmp_path / "b")
+    assert any(line.startswith("data: trained ") for line in by_child)
+    assert not list((tmp_path / "a" / "tokenizer").glob(".*"))  # no temporary file left beside the models
+
+
+def test_a_bad_record_stops_the_run_with_the_same_line_as_without_a_child(tmp_path, taken):
+    write_corpus(tmp_path / "c", n_train=300)
+    train = tmp_path / "c" / "train.json"
+    records = json.loads(train.read_text(encoding="utf-8"))
+    records[200] = {"en": "a record without its target"}
+    train.write_text(json.dumps(records, ensure_ascii=False, indent=1), encoding="utf-8")
+    job = build_job({"data": str(tmp_path / "c"), "max_len": 24})
+    with pytest.raises(InputError) as without:
+        prepare_data(job.data, log=lambda _: None)
+
+    children: list = []
+    assert tokenizer_child.start_for(job, lambda argv: children.append(tokenizer_child._launch(argv)) or children[-1])
+    lines: list[str] = []
+    with pytest.raises(InputError) as with_child:
+        prepare_data(job.data, log=lines.append)
+    assert children[0].process.returncode == tokenizer_child.BAD_INPUT and taken == [None, None]
+    assert str(with_child.value) == str(without.value) and "train.json: record 200" in str(without.value)
+    assert lines == []  # bad input is the error's line alone
+    assert not (tmp_path / "c" / "tokenizer").exists() or not any((tmp_path / "c" / "tokenizer").iterdir())
+
+
+def test_no_child_for_the_builtin_corpus_tokenizers_given_or_found_weights_or_torchrun(tmp_path, monkeypatch):
+    started: list[list[str]] = []
+
+    def launch(argv):
+        started.append(argv)
+        return FakeChild()
+
+    write_corpus(tmp_path / "c", n_train=120)
+    data, tok = str(tmp_path / "c"), tmp_path / "c" / "tokenizer"
+
+    def starts(**flags) -> bool:
+        return tokenizer_child.start_for(build_job({"max_len": 24, **flags}), launch)
+
+    try:
+        assert not starts()  # the built-in corpus
+        assert not starts(data=data, weights=str(tmp_path / "w.pt"))  # its checkpoint's tokenizers may serve
+        assert not starts(data=data, tokenizer_eng=str(tmp_path / "e.model"), tokenizer_chn=str(tmp_path / "z.model"))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert not starts(data=data) and started == []
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        assert starts(data=data, src_vocab=300)
+        request = json.loads(started[-1][-1])
+        assert request["data"] == dataclasses.asdict(build_job({"max_len": 24, "data": data, "src_vocab": 300}).data)
+        tok.mkdir()
+        (tok / "eng.model").write_bytes(b"")
+        assert starts(data=data)  # the target's model is still to train
+        (tok / "chn.model").write_bytes(b"")
+        assert not starts(data=data)
+        assert starts(data=data, shared_vocab=True)
+        (tok / "shared.model").write_bytes(b"")
+        assert not starts(data=data, shared_vocab=True) and len(started) == 3
+    finally:
+        tokenizer_child.stop()
+
+
+def test_a_failed_or_foreign_child_is_set_aside_and_prepare_trains_here(tmp_path):
+    write_corpus(tmp_path / "c", n_train=120)
+    cfg = DataConfig(data=str(tmp_path / "c"), max_len=24)
+    crashed = FakeChild(code=1, last="MemoryError")
+    tokenizer_child.start(cfg, 1, lambda argv: crashed)
+    lines: list[str] = []
+    bundle = prepare_data(cfg, log=lines.append)
+    assert crashed.stopped and bundle.auto_vocab == {"source": SMALL_CORPUS_VOCAB, "target": SMALL_CORPUS_VOCAB}
+    assert "child process failed (exit 1: MemoryError" in lines[0] and lines[0].endswith("training them here")
+    assert any(line.startswith("data: trained source tokenizer and target tokenizer") for line in lines)
+
+    other = FakeChild()  # started for other data settings: its models are not this run's
+    tokenizer_child.start(dataclasses.replace(cfg, src_vocab=64), 1, lambda argv: other)
+    assert tokenizer_child.take(cfg, print) is None and other.stopped

@@ -135,6 +135,24 @@ def test_early_stopping_unit():
     assert again.best == 4.0 and again.should_stop
 
 
+def test_where_best_says_whether_the_run_was_still_improving_or_went_past_its_best():
+    es = EarlyStopping("bleu")
+    assert es.update(10.0, 100) and es.where_best(100) is None  # one evaluation says nothing of a trend
+    assert es.update(12.0, 200)
+    line = es.where_best(200)
+    assert line.startswith("best: dev BLEU 12.0000 at step 200 of 200, the last of 2 evaluations: still improving")
+    assert not es.update(11.0, 300) and not es.update(12.0, 400)  # equal is not better
+    line = es.where_best(400)
+    assert "at step 200 of 400, then 2 of 4 evaluations without a better one (the last 50% of the steps;" in line
+    again = EarlyStopping("bleu")
+    again.load_state_dict(es.state_dict())  # a resumed run goes on counting
+    assert again.where_best(400) == line
+    older = {k: v for k, v in es.state_dict().items() if k != "evaluations"}  # a checkpoint from before the count
+    again.load_state_dict(older)
+    assert again.evaluations == 3 and "then 2 of 3 evaluations" in again.where_best(400)
+    assert EarlyStopping("val_loss").where_best(10) is None
+
+
 def test_patience_stops_a_run_that_does_not_improve(tmp_path, monkeypatch):
     monkeypatch.setattr(Evaluator, "validate", lambda self: 5.0)  # a metric that never improves
     lines: list[str] = []

@@ -82,6 +82,9 @@ def _run_trainer(args: dict, config_file: str | None, resume: str | None) -> int
             f", best {'dev BLEU' if stopper.metric == 'bleu' else 'val_loss'} {stopper.best:.4f} at step {stopper.best_step}"
         print(f"done: {result['steps']} steps, lowest val_loss {result['best_val']:.4f}{best}; "
               f"results in {result['save_dir']}")
+        where = stopper.where_best(result["steps"])
+        if where:
+            print(where)
     return 0
 
 

@@ -44,9 +44,11 @@ class EarlyStopping:
         self.best: float | None = None
         self.best_step = 0
         self.bad = 0  # evaluations in a row without improvement
+        self.evaluations = 0
 
     def update(self, value: float | None, step: int) -> bool:
         """Record one evaluation; True when it improved on every earlier one (write best.pt)."""
+        self.evaluations += 1
         better = is_better(self.metric, value, self.best)
         if better:
             self.best, self.best_step, self.bad = value, step, 0
@@ -64,12 +66,30 @@ class EarlyStopping:
         return (f"early stop: {name} has not improved for {self.bad} evaluation(s) (--patience "
                 f"{self.patience}); best {best}")
 
+    def where_best(self, steps: int) -> str | None:
+        """The run's end line on its best evaluation: still improving at the end (a longer run may
+        score higher), or how many evaluations and what share of the ``steps`` came after it (a run
+        past its plateau; --patience ends one that many evaluations after its best). None before two
+        evaluations."""
+        if self.best is None or self.evaluations < 2 or steps <= 0:
+            return None
+        name = "dev BLEU" if self.metric == "bleu" else "val_loss"
+        head = f"best: {name} {self.best:.4f} at step {self.best_step} of {steps}"
+        if self.bad == 0:
+            return f"{head}, the last of {self.evaluations} evaluations: still improving, a longer run may score higher"
+        after = (steps - self.best_step) / steps
+        return (f"{head}, then {self.bad} of {self.evaluations} evaluations without a better one (the last "
+                f"{after:.0%} of the steps; best.pt holds the best, and --patience N ends a run N evaluations "
+                f"after it)")
+
     def state_dict(self) -> dict[str, Any]:
-        return {"metric": self.metric, "best": self.best, "best_step": self.best_step, "bad": self.bad}
+        return {"metric": self.metric, "best": self.best, "best_step": self.best_step, "bad": self.bad,
+                "evaluations": self.evaluations}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         if state and state.get("metric") == self.metric:
             self.best, self.best_step, self.bad = state["best"], state["best_step"], state["bad"]
+            self.evaluations = state.get("evaluations", self.bad + (self.best is not None))  # older checkpoints
 
 
 EXEC_GAP_S = 10.0  # an interpreter takes far less from its process's creation to importing streamnmt

@@ -37,7 +37,7 @@ from streamnmt.config import (
     recipe_warmup,
 )
 from streamnmt.data import TokenizedCorpus, batch_plan
-from streamnmt.data.config import SMALL_CORPUS_PAIRS, DataConfig
+from streamnmt.data.config import SMALL_CORPUS_PAIRS, DataConfig, small_corpus
 from streamnmt.dist import Dist
 from streamnmt.engine.auto import choose_compile, choose_strategy, graph_step_s
 from streamnmt.errors import ConfigError, InputError
@@ -98,7 +98,7 @@ def resolve_corpus(job: TrainJob, data: Any, dropout_given: bool, log: Callable[
     if not dropout_given:
         model = dataclasses.replace(model, dropout=corpus_dropout(model.model, pairs))
     if pairs is not None:
-        small = pairs < SMALL_CORPUS_PAIRS
+        small = small_corpus(pairs)
         chose = [f"--dropout {model.dropout:g}" + ("" if dropout_given else " (auto)")]
         chose += [f"{side} tokenizer of {size} pieces asked (auto)" for side, size in data.auto_vocab.items()]
         if not data.auto_vocab:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from streamnmt.cli import build_parser, main
-from streamnmt.config import ModelConfig, RunConfig, build_job, parse_duration
+from streamnmt.config import EPOCHS_UNLIMITED, PLATEAU_PATIENCE, ModelConfig, RunConfig, build_job, parse_duration
 from streamnmt.errors import ConfigError
 from streamnmt.models.transformer import make_model
 from streamnmt.training.runs import read_csv
@@ -392,6 +392,26 @@ def test_help_shows_no_none_defaults():
     assert "(required)" in text and "(default: None)" not in " ".join(text.split())
     train = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())
     assert "(default: None)" not in train and "(default: 0.1)" in train
+
+
+@pytest.mark.parametrize("cuda, own, flags, epochs, patience, says", [
+    (True, True, {}, EPOCHS_UNLIMITED, PLATEAU_PATIENCE, "auto"),  # a --data run on a GPU, no end given
+    (True, True, {"patience": 7}, EPOCHS_UNLIMITED, 7, "--patience 7:"),  # its own patience, still until it
+    (True, True, {"patience": 0}, 10, 0, None),  # --patience 0: never stop early, so the fixed epochs
+    (True, True, {"time_limit": "2m"}, EPOCHS_UNLIMITED, 0, None),  # the slot ends it
+    (True, True, {"max_steps": 500}, 10, 0, None),
+    (True, True, {"epochs": 3}, 3, 0, None),
+    (True, False, {}, 10, 0, None),  # the built-in corpus's demo
+    (False, True, {}, 2, 0, None),  # a CPU run stays short
+    (False, True, {"patience": 4}, 2, 4, None),
+])
+def test_a_data_run_on_a_gpu_given_no_end_trains_until_its_plateau(cuda, own, flags, epochs, patience, says):
+    from streamnmt.training.recipe import resolve_end
+
+    lines: list[str] = []
+    run = resolve_end(RunConfig(**flags), cuda, own, lines.append)
+    assert (run.epochs, run.patience) == (epochs, patience)
+    assert len(lines) == (says is not None) and (says is None or says in lines[0] and "plateau" in lines[0])
 
 
 def test_cpu_start_line_names_the_builtin_corpus_only_without_data(tmp_path):

@@ -230,7 +230,8 @@ def check_recipe(run: Any) -> None:
     check_choice(run.best_metric, "best_metric", ("auto", "bleu", "val_loss"))
     check(run.best_metric != "bleu" or run.bleu_samples > 0, "best_metric",
           "bleu needs BLEU to be computed: set --bleu-samples above 0 or use --best-metric val_loss")
-    check(run.patience >= 0, "patience", f"must be 0 (never stop early) or positive; got {run.patience}")
+    check(run.patience is None or run.patience >= 0, "patience",
+          f"must be 0 (never stop early) or positive; got {run.patience}")
     parse_duration(run.time_limit)
     check(run.keep_last >= 0, "keep_last", f"must be 0 (none) or positive; got {run.keep_last}")
     check(run.keep_last == 0 or run.save_every > 0, "keep_last",
@@ -244,13 +245,19 @@ def check_recipe(run: Any) -> None:
           "needs the tensorboard package: pip install tensorboard (or drop --tensorboard)")
 
 
-EPOCHS_UNLIMITED = 1_000_000  # --epochs when a --time-limit ends the run
+EPOCHS_UNLIMITED = 1_000_000  # --epochs when a --time-limit, or the plateau's --patience, ends the run
+# --patience of a --data run on a GPU given no end (--time-limit, --epochs, --max-steps): it trains until
+# its plateau, as Marian's --early-stopping does. 25 evaluations let the 10-minute runs of
+# docs/PERFORMANCE.md ("The recipe on real text", "Past 2 minutes") reach their best dev BLEU; 20 or
+# fewer stopped them short of it.
+PLATEAU_PATIENCE = 25
 
 
 @dataclass(kw_only=True)
 class RunConfig:
-    epochs: int | None = opt(None, "training epochs (default: until --time-limit ends the run where one is given, "
-                                   "else 10 on a GPU and 2 on a CPU)")
+    epochs: int | None = opt(None, "training epochs (default: until --time-limit ends the run where one is given; "
+                                   "a --data run on a GPU given no --time-limit or --max-steps trains until its "
+                                   "plateau (--patience); else 10 on a GPU and 2 on a CPU)")
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = no limit)")
     device: str | None = opt(None, "cpu, cuda or cuda:N (default: cuda if present)")
     seed: int = opt(0, "random seed (initialisation, dropout, batch order)")
@@ -283,7 +290,9 @@ class RunConfig:
     best_metric: str = opt("auto", "what chooses best.pt and drives --patience: bleu (higher is better) or "
                                    "val_loss; auto = bleu when --bleu-samples > 0",
                            choices=("auto", "bleu", "val_loss"))
-    patience: int = opt(0, "stop when --best-metric has not improved for N evaluations in a row (0 = never)")
+    patience: int | None = opt(None, "stop when --best-metric has not improved for N evaluations in a row "
+                                     f"(0 = never); default: {PLATEAU_PATIENCE} for a --data run on a GPU given no "
+                                     "--time-limit, --epochs or --max-steps (it trains until its plateau), else 0")
     time_limit: str | None = opt(None, "the run's wall clock, counted from the command's start, e.g. 2h, 90m, "
                                        "20s, 1h30m: training stops early enough for the last evaluation and "
                                        "last.pt to fit, exit 0, --resume continues (none = no limit)")

@@ -23,6 +23,7 @@ import torch
 
 from streamnmt.config import (
     EPOCHS_UNLIMITED,
+    PLATEAU_PATIENCE,
     TIME_TO_BLEU_TOKENS,
     TOKENS_PER_GIB,
     WARMUP_TOKENS,
@@ -70,8 +71,7 @@ def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[
     data, optim = resolve_recipe(data, optim, model, job.engine.accum_steps, device, world, log)
     if optim.amp == "auto":  # bf16 where the GPU has it natively, else fp16 with the grad scaler
         optim = dataclasses.replace(optim, amp=("bf16" if device_bf16(device) else "fp16") if cuda else "off")
-    if run.epochs is None:  # a time slot (--time-limit) is trained to its end, as fairseq's and Marian's defaults do
-        run = dataclasses.replace(run, epochs=EPOCHS_UNLIMITED if run.time_limit else 10 if cuda else 2)
+    run = resolve_end(run, cuda, job.data.data is not None, log)
     run = resolve_ema(run)
     if run.eval_dtype == "auto":  # the dtype rank 0 decodes BLEU in (bf16 where native, else fp32)
         run = dataclasses.replace(run, eval_dtype=dtype_name(decode_dtype(run.eval_dtype, device, "eval_dtype")))
@@ -110,6 +110,26 @@ def resolve_corpus(job: TrainJob, data: Any, dropout_given: bool, log: Callable[
             f"{SMALL_CORPUS_PAIRS:,}: the {'small' if small else 'large'}-corpus recipe): {'; '.join(chose)}; "
             "--dropout, --src-vocab and --tgt-vocab override it")
     return dataclasses.replace(job, model=model, data=d)
+
+
+def resolve_end(run: RunConfig, cuda: bool, own_corpus: bool, log: Callable[[str], None]) -> RunConfig:
+    """When a run ends where ``--epochs`` or ``--patience`` was not given. A time slot (--time-limit)
+    is trained to its end, as fairseq's and Marian's defaults do. A --data corpus on a GPU given no
+    end (no --time-limit, --epochs or --max-steps) trains until its plateau: --patience
+    PLATEAU_PATIENCE evaluations unless given (Marian's --early-stopping; --patience 0 keeps the
+    fixed epochs). Otherwise a short fixed run: 10 epochs on a GPU (the built-in corpus's demo),
+    2 on a CPU."""
+    plateau = (cuda and own_corpus and run.epochs is None and not run.time_limit and not run.max_steps
+               and run.patience != 0)
+    patience = run.patience if run.patience is not None else PLATEAU_PATIENCE if plateau else 0
+    epochs = run.epochs
+    if epochs is None:
+        epochs = EPOCHS_UNLIMITED if run.time_limit or plateau else 10 if cuda else 2
+    if plateau:
+        log(f"recipe: trains until its plateau: stops once --best-metric has not improved for {patience} "
+            f"evaluations in a row (--patience {patience}{'' if run.patience else ', auto'}: no --time-limit, "
+            "--epochs or --max-steps given; Ctrl-C or SIGTERM also end it, saved)")
+    return dataclasses.replace(run, epochs=epochs, patience=patience)
 
 
 def resolve_ema(run: RunConfig) -> RunConfig:

@@ -40,7 +40,7 @@ class EarlyStopping:
     def __init__(self, metric: str, patience: int = 0):
         if metric not in ("bleu", "val_loss"):
             raise ValueError(f"metric must be bleu or val_loss; got {metric!r}")
-        self.metric, self.patience = metric, patience
+        self.metric, self.patience = metric, patience or 0  # None: a RunConfig not resolved yet
         self.best: float | None = None
         self.best_step = 0
         self.bad = 0  # evaluations in a row without improvement

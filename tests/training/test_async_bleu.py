@@ -161,3 +161,21 @@ def test_last_pt_holds_a_pass_that_ends_after_the_last_step(tmp_path):
     assert last["step"] == t.global_step and last["last_eval_step"] == t.global_step
     stopper = t.evaluator.stopper.state_dict()
     assert {k: last["stopping"][k] for k in stopper} == stopper and stopper["best_step"] == t.global_step
+
+
+def test_a_launched_pass_paces_the_cadence_by_validation_and_the_last_bleu_pass(tmp_path, monkeypatch):
+    """Until a pass beside training is collected, the auto cadence counts what the launch cost on the
+    loop plus the newest finished BLEU pass's seconds (not the first evaluation's, captures included)."""
+    from streamnmt.training.evaluator import Cadence
+
+    estimates, real_started = [], Cadence.started
+
+    def started(self, estimate_s=None):
+        estimates.append((estimate_s, t.evaluations.launched["eval_s"], t.evaluations.last_bleu_s))
+        real_started(self, estimate_s)
+
+    monkeypatch.setattr(Cadence, "started", started)
+    t = make_trainer(tmp_path, "--name", "pace", *EVALS, "--async-eval", "on")
+    t.train()
+    assert len(estimates) >= 2
+    assert all(e == pytest.approx(launch + bleu) and bleu > 0 for e, launch, bleu in estimates)

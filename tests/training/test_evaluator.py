@@ -28,6 +28,27 @@ def test_the_auto_rule_waits_nine_times_the_last_cost():
     assert c.due(6, epoch_end=True) and not c.due(6, epoch_end=False)
 
 
+def test_a_pass_beside_training_is_paced_by_its_estimate_until_its_cost_is_known():
+    """The first evaluation holds its graphs' captures (here 6 s); a pass launched beside training
+    then paces the next by what it is expected to cost (validation now + the last BLEU pass), not by
+    the first's cost, until it is collected (done, restart=False) and its own cost counts."""
+    c = Cadence(None, first_after_s=60.0, min_interval_s=10.0)
+    c.done(6.0)
+    c.trained(6.0 * COST_RATIO)
+    assert c.due(1, epoch_end=False)
+    c.started(estimate_s=0.05 + 0.95)
+    c.trained(1.0 * COST_RATIO - 0.1)
+    assert not c.due(2, epoch_end=True)
+    c.trained(0.1)
+    assert c.due(2, epoch_end=True) and not c.due(2, epoch_end=False)  # mid-epoch: min_interval_s first
+    c.trained(10.0 - 1.0 * COST_RATIO)
+    assert c.due(3, epoch_end=False)
+    c.done(2.0, restart=False)  # collected: its own cost paces from now, the training since still counted
+    assert not c.due(4, epoch_end=False) and c.since_s == pytest.approx(10.0)
+    c.started()  # no estimate: the last cost stands
+    assert c.cost_s == 2.0 and c.since_s == 0.0
+
+
 def test_fixed_cadences_keep_their_meaning():
     every = Cadence(5)
     assert every.due(10, epoch_end=False) and not every.due(11, epoch_end=False) and every.due(11, epoch_end=True)

@@ -116,9 +116,12 @@ class Cadence:
         if restart:
             self.since_s = 0.0
 
-    def started(self) -> None:
-        """An evaluation started beside training: its cost is known when it ends (:meth:`done`)."""
+    def started(self, estimate_s: float | None = None) -> None:
+        """An evaluation started beside training: its cost is known when it ends (:meth:`done`);
+        ``estimate_s``, what it is expected to cost, paces the next one until then."""
         self.since_s = 0.0
+        if estimate_s is not None:
+            self.cost_s = estimate_s
 
     def state_dict(self) -> dict[str, Any]:
         return {"since_s": self.since_s, "cost_s": self.cost_s}

@@ -33,6 +33,7 @@ class LoopEvaluation:
         self.launched: dict[str, Any] | None = None  # the evaluation whose BLEU pass runs beside training
         self.decided_eval_step = -1  # the last evaluation whose results are in (last.pt keeps it)
         self.last_eval_step = -1
+        self.last_bleu_s = 0.0  # the newest finished BLEU pass's seconds (paces one beside training)
         # an evaluation a signal kept from running at its step ({step, epoch, beside}): a resume runs it first
         self.eval_due: dict[str, Any] | None = None
 
@@ -56,9 +57,12 @@ class LoopEvaluation:
         stop = self.bleu_stop(loop)
         if beside and ev.beside and ev.passes:
             result = ev.launch(step, ema, stop)
-            ev.cadence.started()
             first = self.launched is None
             self._launched(loop, result, epoch, wall_s, te, held)
+            # Its cost is known when it is collected, at the next evaluation: until then the cadence
+            # counts the validation just run and the last pass's BLEU seconds, not the cost of an
+            # evaluation before (the first one holds its graphs' captures).
+            ev.cadence.started(estimate_s=self.launched["eval_s"] + self.last_bleu_s)
             if first and ev.passes == 1:
                 loop.log("eval: from now on the BLEU passes run beside training; an epoch line shows the newest "
                          "finished one (evals.csv: the step it evaluated)")
@@ -99,6 +103,7 @@ class LoopEvaluation:
         STATS.sites = held
         cost = loop.clock() - te - sum(best_s)
         ev.cadence.done(cost)
+        self.last_bleu_s = result.bleu_s
         metrics.account(evaluation=cost, checkpoints=sum(best_s))
         self.last_eval, self.last_eval_step = result, step
         self.decided_eval_step = step
@@ -133,6 +138,7 @@ class LoopEvaluation:
         metrics.account(evaluation=waited, checkpoints=sum(best_s))
         metrics.waits["stats"].append(stats)
         self.evaluator.cadence.done(launched["eval_s"] + result.bleu_s, restart=False)
+        self.last_bleu_s = result.bleu_s
         metrics.fresh_bleu = result.bleu
         self._decided(loop, result, launched["epoch"], launched["wall_s"], launched["eval_s"] + waited, sum(best_s))
         self.launched = None

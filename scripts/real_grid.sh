@@ -32,14 +32,15 @@ seconds() {  # 2m, 90s, 1.5h, 1h30m, 120 -> whole seconds
 train_one() {  # GPU NAME FLAGS...
   local gpu=$1 name=$2; shift 2
   rm -rf "$root/$name" "$root/data_$name"; cp -r "$corpus" "$root/data_$name"
+  local guard=$(( $(seconds "$budget") + 300 ))  # a run past its budget and set-up is stopped (SIGTERM: saved)
   if [[ $name == eole* ]]; then
-    CUDA_VISIBLE_DEVICES=$gpu timeout 900 python3 scripts/eole_compare.py --data "$root/data_$name" --src-lang en \
+    CUDA_VISIBLE_DEVICES=$gpu timeout $guard python3 scripts/eole_compare.py --data "$root/data_$name" --src-lang en \
       --tgt-lang "$lang" --time-limit "$(seconds "$budget")" --work "$root/$name" "$@" > "$LOGS/grid_$name.log" 2>&1
     python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"BLEU = {r['bleu']:.2f}\"); print(r)" \
       "$root/$name/result.json" > "$LOGS/grid_${name}_test.txt" 2>&1
     return
   fi
-  CUDA_VISIBLE_DEVICES=$gpu timeout 900 python3 -m streamnmt train --data "$root/data_$name" --src-lang en \
+  CUDA_VISIBLE_DEVICES=$gpu timeout $guard python3 -m streamnmt train --data "$root/data_$name" --src-lang en \
     --tgt-lang "$lang" --time-limit "$budget" --project "$root" --name "$name" "$@" > "$LOGS/grid_$name.log" 2>&1
   CUDA_VISIBLE_DEVICES=$gpu timeout 300 python3 -m streamnmt eval --weights "$root/$name/weights/best.pt" \
     --data "$root/data_$name" --split test > "$LOGS/grid_${name}_test.txt" 2>&1

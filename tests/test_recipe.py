@@ -412,6 +412,10 @@ def test_a_data_run_on_a_gpu_given_no_end_trains_until_its_plateau(cuda, own, fl
     run = resolve_end(RunConfig(**flags), cuda, own, lines.append)
     assert (run.epochs, run.patience) == (epochs, patience)
     assert len(lines) == (says is not None) and (says is None or says in lines[0] and "plateau" in lines[0])
+    if says:
+        assert "dev BLEU has not improved" in lines[0]
+        resolve_end(RunConfig(bleu_samples=0), cuda, own, lines.append)
+        assert "the validation loss has not improved" in lines[-1]
 
 
 def test_cpu_start_line_names_the_builtin_corpus_only_without_data(tmp_path):

@@ -31,6 +31,7 @@ from streamnmt.config import (
     OptimConfig,
     RunConfig,
     TrainJob,
+    best_metric,
     corpus_dropout,
     job_from_dict,
     recipe_budget,
@@ -126,7 +127,8 @@ def resolve_end(run: RunConfig, cuda: bool, own_corpus: bool, log: Callable[[str
     if epochs is None:
         epochs = EPOCHS_UNLIMITED if run.time_limit or plateau else 10 if cuda else 2
     if plateau:
-        log(f"recipe: trains until its plateau: stops once --best-metric has not improved for {patience} "
+        metric = "dev BLEU" if best_metric(run) == "bleu" else "the validation loss"
+        log(f"recipe: trains until its plateau: stops once {metric} has not improved for {patience} "
             f"evaluations in a row (--patience {patience}{'' if run.patience else ', auto'}: no --time-limit, "
             "--epochs or --max-steps given; Ctrl-C or SIGTERM also end it, saved)")
     return dataclasses.replace(run, epochs=epochs, patience=patience)

@@ -399,7 +399,8 @@ def test_help_shows_no_none_defaults():
     (True, True, {"patience": 7}, EPOCHS_UNLIMITED, 7, "--patience 7:"),  # its own patience, still until it
     (True, True, {"patience": 0}, 10, 0, None),  # --patience 0: never stop early, so the fixed epochs
     (True, True, {"time_limit": "2m"}, EPOCHS_UNLIMITED, 0, None),  # the slot ends it
-    (True, True, {"max_steps": 500}, 10, 0, None),
+    (True, True, {"max_steps": 500}, EPOCHS_UNLIMITED, 0, None),  # the step count ends it (fairseq's --max-update)
+    (False, False, {"max_steps": 500}, EPOCHS_UNLIMITED, 0, None),
     (True, True, {"epochs": 3}, 3, 0, None),
     (True, False, {}, 10, 0, None),  # the built-in corpus's demo
     (False, True, {}, 2, 0, None),  # a CPU run stays short

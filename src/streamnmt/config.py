@@ -245,7 +245,7 @@ def check_recipe(run: Any) -> None:
           "needs the tensorboard package: pip install tensorboard (or drop --tensorboard)")
 
 
-EPOCHS_UNLIMITED = 1_000_000  # --epochs when a --time-limit, or the plateau's --patience, ends the run
+EPOCHS_UNLIMITED = 1_000_000  # --epochs when a --time-limit, --max-steps or the plateau's --patience ends the run
 # --patience of a --data run on a GPU given no end (--time-limit, --epochs, --max-steps): it trains until
 # its plateau, as Marian's --early-stopping does. 25 evaluations let the 10-minute runs of
 # docs/PERFORMANCE.md ("The recipe on real text", "Past 2 minutes") reach their best dev BLEU; 20 or
@@ -255,8 +255,8 @@ PLATEAU_PATIENCE = 25
 
 @dataclass(kw_only=True)
 class RunConfig:
-    epochs: int | None = opt(None, "training epochs (default: until --time-limit ends the run where one is given; "
-                                   "a --data run on a GPU given no --time-limit or --max-steps trains until its "
+    epochs: int | None = opt(None, "training epochs (default: until --time-limit or --max-steps ends the run "
+                                   "where one is given; a --data run on a GPU given neither trains until its "
                                    "plateau (--patience); else 10 on a GPU and 2 on a CPU)")
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = no limit)")
     device: str | None = opt(None, "cpu, cuda or cuda:N (default: cuda if present)")

@@ -115,7 +115,8 @@ def resolve_corpus(job: TrainJob, data: Any, dropout_given: bool, log: Callable[
 
 def resolve_end(run: RunConfig, cuda: bool, own_corpus: bool, log: Callable[[str], None]) -> RunConfig:
     """When a run ends where ``--epochs`` or ``--patience`` was not given. A time slot (--time-limit)
-    is trained to its end, as fairseq's and Marian's defaults do. A --data corpus on a GPU given no
+    or a step count (--max-steps) is trained to its end, as fairseq's (--max-update) and Marian's
+    (--after-batches) defaults do. A --data corpus on a GPU given no
     end (no --time-limit, --epochs or --max-steps) trains until its plateau: --patience
     PLATEAU_PATIENCE evaluations unless given (Marian's --early-stopping; --patience 0 keeps the
     fixed epochs). Otherwise a short fixed run: 10 epochs on a GPU (the built-in corpus's demo),
@@ -125,7 +126,7 @@ def resolve_end(run: RunConfig, cuda: bool, own_corpus: bool, log: Callable[[str
     patience = run.patience if run.patience is not None else PLATEAU_PATIENCE if plateau else 0
     epochs = run.epochs
     if epochs is None:
-        epochs = EPOCHS_UNLIMITED if run.time_limit or plateau else 10 if cuda else 2
+        epochs = EPOCHS_UNLIMITED if run.time_limit or run.max_steps or plateau else 10 if cuda else 2
     if plateau:
         metric = "dev BLEU" if best_metric(run) == "bleu" else "the validation loss"
         log(f"recipe: trains until its plateau: stops once {metric} has not improved for {patience} "

@@ -45,6 +45,18 @@ def test_compile_auto_rule():
     assert choose_compile("on", CPU, "full", 1, 1).value is True and choose_compile("off", CUDA, "graph", 10**9, 1).value is False
 
 
+def test_compile_auto_for_a_run_with_no_end_names_its_plateau_not_a_duration():
+    """A run given no end has only a bound on its steps (the unlimited epochs): it compiles, and the
+    line says it trains until its plateau rather than a run of thousands of minutes; a --time-limit
+    still caps it to what the limit leaves."""
+    plateau = choose_compile("auto", CUDA, "graph", planned_steps=10**11, n_shapes=1, open_ended=True)
+    assert plateau.value is True and "until its plateau" in plateau.why and " min (" not in plateau.why
+    capped = choose_compile("auto", CUDA, "graph", planned_steps=10**11, n_shapes=1, time_limit_s=60,
+                            open_ended=True)
+    assert capped.value is False and "~1 min" in capped.why
+    assert choose_compile("auto", CPU, "graph", 10**11, 1, open_ended=True).value is False
+
+
 def test_compile_auto_turns_on_for_a_packed_base_run_of_ten_minutes():
     """The step time follows the tokens a step holds and the model's size: one packed shape of the
     base model at the GPU default budget compiles for a 10-minute run (and a 7-minute one: the

@@ -186,6 +186,11 @@ def test_warm_cache_compiles_a_two_minute_run_and_a_cold_one_does_not(tmp_path, 
     warm = resolve_compile(job, bundle.train, CUDA, 1, lines.append)
     assert warm.engine.compile == "on" and "compile cache warm" in lines[-1] and "engine: compile on" in lines[-1]
     assert f"~{COMPILE_S_PER_SHAPE_WARM:.0f} s of compiling" in lines[-1]
+    # a run given no end (the plateau default's unlimited epochs) is said as such, not as a duration
+    from streamnmt.config import EPOCHS_UNLIMITED
+    open_ended = dataclasses.replace(job, run=dataclasses.replace(job.run, max_steps=0, epochs=EPOCHS_UNLIMITED))
+    assert resolve_compile(open_ended, bundle.train, CUDA, 1, lines.append).engine.compile == "on"
+    assert "until its plateau" in lines[-1] and " min (" not in lines[-1]
     # the staged cache is the one make_step takes (the tiny model of the same sizes and vocabularies)
     model = make_model(bundle.src_tok.vocab_size, bundle.tgt_tok.vocab_size, d_model=job.model.d_model,
                        n_layers=job.model.n_layers, n_heads=job.model.n_heads, d_ff=job.model.d_ff,

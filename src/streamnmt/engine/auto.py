@@ -68,11 +68,13 @@ def choose_strategy(requested: str, device: torch.device) -> Choice:
 
 def choose_compile(requested: str, device: torch.device, strategy: str, planned_steps: int,
                    n_shapes: int, step_s: float = GRAPH_MS_PER_STEP / 1e3, time_limit_s: float = 0.0,
-                   compile_s: float = COMPILE_S_PER_SHAPE) -> Choice:
+                   compile_s: float = COMPILE_S_PER_SHAPE, open_ended: bool = False) -> Choice:
     """Whether to torch.compile the model (``on``/``off`` kept; ``auto`` by the rule above).
     ``step_s``: graph mode's estimated step time (:func:`graph_step_s`); ``time_limit_s``: the
     run's ``--time-limit`` (0: none); ``compile_s``: seconds of compiling one batch shape
-    (``COMPILE_S_PER_SHAPE`` cold, ``COMPILE_S_PER_SHAPE_WARM`` from a warm compile cache)."""
+    (``COMPILE_S_PER_SHAPE`` cold, ``COMPILE_S_PER_SHAPE_WARM`` from a warm compile cache);
+    ``open_ended``: no end was given (the run trains until its plateau, so ``planned_steps`` is a
+    bound, not a plan, and the line says so instead of a duration)."""
     if requested in ("on", "off"):
         return Choice(requested == "on", "as requested")
     if device.type != "cuda" or strategy != "graph":
@@ -84,6 +86,10 @@ def choose_compile(requested: str, device: torch.device, strategy: str, planned_
     steps = min(planned_steps, round(planned / step_s)) if step_s > 0 else planned_steps  # what the limit leaves
     gain = planned * COMPILE_SAVING
     run = f"a run of ~{planned / 60:.0f} min (~{steps:,} steps of ~{step_s * 1e3:.0f} ms)"
+    if open_ended and not time_limit_s:
+        return Choice(True, f"auto: a run with no end given trains until its plateau (--patience evaluations "
+                            f"past its best): minutes, long enough to repay the ~{cost:.0f} s of compiling "
+                            f"{n_shapes} batch shape(s) (--compile off to skip it)")
     if gain >= 2 * cost:
         return Choice(True, f"auto: {run} saves ~{gain:.0f} s, >= 2x the ~{cost:.0f} s of compiling "
                             f"{n_shapes} batch shape(s)")

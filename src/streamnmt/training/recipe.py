@@ -191,7 +191,8 @@ def resolve_compile(job: TrainJob, train: TokenizedCorpus, device: torch.device,
     def decide(compile_s: float):
         return choose_compile(job.engine.compile, device, job.engine.sync_strategy, steps, len(shapes),
                               graph_step_s(tokens, m.n_layers, m.d_model, m.d_ff),
-                              job.run.time_limit_s() or 0.0, compile_s=compile_s)
+                              job.run.time_limit_s() or 0.0, compile_s=compile_s,
+                              open_ended=job.run.epochs >= EPOCHS_UNLIMITED and not job.run.max_steps)
 
     # The cache is keyed only where the answer matters (the key reads the tokenizers and the GPU's
     # name), and from what Inductor's options depend on, not from Inductor itself (importing it

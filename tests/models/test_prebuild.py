@@ -3,9 +3,11 @@ and the one line where the child failed or was late (a fake child on the CPU; th
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,7 +39,10 @@ class FakeChild:
 
 
 @pytest.fixture(autouse=True)
-def _no_child_left():
+def _no_child_left(monkeypatch):
+    """No child left running; a small machine's cores (MIN_CHILDREN children: one a variant) unless a
+    test gives its own."""
+    monkeypatch.setattr(prebuild, "usable_cores", lambda: 2)
     prebuild.stop()
     yield
     prebuild.stop()
@@ -76,7 +81,8 @@ def test_start_for_starts_a_child_only_with_cuda_and_on_a_hosts_first_process(mo
             torch.device("cuda", 0)) == "Triton is not installed":
         pytest.skip("Triton is not installed")
     assert prebuild.start_for(job, launch) == Request(0, 64, "auto")
-    assert [c.argv[-4:] for c in started] == [["0", "64", "auto", str(v)] for v in prebuild.VARIANTS]  # one each
+    assert [c.argv[-4:-1] for c in started] == [["0", "64", "auto"]] * prebuild.MIN_CHILDREN
+    assert [c.argv[-1] for c in started] == [",".join(g) for g in prebuild.group(prebuild.jobs_for(Request(0, 64, "auto")), 2)]
     assert all(c.argv[0] == sys.executable and "build_in_child" in c.argv[2] for c in started)
 
 
@@ -174,19 +180,28 @@ def test_train_starts_the_child_from_its_job_and_from_a_checkpoints(monkeypatch,
 
 
 @pytest.mark.gpu
-def test_a_child_fills_tritons_cache_with_the_build_checks_kernels(tmp_path, monkeypatch):
-    """On a GPU: the child builds the kernels into a fresh Triton cache, and this process's build
-    check then compiles nothing more (no new file in the cache)."""
+@pytest.mark.parametrize("amp, cores", [("auto", 64), ("fp16", 2)])
+def test_a_child_fills_tritons_cache_with_the_build_checks_kernels(tmp_path, monkeypatch, amp, cores):
+    """On a GPU: the children (one job each, or several jobs each on a small machine) build the
+    kernels into a fresh Triton cache, and this process's build check (and the training dtype's
+    under ``--amp fp16``) then compiles nothing more (no new file in the cache): each job's launch
+    is specialised as the check's call is."""
     if not torch.cuda.is_available() or attention.triton_available(torch.device("cuda")) is not None:
         pytest.skip("needs CUDA and Triton (run on the GPU machine: pytest -m gpu)")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     index = torch.cuda.current_device()
-    prebuild.start(Request(index, 64, "auto"))
+    prebuild.start(Request(index, 64, amp), cores=cores)
     assert prebuild.wait(index, 64) is None
     files = sorted(tmp_path.rglob("*"))
     assert any(p.suffix == ".cubin" for p in files), files
-    assert prebuild.marker(Request(index, 64, "auto"), prebuild.gpu_of(index)) in files  # the next run starts none
-    attention.triton_probe(torch.device("cuda", index), attention._check_dtype(index), 64)
+    assert prebuild.marker(Request(index, 64, amp), prebuild.gpu_of(index)) in files  # the next run starts none
+    # the check in a fresh process: this one may hold the kernels in memory from an earlier test
+    code = (f"import torch; from streamnmt.models import attention as a; d = torch.device('cuda', {index}); "
+            f"a.triton_probe(d, a._check_dtype({index}), 64); "
+            f"{'a.triton_probe(d, torch.float16, 64)' if amp == 'fp16' else ''}")
+    check = prebuild.Child([sys.executable, "-c", code])
+    assert check.wait(300) == 0, check.last_line()
+    check.stop()
     assert sorted(tmp_path.rglob("*")) == files
 
 
@@ -227,7 +242,7 @@ def test_a_build_marked_in_the_cache_starts_no_child(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     job = build_job({})
-    n = len(prebuild.VARIANTS)
+    n = prebuild.MIN_CHILDREN
     assert prebuild.start_for(job, launch) == Request(0, 64, "auto") and len(started) == n
     prebuild.stop()
     prebuild.mark_built(Request(0, 32, "auto"), "GPU0 sm90")  # another head dim's kernels: still children
@@ -286,3 +301,167 @@ def test_a_stopped_child_closes_its_output():
     child.wait(30)
     child.stop()
     assert child.output.closed and child.last_line() == ""
+
+
+def test_the_jobs_are_every_variants_kernels_and_the_training_dtypes_too():
+    """Forward, dk/dv and dq of each variant (the variant-free delta once), parsed as the child parses
+    them; the training dtype's again where --amp names one other than the check's bf16."""
+    jobs = prebuild.jobs_for(Request(0, 64, "auto"))
+    parsed = attention.parse_jobs(",".join(jobs))
+    assert sorted((v, k) for v, k, _ in parsed) == sorted(
+        [(v, (k,)) for v in prebuild.VARIANTS for k in ("fwd", "dq")]
+        + [(0, ("delta", "dkdv")), (1, ("dkdv",)), (2, ("dkdv",))])
+    assert {amp for _, _, amp in parsed} == {None}
+    assert prebuild.jobs_for(Request(0, 64, "bf16")) == jobs
+    for amp in ("fp16", "off"):
+        assert prebuild.jobs_for(Request(0, 64, amp)) == jobs + [f"{j}:{amp}" for j in jobs]
+    for bad in ("3:fwd", "0:bwd", "0", "0:fwd:fp8", "x:fwd"):
+        with pytest.raises(ValueError, match="Triton build job"):
+            attention.parse_jobs(bad)
+
+
+def test_the_jobs_are_grouped_by_the_cores_left_to_them():
+    """One job a child where the cores allow (all but LEFT_CORES: this process and the tokenizers'
+    child), else fewer children with several, never fewer than MIN_CHILDREN; each job once."""
+    from streamnmt.data.tokenizer_child import LEFT_CORES
+
+    for amp in ("auto", "off"):
+        jobs = prebuild.jobs_for(Request(0, 64, amp))
+        for cores in range(1, LEFT_CORES + len(jobs) + 3):
+            groups = prebuild.group(jobs, cores)
+            assert len(groups) == min(len(jobs), max(prebuild.MIN_CHILDREN, cores - LEFT_CORES)), (amp, cores)
+            assert sorted(j for g in groups for j in g) == sorted(jobs)
+            assert max(map(len, groups)) - min(map(len, groups)) <= 1
+    jobs = prebuild.jobs_for(Request(0, 64, "auto"))
+    assert prebuild.group(jobs, 64) == [[j] for j in jobs]
+    assert [{j.split(":")[0] for j in g} for g in prebuild.group(jobs, 2)] == [{"0"}, {"1"}, {"2"}]  # one a variant
+    started: list[FakeChild] = []
+    prebuild.start(Request(0, 64, "auto"), lambda argv: FakeChild(argv, started=started), cores=LEFT_CORES + 5)
+    assert [c.argv[-1] for c in started] == [",".join(g) for g in prebuild.group(jobs, LEFT_CORES + 5)]
+    assert len(started) == 5
+
+
+def test_usable_cores_are_this_processs_affinity_else_all(monkeypatch):
+    monkeypatch.undo()  # the autouse fixture's small machine
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 5}, raising=False)
+    assert prebuild.usable_cores() == 3
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 7)
+    assert prebuild.usable_cores() == 7
+
+
+def test_build_in_child_runs_only_its_jobs_launches(monkeypatch):
+    """A job list: each job's kernels of its variant, in the check's dtype or its --amp's (none where
+    that is the check's); no list: the whole build check, and the training dtype's."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(attention, "_check_dtype", lambda index: torch.bfloat16)
+    monkeypatch.setattr(attention, "probe_kernels", lambda device, dtype, head_dim, variant, kernels:
+                        calls.append((str(device), dtype, head_dim, variant, kernels)))
+    monkeypatch.setattr(attention, "triton_probe", lambda device, dtype, head_dim, variants=(0, 1, 2):
+                        calls.append((str(device), dtype, head_dim, variants)))
+    assert attention.build_in_child(["1", "64", "fp16", "0:fwd,2:delta+dkdv:fp16,1:dq:bf16"]) == 0
+    assert calls == [("cuda:1", torch.bfloat16, 64, 0, ("fwd",)), ("cuda:1", torch.float16, 64, 2, ("delta", "dkdv"))]
+    calls.clear()
+    assert attention.build_in_child(["0", "32", "off"]) == 0
+    assert calls == [("cuda:0", torch.bfloat16, 32, (0, 1, 2)), ("cuda:0", torch.float32, 32, (0, 1, 2))]
+    calls.clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert attention.build_in_child(["0", "64", "auto", "0:fwd"]) == 0 and calls == []  # auto picks sdpa there
+
+
+class Launches:
+    """Stands in for the Triton kernels: records each launch as Triton's cache key sees it (the
+    kernel, its arguments' dtypes, 16-byte alignment, ints equal to 1 or divisible by 16 where
+    specialised on, constexprs and launch options), runs nothing."""
+
+    def __init__(self, monkeypatch):
+        from streamnmt.models import segattn_triton as st
+
+        self.calls: list[tuple] = []
+        for name in ("_fwd", "_delta", "_bwd_dkdv", "_bwd_dq"):
+            monkeypatch.setattr(st, name, self._kernel(name, getattr(st, name), st._SHAPE_ARGS))
+
+    def _kernel(self, name, fn, unspecialised):
+        calls = self.calls
+
+        def key(arg_name, x):
+            if isinstance(x, torch.Tensor):
+                return arg_name, str(x.dtype), x.data_ptr() % 16 == 0
+            if isinstance(x, bool):
+                return arg_name, x
+            if isinstance(x, int):
+                return (arg_name, "int32" if -2**31 <= x < 2**31 else "int64",
+                        None if arg_name in unspecialised else (x == 1, x % 16 == 0))
+            return arg_name, type(x).__name__
+
+        class Kernel:
+            def __getitem__(self, grid):
+                def run(*args, **kwargs):
+                    calls.append((name, tuple(key(n, x) for n, x in zip(fn.arg_names, args)),
+                                  tuple(sorted(kwargs.items()))))
+                return run
+
+        return Kernel()
+
+
+def test_every_kernel_of_the_build_check_is_one_jobs_launch_specialised_alike(monkeypatch):
+    """The launches of the jobs, run alone, are the build check's launches (forward and backward,
+    each variant, the check's dtype and the training's): the same cache keys, each built by exactly
+    one job (the delta kernel, the same for every variant, by one)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    launches = Launches(monkeypatch)
+    cpu = torch.device("cpu")
+    for dtype in (torch.bfloat16, torch.float16):
+        attention.triton_probe(cpu, dtype, 64)
+    probe = set(launches.calls)
+    launches.calls.clear()
+    for variant, kernels, amp in attention.parse_jobs(",".join(prebuild.jobs_for(Request(0, 64, "fp16")))):
+        attention.probe_kernels(cpu, torch.bfloat16 if amp is None else torch.float16, 64, variant, kernels)
+    assert set(launches.calls) == probe and len(launches.calls) == len(probe)  # each once: no two jobs compile one
+    assert len(probe) == 2 * (3 * 3 + 1)
+
+
+def test_backward_launches_delta_then_dkdv_then_dq_on_its_tensors(monkeypatch):
+    """_backward calls the launch helpers in the kernels' order, dk/dv and dq reading the delta the
+    delta kernel wrote."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    from streamnmt.models import segattn_triton as st
+    from streamnmt.models.segments import segment_ranges
+
+    calls: list[tuple[str, tuple]] = []
+    for name in ("_launch_delta", "_launch_dkdv", "_launch_dq"):
+        monkeypatch.setattr(st, name, lambda *args, _name=name: calls.append((_name, args)))
+    q = torch.randn(1, 2, 32, 16)
+    seg = torch.ones(1, 32, dtype=torch.int32)
+    r = segment_ranges(seg, seg, causal=True, cross=False)
+    lse = torch.zeros(1, 2, 32)
+    dq, dk, dv = st._backward(q, q, q, q, q, lse, r.q_seg, r.k_seg, r.lo, r.hi, r.qlo, r.qhi, r.elo, r.ehi, True, False)
+    assert [n for n, _ in calls] == ["_launch_delta", "_launch_dkdv", "_launch_dq"]
+    delta = calls[0][1][2]
+    assert calls[1][1][7] is delta and calls[2][1][6] is delta and calls[1][1][6] is lse
+    assert calls[1][1][4:6] == (dk, dv) and calls[2][1][4] is dq and calls[1][1][-2:] == (True, False)
+
+
+def _run_jobs_interpreted() -> None:
+    """In a child under Triton's interpreter: every job of a build with a second dtype, alone."""
+    for job in prebuild.jobs_for(Request(0, 16, "fp16")):
+        for variant, kernels, amp in attention.parse_jobs(job):
+            attention.probe_kernels(torch.device("cpu"), torch.float32 if amp is None else torch.float16, 16,
+                                    variant, kernels)
+        print(f"job {job}: ok", flush=True)
+
+
+def test_each_jobs_launches_run_alone_under_the_interpreter():
+    """The kernels launched alone, on the build check's input, run (no fault, the arguments each
+    kernel takes) in Triton's interpreter on the CPU."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", "import tests.models.test_prebuild as t; t._run_jobs_interpreted()"],
+                          cwd=root, capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [f"job {j}: ok" for j in prebuild.jobs_for(Request(0, 16, "fp16"))]

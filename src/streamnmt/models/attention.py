@@ -131,25 +131,75 @@ def _check_dtype(index: int) -> torch.dtype:
 
 
 def build_in_child(argv: list[str]) -> int:
-    """The build check of one of :mod:`streamnmt.models.prebuild`'s child processes (``INDEX HEAD_DIM
-    AMP [VARIANT]``): the kernels of :func:`_triton_builds` (one variant, or all), and those of the
-    training's dtype where ``--amp`` names another, into Triton's on-disk cache. Nothing on a GPU
-    ``auto`` does not pick them for."""
+    """The build of one of :mod:`streamnmt.models.prebuild`'s child processes (``INDEX HEAD_DIM AMP
+    [JOBS]``), into Triton's on-disk cache: with ``JOBS`` (``VARIANT:KERNEL[+KERNEL][:AMP]`` joined by
+    commas, e.g. ``0:fwd,1:dq``) only those launches (:func:`probe_kernels`), in the build check's
+    dtype or, with ``:AMP``, in that ``--amp``'s where it is another; without, the whole build check
+    of :func:`_triton_builds` and that of the training's dtype where ``--amp`` names another. Nothing
+    on a GPU ``auto`` does not pick the kernels for."""
     index, head_dim, amp = int(argv[0]), int(argv[1]), argv[2]
-    variants = (int(argv[3]),) if len(argv) > 3 else tuple(range(len(VARIANTS)))
     device = torch.device("cuda", index)
     if torch.cuda.get_device_capability(device) < (8, 0):
         return 0
-    dtypes = [_check_dtype(index)]
-    trained = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": torch.float32}.get(amp)
+    checked = _check_dtype(index)
+    if len(argv) > 3:
+        for variant, kernels, job_amp in parse_jobs(argv[3]):
+            dtype = checked if job_amp is None else AMP_DTYPES.get(job_amp, checked)
+            if job_amp is None or dtype != checked:  # the check's dtype: built by the job without ``:AMP``
+                probe_kernels(device, dtype, head_dim, variant, kernels)
+        return 0
+    dtypes = [checked]
+    trained = AMP_DTYPES.get(amp)
     if trained is not None and trained not in dtypes:
         dtypes.append(trained)
     for dtype in dtypes:
-        triton_probe(device, dtype, head_dim, variants)
+        triton_probe(device, dtype, head_dim)
     return 0
 
 
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": torch.float32}  # --amp's training dtypes
+
+
+def parse_jobs(spec: str) -> list[tuple[int, tuple[str, ...], str | None]]:
+    """``VARIANT:KERNEL[+KERNEL][:AMP]`` jobs joined by commas -> (variant, kernels, amp or None)."""
+    from streamnmt.models.segattn_triton import KERNELS
+
+    jobs = []
+    for job in spec.split(","):
+        parts = job.split(":")
+        kernels = tuple(parts[1].split("+")) if len(parts) in (2, 3) else ()
+        if (len(parts) not in (2, 3) or not parts[0].isdigit() or int(parts[0]) >= len(VARIANTS)
+                or not kernels or any(k not in KERNELS for k in kernels)
+                or (len(parts) == 3 and parts[2] not in AMP_DTYPES)):
+            raise ValueError(f"Triton build job {job!r}: VARIANT:KERNEL[+KERNEL][:AMP], a variant below "
+                             f"{len(VARIANTS)}, kernels of {', '.join(KERNELS)}, AMP one of {', '.join(AMP_DTYPES)}")
+        jobs.append((int(parts[0]), kernels, parts[2] if len(parts) == 3 else None))
+    return jobs
+
+
 VARIANTS = ((False, False), (True, False), (False, True))  # (causal, cross): encoder, decoder, cross
+PROBE_LENGTH = 32  # positions of the build check's one segment
+
+
+def _probe_ranges(device: torch.device, variant: int) -> SegmentRanges:
+    """The build check's segment ranges of ``variant``: one segment of :data:`PROBE_LENGTH` positions."""
+    causal, cross = VARIANTS[variant]
+    seg = torch.ones(1, PROBE_LENGTH, dtype=torch.int32, device=device)
+    return segment_ranges(seg, seg, causal=causal, cross=cross)
+
+
+def probe_kernels(device: torch.device, dtype: torch.dtype, head_dim: int, variant: int,
+                  kernels: tuple[str, ...]) -> None:
+    """Only ``kernels`` (:data:`streamnmt.models.segattn_triton.KERNELS`) of ``variant``, launched on
+    the input of :func:`triton_probe` (:func:`streamnmt.models.segattn_triton.launch_alone`): the
+    entries of Triton's cache that its forward and backward compile, one kernel at a time, so that
+    child processes build them side by side."""
+    from streamnmt.models.segattn_triton import launch_alone
+
+    on_gpu = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with on_gpu:  # Triton launches on the current device
+        q = torch.zeros(1, 1, PROBE_LENGTH, head_dim, dtype=dtype, device=device)
+        launch_alone(kernels, q, _probe_ranges(device, variant))
 
 
 def triton_probe(device: torch.device, dtype: torch.dtype, head_dim: int,
@@ -165,12 +215,11 @@ def triton_probe(device: torch.device, dtype: torch.dtype, head_dim: int,
 
     on_gpu = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with on_gpu:  # Triton launches on the current device
-        seg = torch.ones(1, 32, dtype=torch.int32, device=device)
         gen = torch.Generator(device=device).manual_seed(0)
         grads = []
-        for causal, cross in (VARIANTS[v] for v in variants):
-            q = torch.randn(1, 1, 32, head_dim, device=device, generator=gen).to(dtype).requires_grad_()
-            segment_attention(q, q, q, segment_ranges(seg, seg, causal=causal, cross=cross)).float().sum().backward()
+        for v in variants:
+            q = torch.randn(1, 1, PROBE_LENGTH, head_dim, device=device, generator=gen).to(dtype).requires_grad_()
+            segment_attention(q, q, q, _probe_ranges(device, v)).float().sum().backward()
             grads.append(q.grad)
     return grads[0]
 

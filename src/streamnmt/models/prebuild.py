@@ -3,11 +3,20 @@
 On a machine's first run Triton compiles the kernels of the set-up's build check
 (:func:`streamnmt.models.attention.triton_probe`: forward and backward of the three variants at the
 run's head dim) in seconds, and its compiler holds the interpreter lock, so a thread would not
-overlap it with anything. :func:`start_for`, called at the command's start, runs that build check in
-a child process (a fresh interpreter, not a fork of this one) where the run will check the kernels:
-it fills Triton's on-disk cache while this process imports, makes its CUDA context, reads the
-config, prepares the data and builds the model. One child per variant (:data:`VARIANTS`): Triton
-compiles one kernel at a time in a process, so three compile at once on three cores.
+overlap it with anything. :func:`start_for`, called at the command's start, runs that build in
+child processes (fresh interpreters, not forks of this one) where the run will check the kernels:
+they fill Triton's on-disk cache while this process imports, makes its CUDA context, reads the
+config, prepares the data and builds the model. Triton compiles one kernel at a time in a process,
+so the build is cut into jobs (:func:`jobs_for`): each variant (:data:`VARIANTS`) times each of its
+kernels (the forward, the backward's dk/dv with the variant-free delta once, its dq), and the same
+again in the training's dtype where ``--amp`` names another. Each job launches its kernel alone on the
+build check's input (:func:`streamnmt.models.attention.probe_kernels`), laid out as the check lays
+it out, so it fills the very cache entry the check then loads. The jobs go to as many children as
+the usable cores (:func:`usable_cores`) allow once :data:`streamnmt.data.tokenizer_child.LEFT_CORES`
+are left to this process and the tokenizers' child that may run beside them: one job a child where
+they allow, else fewer children taking several jobs each (:func:`group`), never fewer than
+:data:`MIN_CHILDREN` (a small machine then shares its cores among them, as it did with one child a
+variant).
 
 On one process (no torchrun), the build check (:func:`streamnmt.models.attention.triton_runs`) trusts
 a child still running and owes the wait (:func:`pending`); the trainer settles it
@@ -51,6 +60,10 @@ AUTO_TRITON_MAX_HEAD_DIM = 128
 TIMEOUT_S = 180.0  # a cold build of the kernels takes seconds; this covers a loaded machine's too
 # the build check's variants (streamnmt.models.attention.triton_probe): encoder, causal decoder, cross
 VARIANTS = (0, 1, 2)
+# a variant's jobs (streamnmt.models.segattn_triton.KERNELS): the delta kernel has no variant, so the
+# first variant's dk/dv job builds it
+KERNEL_JOBS = ("fwd", "dkdv", "dq")
+MIN_CHILDREN = 3  # as many as variants: a small machine compiles no slower than with one child a variant
 
 
 @dataclass(frozen=True)
@@ -154,11 +167,39 @@ def _shared_gpu(index: int) -> bool:
         return True
 
 
-def child_argv(request: Request, variant: int) -> list[str]:
-    """A child's command line: :func:`streamnmt.models.attention.build_in_child` of one variant in a
+def jobs_for(request: Request) -> list[str]:
+    """The build's jobs (:func:`streamnmt.models.attention.parse_jobs`), kernel by kernel and within a
+    kernel variant by variant, so that :func:`group`'s round robin gives each child a mix: every kernel
+    of the build check once, then those of the training's dtype where ``--amp`` names one other than
+    the check's (bf16 wherever the children build: compute capability 8.0 or newer)."""
+    suffixes = [""] + ([f":{request.amp}"] if request.amp in ("fp16", "off") else [])
+    return [f"{v}:{'delta+dkdv' if kernel == 'dkdv' and v == VARIANTS[0] else kernel}{suffix}"
+            for suffix in suffixes for kernel in KERNEL_JOBS for v in VARIANTS]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the system says it, else all)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def group(jobs: Sequence[str], cores: int) -> list[list[str]]:
+    """``jobs`` dealt round robin to the children ``cores`` allow: all but ``LEFT_CORES`` of them
+    (this process's imports and data and the tokenizers' child run beside the build), at most one
+    child a job, at least :data:`MIN_CHILDREN`."""
+    from streamnmt.data.tokenizer_child import LEFT_CORES
+
+    n = max(MIN_CHILDREN, min(len(jobs), cores - LEFT_CORES))
+    return [list(jobs[i::n]) for i in range(n) if jobs[i::n]]
+
+
+def child_argv(request: Request, jobs: Sequence[str]) -> list[str]:
+    """A child's command line: :func:`streamnmt.models.attention.build_in_child` of ``jobs`` in a
     fresh interpreter."""
     code = "import sys; from streamnmt.models.attention import build_in_child; sys.exit(build_in_child(sys.argv[1:]))"
-    return [sys.executable, "-c", code, str(request.index), str(request.head_dim), request.amp, str(variant)]
+    return [sys.executable, "-c", code, str(request.index), str(request.head_dim), request.amp, ",".join(jobs)]
 
 
 class Child:
@@ -200,19 +241,20 @@ class Child:
 @dataclass
 class _Pending:
     request: Request
-    children: list[Any]  # Child, or what a test puts in its place: one per variant
+    children: list[Any]  # Child, or what a test puts in its place: one per group of jobs
     cache: Path  # the Triton cache folder they fill (the run may point TRITON_CACHE_DIR elsewhere later)
 
 
 _PENDING: _Pending | None = None
 
 
-def start(request: Request, launch: Callable[[Sequence[str]], Any] = Child) -> None:
-    """Start the children for ``request``, one per variant (``launch``: how a command line is
-    started, a test's fake)."""
+def start(request: Request, launch: Callable[[Sequence[str]], Any] = Child, cores: int | None = None) -> None:
+    """Start the children for ``request``, its jobs grouped by the cores (:func:`group`; ``cores``:
+    default :func:`usable_cores`; ``launch``: how a command line is started, a test's fake)."""
     global _PENDING
     stop()
-    _PENDING = _Pending(request, [launch(child_argv(request, v)) for v in VARIANTS], triton_cache_dir())
+    groups = group(jobs_for(request), usable_cores() if cores is None else cores)
+    _PENDING = _Pending(request, [launch(child_argv(request, jobs)) for jobs in groups], triton_cache_dir())
 
 
 def pending(index: int, head_dim: int) -> Path | None:

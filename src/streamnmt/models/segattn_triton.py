@@ -290,36 +290,92 @@ def _forward(q, k, v, q_seg, k_seg, lo, hi, causal: bool, cross: bool) -> tuple[
         raise TypeError(f"segment_attention: q, k and v of one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     q, k, v = _last_dim_contiguous(q, k, v)
     b, h, n_q, d = q.shape
-    n_k = k.size(2)
     o = _bhtd_like(q)
     lse = torch.empty(b, h, n_q, dtype=torch.float32, device=q.device)
-    t = TILES
-    _fwd[(triton.cdiv(n_q, t.query), b * h)](
-        q, k, v, o, lse, q_seg, k_seg, lo, hi, 1.0 / math.sqrt(d), n_q, n_k, h,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(o), D=d, BM=t.query, BN=t.key, CAUSAL=causal,
-        CROSS=cross, PREC=_precision(q), num_warps=t.warps, num_stages=t.stages)
+    _launch_fwd(q, k, v, o, lse, q_seg, k_seg, lo, hi, causal, cross)
     return o, lse
 
 
 def _backward(do, q, k, v, o, lse, q_seg, k_seg, lo, hi, qlo, qhi, elo, ehi, causal: bool, cross: bool):
     do, q, k, v, o = _last_dim_contiguous(do, q, k, v, o)
     lse = lse.contiguous()  # the kernels index it (B, h, Tq) without strides
-    b, h, n_q, d = q.shape
-    n_k = k.size(2)
     delta = torch.empty_like(lse)
+    _launch_delta(o, do, delta)
+    dq, dk, dv = _bhtd_like(q), _bhtd_like(k), _bhtd_like(v)
+    _launch_dkdv(q, k, v, do, dk, dv, lse, delta, q_seg, k_seg, qlo, qhi, elo, ehi, causal, cross)
+    _launch_dq(q, k, v, do, dq, lse, delta, q_seg, k_seg, lo, hi, causal, cross)
+    return dq, dk, dv
+
+
+# The launches, one kernel each, called by _forward and _backward and, alone, by launch_alone: the
+# arguments a kernel is specialised on (dtypes, layouts, constexprs) come from one place.
+def _launch_fwd(q, k, v, o, lse, q_seg, k_seg, lo, hi, causal: bool, cross: bool) -> None:
+    b, h, n_q, d = q.shape
+    t = TILES
+    _fwd[(triton.cdiv(n_q, t.query), b * h)](
+        q, k, v, o, lse, q_seg, k_seg, lo, hi, 1.0 / math.sqrt(d), n_q, k.size(2), h,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o), D=d, BM=t.query, BN=t.key, CAUSAL=causal,
+        CROSS=cross, PREC=_precision(q), num_warps=t.warps, num_stages=t.stages)
+
+
+def _launch_delta(o, do, delta) -> None:
+    b, h, n_q, d = o.shape
     t = TILES
     _delta[(triton.cdiv(n_q, t.query), b * h)](o, do, delta, n_q, h, *_strides(o), *_strides(do), D=d, BM=t.query)
-    dq, dk, dv = _bhtd_like(q), _bhtd_like(k), _bhtd_like(v)
-    scale, prec = 1.0 / math.sqrt(d), _precision(q)
+
+
+def _launch_dkdv(q, k, v, do, dk, dv, lse, delta, q_seg, k_seg, qlo, qhi, elo, ehi, causal: bool, cross: bool) -> None:
+    b, h, n_q, d = q.shape
+    n_k = k.size(2)
+    t = TILES
     _bwd_dkdv[(triton.cdiv(n_k, t.key), b * h)](
-        q, k, v, do, dk, dv, lse, delta, q_seg, k_seg, qlo, qhi, elo, ehi, scale, n_q, n_k, h,
+        q, k, v, do, dk, dv, lse, delta, q_seg, k_seg, qlo, qhi, elo, ehi, 1.0 / math.sqrt(d), n_q, n_k, h,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
-        D=d, BM=t.query, BN=t.key, CAUSAL=causal, CROSS=cross, PREC=prec, num_warps=t.warps, num_stages=t.stages)
+        D=d, BM=t.query, BN=t.key, CAUSAL=causal, CROSS=cross, PREC=_precision(q), num_warps=t.warps,
+        num_stages=t.stages)
+
+
+def _launch_dq(q, k, v, do, dq, lse, delta, q_seg, k_seg, lo, hi, causal: bool, cross: bool) -> None:
+    b, h, n_q, d = q.shape
+    t = TILES
     _bwd_dq[(triton.cdiv(n_q, t.query), b * h)](
-        q, k, v, do, dq, lse, delta, q_seg, k_seg, lo, hi, scale, n_q, n_k, h,
+        q, k, v, do, dq, lse, delta, q_seg, k_seg, lo, hi, 1.0 / math.sqrt(d), n_q, k.size(2), h,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-        D=d, BM=t.query, BN=t.key, CAUSAL=causal, CROSS=cross, PREC=prec, num_warps=t.warps, num_stages=t.stages)
-    return dq, dk, dv
+        D=d, BM=t.query, BN=t.key, CAUSAL=causal, CROSS=cross, PREC=_precision(q), num_warps=t.warps,
+        num_stages=t.stages)
+
+
+# What launch_alone launches: the forward, and the backward's three kernels in _backward's order
+KERNELS = ("fwd", "delta", "dkdv", "dq")
+
+
+def launch_alone(kernels, q: torch.Tensor, r: SegmentRanges) -> None:
+    """Launch only ``kernels`` (names of :data:`KERNELS`) of ``r``'s variant, on ``q`` used as queries,
+    keys and values, with the other arguments laid out as a forward and backward of
+    :func:`segment_attention` on ``q`` lay them out: outputs as :func:`_bhtd_like`, a contiguous
+    ``do`` of ``q``'s dtype, float32 ``lse`` and ``delta``. Triton specialises a kernel on its
+    arguments' dtypes, constexprs and alignments, so each compiles into the cache entry that call
+    would use; a process building one kernel need not run the ones before it (values do not matter:
+    zeros, which fault nowhere)."""
+    unknown = [name for name in kernels if name not in KERNELS]
+    if unknown:
+        raise ValueError(f"launch_alone: kernels {unknown}; one of {', '.join(KERNELS)}")
+    q = _last_dim_contiguous(q)[0]
+    b, h, n_q, _ = q.shape
+    lse = torch.zeros(b, h, n_q, dtype=torch.float32, device=q.device)
+    delta = torch.zeros_like(lse)
+    do = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    out = [_bhtd_like(q).zero_() for _ in range(3)]  # o, then dk and dv (dq: the first again)
+    for name in kernels:
+        if name == "fwd":
+            _launch_fwd(q, q, q, out[0], lse, r.q_seg, r.k_seg, r.lo, r.hi, r.causal, r.cross)
+        elif name == "delta":
+            _launch_delta(out[0], do, delta)
+        elif name == "dkdv":
+            _launch_dkdv(q, q, q, do, out[1], out[2], lse, delta, r.q_seg, r.k_seg, r.qlo, r.qhi, r.elo, r.ehi,
+                         r.causal, r.cross)
+        else:
+            _launch_dq(q, q, q, do, out[0], lse, delta, r.q_seg, r.k_seg, r.lo, r.hi, r.causal, r.cross)
 
 
 @torch.library.custom_op("streamnmt::segment_attention", mutates_args=())

@@ -349,7 +349,7 @@ def _launch_dq(q, k, v, do, dq, lse, delta, q_seg, k_seg, lo, hi, causal: bool, 
 KERNELS = ("fwd", "delta", "dkdv", "dq")
 
 
-def launch_alone(kernels, q: torch.Tensor, r: SegmentRanges) -> None:
+def launch_alone(kernels: tuple[str, ...], q: torch.Tensor, r: SegmentRanges) -> None:
     """Launch only ``kernels`` (names of :data:`KERNELS`) of ``r``'s variant, on ``q`` used as queries,
     keys and values, with the other arguments laid out as a forward and backward of
     :func:`segment_attention` on ``q`` lay them out: outputs as :func:`_bhtd_like`, a contiguous

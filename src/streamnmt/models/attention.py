@@ -144,7 +144,7 @@ def build_in_child(argv: list[str]) -> int:
     checked = _check_dtype(index)
     if len(argv) > 3:
         for variant, kernels, job_amp in parse_jobs(argv[3]):
-            dtype = checked if job_amp is None else AMP_DTYPES.get(job_amp, checked)
+            dtype = checked if job_amp is None else AMP_DTYPES[job_amp]
             if job_amp is None or dtype != checked:  # the check's dtype: built by the job without ``:AMP``
                 probe_kernels(device, dtype, head_dim, variant, kernels)
         return 0

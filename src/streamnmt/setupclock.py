@@ -13,6 +13,11 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+# Cores the set-up's child processes leave to the command's own process (its imports, data and model):
+# the tokenizers' child (streamnmt.data.tokenizer_child) runs on all but these, and the Triton kernels'
+# build (streamnmt.models.prebuild) starts no more children than the cores less these.
+LEFT_CORES = 4
+
 _OPEN: list[tuple[str, float]] = []  # timed since the last close
 _BY_PART: dict[str, list[tuple[str, float]]] = {}
 SHOWN_S = 0.1  # shorter things are not named

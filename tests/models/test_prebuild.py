@@ -323,7 +323,7 @@ def test_the_jobs_are_every_variants_kernels_and_the_training_dtypes_too():
 def test_the_jobs_are_grouped_by_the_cores_left_to_them():
     """One job a child where the cores allow (all but LEFT_CORES: this process and the tokenizers'
     child), else fewer children with several, never fewer than MIN_CHILDREN; each job once."""
-    from streamnmt.data.tokenizer_child import LEFT_CORES
+    from streamnmt.setupclock import LEFT_CORES
 
     for amp in ("auto", "off"):
         jobs = prebuild.jobs_for(Request(0, 64, amp))

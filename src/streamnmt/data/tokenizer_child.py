@@ -40,9 +40,9 @@ from streamnmt.data.config import DataConfig
 # less would only have this process do the same work again after.
 TIMEOUT_S = 3600.0
 BAD_INPUT = 3  # the child's exit code for an InputError: prepare_data says it, running the same code
-# Cores the child leaves to this process's imports and the Triton kernels' build children
+# the cores the child leaves to this process's imports and the Triton kernels' build children
 # (streamnmt.models.prebuild), which run beside it at the command's start
-LEFT_CORES = 4
+LEFT_CORES = setupclock.LEFT_CORES
 
 
 @dataclass

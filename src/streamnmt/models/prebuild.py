@@ -12,7 +12,7 @@ kernels (the forward, the backward's dk/dv with the variant-free delta once, its
 again in the training's dtype where ``--amp`` names another. Each job launches its kernel alone on the
 build check's input (:func:`streamnmt.models.attention.probe_kernels`), laid out as the check lays
 it out, so it fills the very cache entry the check then loads. The jobs go to as many children as
-the usable cores (:func:`usable_cores`) allow once :data:`streamnmt.data.tokenizer_child.LEFT_CORES`
+the usable cores (:func:`usable_cores`) allow once :data:`streamnmt.setupclock.LEFT_CORES`
 are left to this process and the tokenizers' child that may run beside them: one job a child where
 they allow, else fewer children taking several jobs each (:func:`group`), never fewer than
 :data:`MIN_CHILDREN` (a small machine then shares its cores among them, as it did with one child a
@@ -189,7 +189,7 @@ def group(jobs: Sequence[str], cores: int) -> list[list[str]]:
     """``jobs`` dealt round robin to the children ``cores`` allow: all but ``LEFT_CORES`` of them
     (this process's imports and data and the tokenizers' child run beside the build), at most one
     child a job, at least :data:`MIN_CHILDREN`."""
-    from streamnmt.data.tokenizer_child import LEFT_CORES
+    from streamnmt.setupclock import LEFT_CORES
 
     n = max(MIN_CHILDREN, min(len(jobs), cores - LEFT_CORES))
     return [list(jobs[i::n]) for i in range(n) if jobs[i::n]]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from streamnmt.configbase import check, check_choice, opt
+from streamnmt.fsutil import streamnmt_home
 
 # The corpus rule's vocabulary: a --data corpus under SMALL_CORPUS_PAIRS training pairs trains its
 # tokenizers with half the 32k of the WMT recipes, the size the real-text grid favoured; larger corpora
@@ -96,3 +98,8 @@ class DataConfig:
     @property
     def builtin_pairs(self) -> int:
         return self.builtin_size or 40000
+
+
+def builtin_dir(cfg: DataConfig) -> Path:
+    """Where the built-in corpus of ``cfg``'s size is written (and its tokenizers trained)."""
+    return streamnmt_home() / f"builtin-{cfg.builtin_pairs}"

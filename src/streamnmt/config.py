@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from streamnmt.configbase import check, check_choice, from_dict, opt, to_dict
-from streamnmt.data.config import DataConfig, small_corpus
+from streamnmt.data.config import GPU_PRESETS, DataConfig, builtin_size_for, small_corpus  # noqa: F401 (re-exported)
 from streamnmt.engine.config import EngineConfig
 from streamnmt.errors import ConfigError
 
@@ -34,15 +34,6 @@ PRESETS = {
     "small": (256, 3, 4, 1024),
     "tiny": (64, 2, 4, 128),
 }
-GPU_PRESETS = ("base", "big", "iwslt")  # presets sized for a GPU: the larger built-in corpus, the paper's warm-up
-
-
-def builtin_size_for(preset: str) -> int:
-    """The built-in corpus's training pairs where --builtin-size is not given, for the model preset
-    run (resolved: "auto" is base on a GPU, small on CPU)."""
-    return 40000 if preset in GPU_PRESETS else 16000
-
-
 # The residual/embedding dropout a preset trains with when --dropout is not given: the paper's big
 # model used 0.3 on EN-DE (a model 3x the size of base overfits the same data sooner; fairseq's big
 # recipe keeps 0.3 too); fairseq's IWSLT recipe trains its model with 0.3 as well (a small corpus);

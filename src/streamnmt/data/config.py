@@ -14,6 +14,15 @@ from streamnmt.fsutil import streamnmt_home
 SMALL_CORPUS_PAIRS = 1_000_000
 SMALL_CORPUS_VOCAB = 16000
 CORPUS_VOCAB = 32000
+# Model presets sized for a GPU: the larger built-in corpus, the paper's warm-up. Declared here, below
+# streamnmt.config, because the tokenizers' child (torch-free, in data/) guesses the corpus's size too.
+GPU_PRESETS = ("base", "big", "iwslt")
+
+
+def builtin_size_for(preset: str) -> int:
+    """The built-in corpus's training pairs where --builtin-size is not given, for the model preset
+    run (resolved: "auto" is base on a GPU, small on CPU)."""
+    return 40000 if preset in GPU_PRESETS else 16000
 
 
 def small_corpus(pairs: int | None) -> bool:

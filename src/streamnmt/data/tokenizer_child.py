@@ -13,7 +13,7 @@ one, and says a bad record's error itself, the same line.
 
 The built-in corpus (no --data) is written by the child first where it is not yet
 (:func:`streamnmt.data.synthetic.write_builtin`, as ``prepare_data`` writes it). Its size is the
-recipe's (:func:`streamnmt.config.builtin_size_for`), which needs the device: the child is given
+recipe's (:func:`streamnmt.data.config.builtin_size_for`), which needs the device: the child is given
 :func:`builtin_guess`'s, made without torch. The size is part of :func:`key`, so a wrong guess's
 child (it wrote another size's folder) is set aside and ``prepare_data`` writes and trains the
 run's in-process; ``prepare_data`` takes the child before it looks at the built-in corpus, so that
@@ -193,7 +193,7 @@ def builtin_guess(job: Any) -> int:
     "auto" preset being base where a CUDA device looks present (:func:`cuda_likely`)."""
     if job.data.builtin_size is not None:
         return job.data.builtin_size
-    from streamnmt.config import builtin_size_for
+    from streamnmt.data.config import builtin_size_for
 
     preset = job.model.model
     if preset == "auto":

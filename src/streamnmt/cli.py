@@ -134,8 +134,9 @@ def _exec_torchrun(nproc: str, args: dict, config_file: str | None, parser: argp
 
 
 def _pretrain_tokenizers(job: Any) -> None:
-    """Start training a --data corpus's missing tokenizers in a child process now
-    (:mod:`streamnmt.data.tokenizer_child`): prepare_data waits for it after the imports, the device
+    """Start training the corpus's missing tokenizers in a child process now (a --data corpus's, or
+    the built-in corpus's, which the child writes first where it is not yet:
+    :mod:`streamnmt.data.tokenizer_child`): prepare_data waits for it after the imports, the device
     and the recipe. Before the Triton kernels' children, whose start imports torch; this needs no torch."""
     from streamnmt.data.tokenizer_child import start_for
 

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from streamnmt.configbase import check, check_choice, from_dict, opt, to_dict
-from streamnmt.data.config import DataConfig, small_corpus
+from streamnmt.data.config import GPU_PRESETS, DataConfig, builtin_size_for, small_corpus  # noqa: F401 (re-exported)
 from streamnmt.engine.config import EngineConfig
 from streamnmt.errors import ConfigError
 

@@ -196,7 +196,7 @@ def test_builtin_corpus_directory(tmp_path: Path, monkeypatch) -> None:
                 json.dumps([{"en": s, "ch": t} for s, t in pairs], ensure_ascii=False), encoding="utf-8")
 
     fake = types.ModuleType("streamnmt.data.synthetic")
-    fake.write_builtin = write_builtin
+    fake.write_builtin, fake.SEED = write_builtin, 0
     monkeypatch.setitem(sys.modules, "streamnmt.data.synthetic", fake)
     monkeypatch.setattr(data, "synthetic", fake, raising=False)
     monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path / "home"))

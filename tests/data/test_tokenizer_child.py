@@ -1,6 +1,7 @@
-"""A --data corpus's tokenizers trained in a child process started at the command's start: the same
-models, sizes and lines as trained in-process, the same error for bad input, and no child where
-prepare_data would train none or under torchrun."""
+"""A corpus's tokenizers trained in a child process started at the command's start: the same
+models, sizes and lines as trained in-process (the built-in corpus: its files too, and a child of
+another size set aside), the same error for bad input, and no child where prepare_data would write
+and train nothing or under torchrun."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from streamnmt.config import build_job
-from streamnmt.data import tokenizer_child, tokenizer_training
-from streamnmt.data.config import SMALL_CORPUS_VOCAB, DataConfig
+from streamnmt import config as job_config
+from streamnmt.data import synthetic, tokenizer_child, tokenizer_training
+from streamnmt.data.config import SMALL_CORPUS_VOCAB, DataConfig, builtin_dir
 from streamnmt.data.prepare import prepare_data
 from streamnmt.errors import InputError
 
@@ -48,6 +50,21 @@ class FakeChild:
 
     def last_line(self) -> str:
         return self.last
+
+
+def _poison_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child that imports torch or numpy fails, and its files are not taken."""
+    poison = tmp_path / "poison"
+    poison.mkdir()
+    for name in ("torch", "numpy"):
+        (poison / f"{name}.py").write_text(f"raise ImportError('the tokenizers child imported {name}')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(poison), os.environ.get("PYTHONPATH")])))
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    """The built-in corpus's files and its models, by name (the tokenized cache left out)."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))
+            if p.is_file() and "cache" not in p.relative_to(directory).parts}
 
 
 def _same(lines: list[str], directory: Path) -> list[str]:
@@ -106,7 +123,7 @@ def test_a_bad_record_stops_the_run_with_the_same_line_as_without_a_child(tmp_pa
     assert not (tmp_path / "c" / "tokenizer").exists() or not any((tmp_path / "c" / "tokenizer").iterdir())
 
 
-def test_no_child_for_the_builtin_corpus_tokenizers_given_or_found_weights_or_torchrun(tmp_path, monkeypatch):
+def test_no_child_for_tokenizers_given_or_found_weights_or_torchrun(tmp_path, monkeypatch):
     started: list[list[str]] = []
 
     def launch(argv):
@@ -120,7 +137,6 @@ def test_no_child_for_the_builtin_corpus_tokenizers_given_or_found_weights_or_to
         return tokenizer_child.start_for(build_job({"max_len": 24, **flags}), launch)
 
     try:
-        assert not starts()  # the built-in corpus
         assert not starts(data=data, weights=str(tmp_path / "w.pt"))  # its checkpoint's tokenizers may serve
         assert not starts(data=data, tokenizer_eng=str(tmp_path / "e.model"), tokenizer_chn=str(tmp_path / "z.model"))
         monkeypatch.setenv("WORLD_SIZE", "2")
@@ -155,3 +171,100 @@ def test_a_failed_or_foreign_child_is_set_aside_and_prepare_trains_here(tmp_path
     other = FakeChild()  # started for other data settings: its models are not this run's
     tokenizer_child.start(dataclasses.replace(cfg, src_vocab=64), 1, lambda argv: other)
     assert tokenizer_child.take(cfg, print) is None and other.stopped
+
+
+def test_the_child_writes_the_builtin_corpus_and_models_prepare_would(tmp_path, monkeypatch, taken):
+    monkeypatch.setattr(tokenizer_training, "cpu_threads", lambda: 8)
+    _poison_torch(tmp_path, monkeypatch)
+    monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path / "a"))
+    job = build_job({"builtin_size": 200, "max_len": 24, "model": "tiny", "device": "cpu"})
+    assert tokenizer_child.start_for(job)
+    by_child: list[str] = []
+    a = prepare_data(job.data, log=by_child.append)
+    monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path / "b"))
+    here: list[str] = []
+    b = prepare_data(job.data, log=here.append)
+
+    assert taken[0] is not None and taken[1] is None  # a: the child's corpus and models; b: written here
+    files = _files(a.data_dir)
+    assert sorted(files) == sorted(["dev.json", "test.json", "train.json", synthetic.MANIFEST_NAME,
+                                    "tokenizer/chn.model", "tokenizer/eng.model"])
+    assert files == _files(b.data_dir) and a.data_dir == tmp_path / "a" / "builtin-200"
+    assert a.auto_vocab == b.auto_vocab and a.stats == b.stats and a.stats["train"]["read"] == 200
+    assert _same(by_child, a.data_dir) == _same(here, b.data_dir)
+    assert any(line.startswith("data: trained source tokenizer and target tokenizer") for line in by_child)
+
+
+def test_a_child_of_a_wrongly_guessed_size_is_set_aside_and_prepare_writes_here(tmp_path, monkeypatch, taken):
+    monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path / "a"))
+    monkeypatch.setattr(job_config, "builtin_size_for", lambda preset: 300)  # the guess: 300 pairs
+    job = build_job({"max_len": 24, "model": "tiny", "device": "cpu"})
+    assert tokenizer_child.start_for(job)
+    run = dataclasses.replace(job.data, builtin_size=200)  # the size the recipe chose
+    lines: list[str] = []
+    a = prepare_data(run, log=lines.append)
+    monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path / "b"))
+    b = prepare_data(run, log=lambda _: None)
+
+    assert taken == [None, None] and a.data_dir == tmp_path / "a" / "builtin-200"
+    assert _files(a.data_dir) == _files(b.data_dir) and a.stats["train"]["read"] == 200
+    assert not any("child process" in line for line in lines)  # no failure said: a child of other settings
+
+
+def test_no_child_for_the_builtin_corpus_written_with_its_models(tmp_path, monkeypatch):
+    started: list[list[str]] = []
+
+    def launch(argv):
+        started.append(argv)
+        return FakeChild()
+
+    monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path))
+    flags = {"builtin_size": 150, "max_len": 24, "model": "tiny"}
+    directory = builtin_dir(DataConfig(builtin_size=150))
+    tok = directory / "tokenizer"
+
+    def starts(**more) -> bool:
+        return tokenizer_child.start_for(build_job({**flags, **more}), launch)
+
+    try:
+        assert starts()  # nothing written yet
+        assert json.loads(started[-1][-1])["directory"] == str(directory)
+        synthetic.write_builtin(directory, 150)
+        assert starts()  # the models are still to train
+        tok.mkdir()
+        (tok / "eng.model").write_bytes(b"")
+        (tok / "chn.model").write_bytes(b"")
+        assert not starts() and len(started) == 2
+        assert not starts(weights=str(tmp_path / "w.pt"))
+        (directory / "dev.json").write_text("[]\n", encoding="utf-8")  # damaged: prepare_data writes it again
+        assert starts() and len(started) == 3
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert not starts() and len(started) == 3
+    finally:
+        tokenizer_child.stop()
+
+
+@pytest.mark.parametrize(("flags", "env", "gpus", "pairs"), [
+    ({"builtin_size": 500}, {}, 1, 500),  # given: taken as it is
+    ({"model": "iwslt", "device": "cpu"}, {}, 0, 40000),  # a GPU preset: the larger corpus wherever it runs
+    ({"model": "small"}, {}, 1, 16000),
+    ({"device": "cpu"}, {}, 1, 16000),
+    ({"device": "cuda:1"}, {}, 0, 40000),
+    ({}, {}, 1, 40000),  # auto on a machine with a GPU: base
+    ({}, {}, 0, 16000),
+    ({}, {"CUDA_VISIBLE_DEVICES": ""}, 1, 16000),
+    ({}, {"CUDA_VISIBLE_DEVICES": "-1"}, 1, 16000),
+    ({}, {"CUDA_VISIBLE_DEVICES": "1"}, 1, 40000),
+], ids=["given", "gpu-preset", "cpu-preset", "cpu", "cuda", "auto-gpu", "auto-no-gpu", "hidden", "minus-one", "visible"])
+def test_the_builtin_size_guessed_before_torch_is_the_recipes(tmp_path, monkeypatch, flags, env, gpus, pairs):
+    gpu_dir = tmp_path / "gpus"
+    gpu_dir.mkdir()
+    for i in range(gpus):
+        (gpu_dir / f"0000:0{i}:00.0").mkdir()
+    monkeypatch.setattr(tokenizer_child, "NVIDIA_GPUS", gpu_dir)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    job = build_job({k: v for k, v in flags.items() if k != "device"})
+    job.run.device = flags.get("device")  # build_job checks CUDA is there: not on this machine
+    assert tokenizer_child.builtin_guess(job) == pairs

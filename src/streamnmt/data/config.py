@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from streamnmt.configbase import check, check_choice, opt
+from streamnmt.fsutil import streamnmt_home
 
 # The corpus rule's vocabulary: a --data corpus under SMALL_CORPUS_PAIRS training pairs trains its
 # tokenizers with half the 32k of the WMT recipes, the size the real-text grid favoured; larger corpora
@@ -12,6 +14,15 @@ from streamnmt.configbase import check, check_choice, opt
 SMALL_CORPUS_PAIRS = 1_000_000
 SMALL_CORPUS_VOCAB = 16000
 CORPUS_VOCAB = 32000
+# Model presets sized for a GPU: the larger built-in corpus, the paper's warm-up. Declared here, below
+# streamnmt.config, because the tokenizers' child (torch-free, in data/) guesses the corpus's size too.
+GPU_PRESETS = ("base", "big", "iwslt")
+
+
+def builtin_size_for(preset: str) -> int:
+    """The built-in corpus's training pairs where --builtin-size is not given, for the model preset
+    run (resolved: "auto" is base on a GPU, small on CPU)."""
+    return 40000 if preset in GPU_PRESETS else 16000
 
 
 def small_corpus(pairs: int | None) -> bool:
@@ -96,3 +107,8 @@ class DataConfig:
     @property
     def builtin_pairs(self) -> int:
         return self.builtin_size or 40000
+
+
+def builtin_dir(cfg: DataConfig) -> Path:
+    """Where the built-in corpus of ``cfg``'s size is written (and its tokenizers trained)."""
+    return streamnmt_home() / f"builtin-{cfg.builtin_pairs}"

@@ -2,7 +2,8 @@
 
 This is the one entry point the trainer calls before training. It finds each split, gets the two
 tokenizers (given, found beside the data, or trained from a sample of the training split: here, or
-in the child process ``streamnmt train`` started for them, :mod:`streamnmt.data.tokenizer_child`) and
+in the child process ``streamnmt train`` started for them, :mod:`streamnmt.data.tokenizer_child`,
+which writes the built-in corpus too where it is not yet) and
 returns each split tokenized, from ``DIR/cache/`` when an entry matches. Every input is checked
 before anything is written: a malformed file stops the run with one InputError line and leaves no
 tokenizer or cache file behind.
@@ -21,12 +22,11 @@ from typing import TYPE_CHECKING, TypeVar
 
 from streamnmt.data import tokenizer_child
 from streamnmt.data.cache import cache_key, entry_dir, load_entry, save_entry
-from streamnmt.data.config import DataConfig
+from streamnmt.data.config import DataConfig, builtin_dir
 from streamnmt.data.corpus import BuildStats, TokenizedCorpus, tokenize_pairs
 from streamnmt.data.readers import ReadStats, SplitSource, find_sources, iter_pairs, require_split
 from streamnmt.data.tokenizer import Tokenizer
 from streamnmt.data.tokenizer_training import sides, train
-from streamnmt.fsutil import streamnmt_home
 from streamnmt.dist import several_hosts
 from streamnmt.errors import InputError
 
@@ -70,10 +70,6 @@ class DataBundle:
                 **{f"{split} cache key": key for split, key in sorted(self.cache_keys.items())}}
 
 
-def builtin_dir(cfg: DataConfig) -> Path:
-    return streamnmt_home() / f"builtin-{cfg.builtin_pairs}"
-
-
 def resolve_data_dir(cfg: DataConfig, build: bool = True) -> Path:
     """``cfg.data``, or the built-in corpus's directory (written there first if absent; with
     ``build=False`` :class:`NotPrepared` instead)."""
@@ -81,9 +77,9 @@ def resolve_data_dir(cfg: DataConfig, build: bool = True) -> Path:
         from streamnmt.data import synthetic  # written by its own module; imported only when used
 
         directory = builtin_dir(cfg)
-        if not build and not synthetic.builtin_written(directory, cfg.builtin_pairs, seed=0):
+        if not build and not synthetic.builtin_written(directory, cfg.builtin_pairs, seed=synthetic.SEED):
             raise NotPrepared(f"{directory}: the built-in corpus is not written")
-        synthetic.write_builtin(directory, cfg.builtin_pairs, seed=0)
+        synthetic.write_builtin(directory, cfg.builtin_pairs, seed=synthetic.SEED)
         return directory
     directory = Path(cfg.data).expanduser()
     if not directory.is_dir():
@@ -106,11 +102,14 @@ def prepare_data(cfg: DataConfig, log: Log = print, build: bool = True) -> DataB
     what is already on disk, writing nothing; :class:`NotPrepared` where anything is missing (the
     other ranks of a host load an earlier run's files beside local rank 0, see prepare_once)."""
     t0 = time.perf_counter()
+    # The child's work first, before looking for the files it writes (the built-in corpus among them:
+    # this process then writes none of them while the child may)
+    early = tokenizer_child.take(cfg, log) if build else None
     directory = resolve_data_dir(cfg, build)
     if cfg.data is None:
         log(f"data: built-in corpus ({cfg.builtin_pairs} training pairs) in {directory}")
     sources = find_sources(directory, cfg.src_lang, cfg.tgt_lang)
-    src_tok, tgt_tok, auto = _tokenizers(cfg, directory, sources, log, build)
+    src_tok, tgt_tok, auto = _tokenizers(cfg, directory, sources, log, build, early)
     corpora: dict[str, TokenizedCorpus] = {}
     stats: dict[str, dict[str, int]] = {}
     keys: dict[str, str] = {}
@@ -129,12 +128,13 @@ def prepare_data(cfg: DataConfig, log: Log = print, build: bool = True) -> DataB
 
 
 def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],
-                log: Log, build: bool = True) -> tuple[Tokenizer, Tokenizer, dict[str, int]]:
+                log: Log, build: bool = True, early: tokenizer_child.Result | None = None
+                ) -> tuple[Tokenizer, Tokenizer, dict[str, int]]:
     """Given models as they are; else ``DIR/tokenizer/{eng,chn}.model`` (``shared.model`` with
     --shared-vocab), trained when absent: by the child process the command started for them
-    (:mod:`streamnmt.data.tokenizer_child`), waited for here, else now. Third: the sizes the corpus
-    rule asked of those trained, by role (empty: sizes given, or none trained)."""
-    early = tokenizer_child.take(cfg, log) if build else None  # before looking for the files it writes
+    (:mod:`streamnmt.data.tokenizer_child`; ``early``: what it did, waited for by the caller), else
+    now. Third: the sizes the corpus rule asked of those trained, by role (empty: sizes given, or
+    none trained)."""
     by_child = set(early.trained) if early is not None else set()
     plan = sides(cfg, directory)
     loaded = {side.role: Tokenizer(side.path) for side in plan if side.found and str(side.path) not in by_child}

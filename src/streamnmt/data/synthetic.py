@@ -14,19 +14,24 @@ tables in :mod:`streamnmt.data.lexicon`.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import itertools
 import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from streamnmt.data import grammar, lexicon, templates
 from streamnmt.data.lexicon import Pair
 from streamnmt.data.templates import TEMPLATES
 from streamnmt.fsutil import atomic_write
 
 MANIFEST_NAME = "synthetic-manifest.json"
 SPLITS = ("train", "dev", "test")
+# The generator's other modules, named in full: ``from streamnmt.data import grammar`` would run the
+# package's ``__init__`` (torch, numpy), which the tokenizers' child process writing this corpus
+# (streamnmt.data.tokenizer_child) holds back
+GENERATOR_MODULES = ("streamnmt.data.templates", "streamnmt.data.grammar", "streamnmt.data.lexicon")
+SEED = 0  # the seed of the built-in corpus ``streamnmt train`` writes (prepare_data, tokenizer_child)
 
 
 def _pair_stream(rng: random.Random) -> Iterator[Pair]:
@@ -75,8 +80,8 @@ def _source_digest() -> str:
     # Any change to the generator's files (this one, the templates, the grammar and the lexicon: words,
     # templates, conventions) invalidates written corpora.
     h = hashlib.sha256(Path(__file__).read_bytes())
-    for module in (templates, grammar, lexicon):
-        h.update(Path(module.__file__).read_bytes())
+    for name in GENERATOR_MODULES:
+        h.update(Path(importlib.import_module(name).__file__).read_bytes())
     return h.hexdigest()[:16]
 
 

@@ -1,4 +1,4 @@
-"""A --data corpus's tokenizers trained in a child process started at the command's start.
+"""A corpus's tokenizers trained in a child process started at the command's start.
 
 On a corpus seen for the first time, training the tokenizers (a pass over the training split, dev
 and test read through, two SentencePiece models) is most of the set-up's data phase, and it needs
@@ -11,12 +11,19 @@ rule asked, as if it had trained the models itself. A child that failed (a bad r
 did not finish in :data:`TIMEOUT_S` is set aside: ``prepare_data`` trains in-process as without
 one, and says a bad record's error itself, the same line.
 
-Started only for a --data corpus whose models would be trained, on one process (under torchrun
-rank 0 prepares the data alone) and without --weights (its checkpoint's tokenizers may serve). A
-child still running when this process ends is killed (atexit); the models are written to a
-temporary file and renamed, so none is left half written.
-"""
+The built-in corpus (no --data) is written by the child first where it is not yet
+(:func:`streamnmt.data.synthetic.write_builtin`, as ``prepare_data`` writes it). Its size is the
+recipe's (:func:`streamnmt.data.config.builtin_size_for`), which needs the device: the child is given
+:func:`builtin_guess`'s, made without torch. The size is part of :func:`key`, so a wrong guess's
+child (it wrote another size's folder) is set aside and ``prepare_data`` writes and trains the
+run's in-process; ``prepare_data`` takes the child before it looks at the built-in corpus, so that
+it never writes a folder the child is writing.
 
+Started only where ``prepare_data`` would write the built-in corpus or train tokenizers, on one
+process (under torchrun rank 0 prepares the data alone) and without --weights (its checkpoint's
+tokenizers may serve). A child still running when this process ends is killed (atexit); the
+corpus and the models are written to temporary files and renamed, so none is left half written.
+"""
 from __future__ import annotations
 
 import atexit
@@ -34,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from streamnmt import setupclock
-from streamnmt.data.config import DataConfig
+from streamnmt.data.config import DataConfig, builtin_dir
 
 # A hung child, not a slow one: a large training split takes minutes to read through, and waiting
 # less would only have this process do the same work again after.
@@ -43,6 +50,8 @@ BAD_INPUT = 3  # the child's exit code for an InputError: prepare_data says it, 
 # the cores the child leaves to this process's imports and the Triton kernels' build children
 # (streamnmt.models.prebuild), which run beside it at the command's start
 LEFT_CORES = setupclock.LEFT_CORES
+# Where the NVIDIA driver lists the machine's GPUs: a GPU run's built-in corpus is the larger one
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
 @dataclass
@@ -55,26 +64,35 @@ class Result:
 
 
 def key(cfg: DataConfig) -> dict[str, Any]:
-    """What of ``cfg`` the training reads: a child's models serve a run whose key is the child's."""
+    """What of ``cfg`` the training reads: a child's models serve a run whose key is the child's.
+    The built-in corpus: its size and folder too."""
     from streamnmt.data.tokenizer_training import FIELDS
 
     values = dataclasses.asdict(cfg)
-    return {name: values[name] for name in FIELDS}
+    got = {name: values[name] for name in FIELDS}
+    if cfg.data is None:
+        got.update(builtin_pairs=cfg.builtin_pairs, directory=str(builtin_dir(cfg)))
+    return got
+
+
+def corpus_dir(cfg: DataConfig) -> Path:
+    """The folder whose tokenizers are trained: ``cfg.data``, or the built-in corpus's."""
+    return builtin_dir(cfg) if cfg.data is None else Path(cfg.data).expanduser()
 
 
 def child_argv(cfg: DataConfig, threads: int, workdir: Path) -> list[str]:
     """The child's command line: :func:`child_main` in a fresh interpreter, the package ``streamnmt.data``
-    held back (its ``__init__`` imports torch), the job's data settings as JSON."""
+    held back (its ``__init__`` imports torch), the job's data settings and the corpus's folder as JSON."""
     code = ("import sys; from streamnmt import lazyinit; lazyinit.defer('streamnmt.data'); "
             "from streamnmt.data.tokenizer_child import child_main; sys.exit(child_main(sys.argv[1:]))")
-    request = {"data": dataclasses.asdict(cfg), "threads": threads}
+    request = {"data": dataclasses.asdict(cfg), "threads": threads, "directory": str(corpus_dir(cfg))}
     return [sys.executable, "-c", code, str(workdir), json.dumps(request)]
 
 
 def child_main(argv: Sequence[str]) -> int:
-    """In the child: train the models ``prepare_data`` would, write the log lines (``log.txt``) and
-    then the result (``result.json``: the sizes asked, the pairs read, the models, the seconds) to
-    the folder ``argv[0]``."""
+    """In the child: write the built-in corpus where it is asked and not yet written, train the models
+    ``prepare_data`` would, write the log lines (``log.txt``) and then the result (``result.json``:
+    the sizes asked, the pairs read, the models, the seconds) to the folder ``argv[0]``."""
     from streamnmt.data.readers import find_sources
     from streamnmt.data.tokenizer_training import to_train, train
     from streamnmt.errors import InputError
@@ -84,7 +102,11 @@ def child_main(argv: Sequence[str]) -> int:
     workdir, request = Path(argv[0]), json.loads(argv[1])
     _leave_cores(LEFT_CORES)
     cfg = DataConfig(**request["data"])
-    directory = Path(cfg.data).expanduser()
+    directory = Path(request["directory"])
+    if cfg.data is None:
+        from streamnmt.data.synthetic import SEED, write_builtin  # by name: no torch (see child_argv)
+
+        write_builtin(directory, cfg.builtin_pairs, seed=SEED)
     with open(workdir / "log.txt", "w", encoding="utf-8") as out:
         def log(line: str) -> None:  # one write a line: the two sides' threads log at once
             out.write(line + "\n")
@@ -140,19 +162,59 @@ def start(cfg: DataConfig, threads: int, launch: Callable[[Sequence[str]], Any] 
 
 def start_for(job: Any, launch: Callable[[Sequence[str]], Any] = _launch) -> bool:
     """At the command's start (``job``: the :class:`streamnmt.config.TrainJob` as given): start the
-    child where ``prepare_data`` would train tokenizers of a --data corpus, on one process and without
+    child where ``prepare_data`` would train tokenizers (of a --data corpus, or of the built-in corpus
+    of :func:`builtin_guess`'s size) or write the built-in corpus, on one process and without
     --weights. Whether one started."""
     from streamnmt.data.tokenizer_training import spm_threads, to_train
 
     cfg = job.data
-    if cfg.data is None or job.run.weights or os.environ.get("WORLD_SIZE", "1") != "1":
+    if job.run.weights or os.environ.get("WORLD_SIZE", "1") != "1":
         return False
-    directory = Path(cfg.data).expanduser()
-    missing = to_train(cfg, directory) if directory.is_dir() else []
-    if not missing:
-        return False
-    start(cfg, spm_threads(len(missing)), launch)
+    if cfg.data is None:
+        from streamnmt.data.synthetic import SEED, builtin_written
+
+        cfg = dataclasses.replace(cfg, builtin_size=builtin_guess(job))
+        directory = builtin_dir(cfg)
+        missing = to_train(cfg, directory)
+        if not missing and builtin_written(directory, cfg.builtin_pairs, seed=SEED):
+            return False
+    else:
+        directory = Path(cfg.data).expanduser()
+        missing = to_train(cfg, directory) if directory.is_dir() else []
+        if not missing:
+            return False
+    start(cfg, spm_threads(max(1, len(missing))), launch)
     return True
+
+
+def builtin_guess(job: Any) -> int:
+    """The built-in corpus's size the recipe will choose (``streamnmt.training.recipe.resolve_job``),
+    guessed before torch knows the device: --builtin-size where given, else the model preset's, the
+    "auto" preset being base where a CUDA device looks present (:func:`cuda_likely`)."""
+    if job.data.builtin_size is not None:
+        return job.data.builtin_size
+    from streamnmt.data.config import builtin_size_for
+
+    preset = job.model.model
+    if preset == "auto":
+        preset = "base" if cuda_likely(job.run.device) else "small"
+    return builtin_size_for(preset)
+
+
+def cuda_likely(device: str | None) -> bool:
+    """Whether the run will be on a CUDA device, without torch: --device where given, else whether
+    the NVIDIA driver lists a GPU and ``CUDA_VISIBLE_DEVICES`` does not hide them all. A wrong answer
+    costs the child's work only (:func:`key` holds the size)."""
+    if device is not None:
+        return device.startswith("cuda")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.split(",")[0].strip() in ("", "-1"):
+        return False
+    try:
+        with os.scandir(NVIDIA_GPUS) as entries:
+            return any(True for _ in entries)
+    except OSError:
+        return False
 
 
 def take(cfg: DataConfig, log: Callable[[str], None]) -> Result | None:

@@ -23,6 +23,7 @@ import torch
 
 from streamnmt.config import (
     EPOCHS_UNLIMITED,
+    GPU_PRESETS,
     PLATEAU_PATIENCE,
     TIME_TO_BLEU_TOKENS,
     TOKENS_PER_GIB,
@@ -32,6 +33,7 @@ from streamnmt.config import (
     RunConfig,
     TrainJob,
     best_metric,
+    builtin_size_for,
     corpus_dropout,
     job_from_dict,
     recipe_budget,
@@ -46,8 +48,6 @@ from streamnmt.errors import ConfigError, InputError
 from streamnmt.inference.decoding import decode_dtype, dtype_name
 from streamnmt.models.attention import flex_available, resolve_attention, triton_runs
 from streamnmt.training.step import noam_lr
-
-GPU_PRESETS = ("base", "big", "iwslt")  # presets sized for a GPU: the larger built-in corpus, the paper's warm-up
 
 
 def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[str], None]) -> TrainJob:
@@ -77,7 +77,7 @@ def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[
     if run.eval_dtype == "auto":  # the dtype rank 0 decodes BLEU in (bf16 where native, else fp32)
         run = dataclasses.replace(run, eval_dtype=dtype_name(decode_dtype(run.eval_dtype, device, "eval_dtype")))
     if data.builtin_size is None:
-        data = dataclasses.replace(data, builtin_size=40000 if preset in GPU_PRESETS else 16000)
+        data = dataclasses.replace(data, builtin_size=builtin_size_for(preset))
     run = dataclasses.replace(run, device=str(device))
     strategy = choose_strategy(job.engine.sync_strategy, device)
     if job.engine.sync_strategy == "auto":

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from streamnmt.config import build_job
-from streamnmt import config as job_config
+from streamnmt.data import config as data_config
 from streamnmt.data import synthetic, tokenizer_child, tokenizer_training
 from streamnmt.data.config import SMALL_CORPUS_VOCAB, DataConfig, builtin_dir
 from streamnmt.data.prepare import prepare_data
@@ -197,9 +197,11 @@ def test_the_child_writes_the_builtin_corpus_and_models_prepare_would(tmp_path, 
 
 def test_a_child_of_a_wrongly_guessed_size_is_set_aside_and_prepare_writes_here(tmp_path, monkeypatch, taken):
     monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path / "a"))
-    monkeypatch.setattr(job_config, "builtin_size_for", lambda preset: 300)  # the guess: 300 pairs
+    monkeypatch.setattr(data_config, "builtin_size_for", lambda preset: 300)  # the guess: 300 pairs
     job = build_job({"max_len": 24, "model": "tiny", "device": "cpu"})
-    assert tokenizer_child.start_for(job)
+    argvs: list[list[str]] = []
+    assert tokenizer_child.start_for(job, lambda argv: argvs.append(argv) or tokenizer_child._launch(argv))
+    assert json.loads(argvs[0][-1])["directory"] == str(tmp_path / "a" / "builtin-300")  # started for the guess
     run = dataclasses.replace(job.data, builtin_size=200)  # the size the recipe chose
     lines: list[str] = []
     a = prepare_data(run, log=lines.append)

@@ -10,6 +10,7 @@ largest (:func:`detail`): ``recipe 7.9 s (Triton kernel build check 7.5 s)``.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 
@@ -17,6 +18,14 @@ from collections.abc import Iterator
 # the tokenizers' child (streamnmt.data.tokenizer_child) runs on all but these, and the Triton kernels'
 # build (streamnmt.models.prebuild) starts no more children than the cores less these.
 LEFT_CORES = 4
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the system says it, else all)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
 
 _OPEN: list[tuple[str, float]] = []  # timed since the last close
 _BY_PART: dict[str, list[tuple[str, float]]] = {}

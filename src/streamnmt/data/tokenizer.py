@@ -22,6 +22,7 @@ from typing import Any
 
 import sentencepiece as spm
 
+from streamnmt import setupclock
 from streamnmt.errors import InputError
 from streamnmt.fsutil import atomic_write
 from streamnmt.models.specials import BOS, EOS, PAD, UNK
@@ -34,10 +35,8 @@ SPM_SEED = 0  # SentencePiece's random generator (sentence shuffling, sampling) 
 
 
 def cpu_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+    """SentencePiece's threads: the cores this process may run on."""
+    return setupclock.usable_cores()
 
 
 def file_sha256(path: Path) -> str:

@@ -178,11 +178,10 @@ def jobs_for(request: Request) -> list[str]:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (its affinity where the system says it, else all)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+    """The cores this process may run on (:func:`streamnmt.setupclock.usable_cores`)."""
+    from streamnmt.setupclock import usable_cores as cores
+
+    return cores()
 
 
 def group(jobs: Sequence[str], cores: int) -> list[list[str]]:

@@ -20,8 +20,12 @@ from tests.test_reliability import run_cli
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+# --dropout 0: inductor draws dropout's random numbers with its own generator (torch._inductor.config
+# .fallback_random is off), so with dropout the compiled and eager runs drop different units and their
+# gradient norms differ by more than rounding; without it the two runs are the same computation.
 ARGS = ["--device", "cuda", "--model", "tiny", "--builtin-size", "4000", "--bleu-samples", "0", "--max-len", "32",
-        "--max-tokens", "1024", "--max-steps", "60", "--epochs", "50", "--loss-interval", "5", "--seed", "7"]
+        "--max-tokens", "1024", "--max-steps", "60", "--epochs", "50", "--loss-interval", "5", "--seed", "7",
+        "--dropout", "0"]
 
 
 @pytest.mark.parametrize("strategy", ["graph", "full"])

@@ -104,8 +104,8 @@ class Batch:
 class HostBatch:
     """A batch as one NumPy array, the form worker processes send back to the main process.
 
-    A torch tensor crossing processes gets its own shared-memory segment and file descriptor
-    (~0.5 ms each); a NumPy array pickles as its bytes (~20 us for a 32 x 32 batch). The main
+    A torch tensor crossing processes gets its own shared-memory segment and file descriptor; a
+    NumPy array pickles as its bytes, far cheaper for a batch's few small arrays. The main
     process turns it into a :class:`Batch` with ``torch.from_numpy`` (no copy), or, in the
     DataLoader's pin-memory thread, into a pinned one with a single page-locked allocation.
     """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -55,3 +56,11 @@ def test_the_set_up_line_says_it(clock):
                                 job=types.SimpleNamespace(engine=types.SimpleNamespace(compile="off")))
     assert setup_line(run) == ("set-up 13.7 s: start-up (interpreter and imports) 5.0 s, recipe 7.9 s "
                                    "(Triton kernel build check 7.5 s), data 0.8 s")
+
+
+def test_usable_cores_are_this_processs_affinity_else_all(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 5}, raising=False)
+    assert setupclock.usable_cores() == 3
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 7)
+    assert setupclock.usable_cores() == 7

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from streamnmt import setupclock
 from streamnmt.config import build_job
 from streamnmt.models import attention, prebuild
 from streamnmt.models.prebuild import Request
@@ -42,7 +43,7 @@ class FakeChild:
 def _no_child_left(monkeypatch):
     """No child left running; a small machine's cores (MIN_CHILDREN children: one a variant) unless a
     test gives its own."""
-    monkeypatch.setattr(prebuild, "usable_cores", lambda: 2)
+    monkeypatch.setattr(setupclock, "usable_cores", lambda: 2)
     prebuild.stop()
     yield
     prebuild.stop()
@@ -339,15 +340,6 @@ def test_the_jobs_are_grouped_by_the_cores_left_to_them():
     prebuild.start(Request(0, 64, "auto"), lambda argv: FakeChild(argv, started=started), cores=LEFT_CORES + 5)
     assert [c.argv[-1] for c in started] == [",".join(g) for g in prebuild.group(jobs, LEFT_CORES + 5)]
     assert len(started) == 5
-
-
-def test_usable_cores_are_this_processs_affinity_else_all(monkeypatch):
-    monkeypatch.undo()  # the autouse fixture's small machine
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 5}, raising=False)
-    assert prebuild.usable_cores() == 3
-    monkeypatch.delattr(os, "sched_getaffinity")
-    monkeypatch.setattr(os, "cpu_count", lambda: 7)
-    assert prebuild.usable_cores() == 7
 
 
 def test_build_in_child_runs_only_its_jobs_launches(monkeypatch):

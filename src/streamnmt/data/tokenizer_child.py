@@ -47,9 +47,6 @@ from streamnmt.data.config import DataConfig, builtin_dir
 # less would only have this process do the same work again after.
 TIMEOUT_S = 3600.0
 BAD_INPUT = 3  # the child's exit code for an InputError: prepare_data says it, running the same code
-# the cores the child leaves to this process's imports and the Triton kernels' build children
-# (streamnmt.models.prebuild), which run beside it at the command's start
-LEFT_CORES = setupclock.LEFT_CORES
 # Where the NVIDIA driver lists the machine's GPUs: a GPU run's built-in corpus is the larger one
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
@@ -100,7 +97,7 @@ def child_main(argv: Sequence[str]) -> int:
 
     t0 = time.perf_counter()
     workdir, request = Path(argv[0]), json.loads(argv[1])
-    _leave_cores(LEFT_CORES)
+    _leave_cores(setupclock.LEFT_CORES)  # to this process's imports and the Triton kernels' children
     cfg = DataConfig(**request["data"])
     directory = Path(request["directory"])
     if cfg.data is None:

@@ -12,7 +12,7 @@ kernels (the forward, the backward's dk/dv with the variant-free delta once, its
 again in the training's dtype where ``--amp`` names another. Each job launches its kernel alone on the
 build check's input (:func:`streamnmt.models.attention.probe_kernels`), laid out as the check lays
 it out, so it fills the very cache entry the check then loads. The jobs go to as many children as
-the usable cores (:func:`usable_cores`) allow once :data:`streamnmt.setupclock.LEFT_CORES`
+the usable cores (:func:`streamnmt.setupclock.usable_cores`) allow once :data:`streamnmt.setupclock.LEFT_CORES`
 are left to this process and the tokenizers' child that may run beside them: one job a child where
 they allow, else fewer children taking several jobs each (:func:`group`), never fewer than
 :data:`MIN_CHILDREN` (a small machine then shares its cores among them, as it did with one child a
@@ -54,6 +54,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+from streamnmt import setupclock
 
 # ``auto`` picks the kernels only up to this head dim (see streamnmt.models.attention.auto_attention)
 AUTO_TRITON_MAX_HEAD_DIM = 128
@@ -177,20 +179,11 @@ def jobs_for(request: Request) -> list[str]:
             for suffix in suffixes for kernel in KERNEL_JOBS for v in VARIANTS]
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (:func:`streamnmt.setupclock.usable_cores`)."""
-    from streamnmt.setupclock import usable_cores as cores
-
-    return cores()
-
-
 def group(jobs: Sequence[str], cores: int) -> list[list[str]]:
     """``jobs`` dealt round robin to the children ``cores`` allow: all but ``LEFT_CORES`` of them
     (this process's imports and data and the tokenizers' child run beside the build), at most one
     child a job, at least :data:`MIN_CHILDREN`."""
-    from streamnmt.setupclock import LEFT_CORES
-
-    n = max(MIN_CHILDREN, min(len(jobs), cores - LEFT_CORES))
+    n = max(MIN_CHILDREN, min(len(jobs), cores - setupclock.LEFT_CORES))
     return [list(jobs[i::n]) for i in range(n) if jobs[i::n]]
 
 
@@ -249,10 +242,10 @@ _PENDING: _Pending | None = None
 
 def start(request: Request, launch: Callable[[Sequence[str]], Any] = Child, cores: int | None = None) -> None:
     """Start the children for ``request``, its jobs grouped by the cores (:func:`group`; ``cores``:
-    default :func:`usable_cores`; ``launch``: how a command line is started, a test's fake)."""
+    default :func:`streamnmt.setupclock.usable_cores`; ``launch``: how a command line is started, a test's fake)."""
     global _PENDING
     stop()
-    groups = group(jobs_for(request), usable_cores() if cores is None else cores)
+    groups = group(jobs_for(request), setupclock.usable_cores() if cores is None else cores)
     _PENDING = _Pending(request, [launch(child_argv(request, jobs)) for jobs in groups], triton_cache_dir())
 
 

@@ -206,8 +206,9 @@ class _RunBuilder:
         # Built on the GPU it trains on, as translate's models are: the random initialisation (each
         # matrix filled twice) is most of a warm set-up's model phase on the CPU (docs/PERFORMANCE.md,
         # "The set-up before the first step"). Several ranks build on the CPU: a GPU's random stream
-        # depends on its kind, and ranks on GPUs of two kinds must start from the same weights.
-        here = self.device.type == "cuda" and not self.dist.active
+        # depends on its kind, and ranks on GPUs of two kinds must start from the same weights. One
+        # rank has no peer to agree with: it builds where a plain run does, so the two start alike.
+        here = self.device.type == "cuda" and self.dist.world == 1
         with torch.device(self.device) if here else contextlib.nullcontext():
             self.model = Transformer(self.shape)
         self.model.to(self.device)  # the positional table, computed on the CPU (and all of it there)

@@ -4,16 +4,19 @@ size where the flags leave them unset, said in one start line, and recorded in c
 from __future__ import annotations
 
 import dataclasses
+import random
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from streamnmt.config import SMALL_CORPUS_DROPOUT, TrainJob, build_job, corpus_dropout, preset_dropout
-from streamnmt.data.config import CORPUS_VOCAB, SMALL_CORPUS_PAIRS, SMALL_CORPUS_VOCAB, DataConfig, auto_vocab
+from streamnmt.data.config import (CORPUS_VOCAB, LEAN_MIN_PAIRS, LEAN_VOCAB, RICH_FORMS, SMALL_CORPUS_PAIRS,
+                                   SMALL_CORPUS_VOCAB, DataConfig, auto_vocab)
 from streamnmt.data.prepare import prepare_data
+from streamnmt.data.tokenizer_training import word_form_ratio
 from streamnmt.training.recipe import resolve_corpus
-from tests.data.conftest import write_corpus
+from tests.data.conftest import HANZI, WORDS, write_corpus, write_split
 
 
 @pytest.mark.parametrize("pairs, vocab", [(600, SMALL_CORPUS_VOCAB), (SMALL_CORPUS_PAIRS - 1, SMALL_CORPUS_VOCAB),
@@ -121,3 +124,54 @@ def test_a_shared_tokenizer_takes_the_rules_size_unless_either_side_gives_one(tm
     given = prepare_data(DataConfig(data=str(tmp_path / "d"), max_len=24, shared_vocab=True, src_vocab=90),
                          log=lambda _: None)
     assert given.auto_vocab == {} and given.src_tok.vocab_size <= 90
+
+
+@pytest.mark.parametrize("pairs, forms, vocab", [
+    (40000, 1.0, LEAN_VOCAB), (LEAN_MIN_PAIRS, RICH_FORMS - 0.01, LEAN_VOCAB),
+    (40000, RICH_FORMS, SMALL_CORPUS_VOCAB), (40000, 1.7, SMALL_CORPUS_VOCAB),  # a target rich in forms
+    (LEAN_MIN_PAIRS - 1, 1.0, SMALL_CORPUS_VOCAB),  # too few pairs to halve (not measured there)
+    (40000, None, SMALL_CORPUS_VOCAB),  # not counted (a shared tokenizer)
+    (SMALL_CORPUS_PAIRS, 1.0, CORPUS_VOCAB), (None, 1.0, CORPUS_VOCAB)])  # large, built-in: 32k
+def test_the_vocabulary_halves_again_for_a_target_with_few_more_word_forms_than_its_source(pairs, forms, vocab):
+    assert auto_vocab(pairs, forms) == vocab
+
+
+def test_word_form_ratio_counts_distinct_words_over_the_same_number_of_words():
+    src = ["the cat sees the dog", "a big red house"] * 300
+    assert word_form_ratio(src, src) == 1.0
+    inflected = [" ".join(w + ["", "en", "er", "es"][i // 2 % 4] for w in s.split()) for i, s in enumerate(src)]
+    assert word_form_ratio(src, inflected) == pytest.approx(4.0)  # every word in four forms
+    assert word_form_ratio(src, src + [f"w{i}" for i in range(5000)]) == 1.0  # only as many words as the source's
+    assert word_form_ratio(src, [s + " and more words" for s in src]) == pytest.approx(11 / 8)
+    rng = random.Random(0)
+    cjk = ["".join(rng.choice(HANZI[:-2]) for _ in range(6)) + "，" + "".join(rng.choice(HANZI[:-2]) for _ in range(5))
+           for _ in range(600)]
+    assert word_form_ratio(src, cjk) > RICH_FORMS  # no spaces: each clause a "word", nearly all distinct
+    assert word_form_ratio(src[:100], src[:100]) is None  # under 1,000 words: not counted
+    assert word_form_ratio(src, [s.upper() for s in src]) == 1.0  # case is not a form
+
+
+def _inflecting_corpus(directory, suffixes: list[str], n: int = 400) -> None:
+    """English-like source; a target that renders each word in one of ``suffixes``' forms."""
+    rng = random.Random(0)
+    for split, k in (("train", n), ("dev", 20), ("test", 20)):
+        pairs = []
+        for _ in range(k):
+            words = [rng.choice(WORDS) for _ in range(rng.randint(4, 10))]
+            pairs.append((" ".join(words), " ".join(w[::-1] + rng.choice(suffixes) for w in words)))
+        write_split(directory, split, pairs, "json")
+
+
+@pytest.mark.parametrize("suffixes, vocab", [([""], LEAN_VOCAB), (["", "en", "er", "es"], SMALL_CORPUS_VOCAB)])
+def test_prepare_asks_the_halved_vocabulary_for_a_target_with_few_word_forms(tmp_path, monkeypatch, suffixes, vocab):
+    from streamnmt.data import config as data_config
+
+    monkeypatch.setattr(data_config, "LEAN_MIN_PAIRS", 100)  # a corpus the test can afford
+    _inflecting_corpus(tmp_path / "c", suffixes)
+    lines: list[str] = []
+    bundle = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24), log=lines.append)
+    assert bundle.auto_vocab == {"source": vocab, "target": vocab}
+    (line,) = [ln for ln in lines if "word forms" in ln]
+    assert f"{vocab} pieces where no size is given" in line
+    shared = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24, shared_vocab=True), log=lines.append)
+    assert shared.auto_vocab == {"shared": SMALL_CORPUS_VOCAB}  # one tokenizer of both sides: not counted

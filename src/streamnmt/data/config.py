@@ -14,6 +14,15 @@ from streamnmt.fsutil import streamnmt_home
 SMALL_CORPUS_PAIRS = 1_000_000
 SMALL_CORPUS_VOCAB = 16000
 CORPUS_VOCAB = 32000
+# Within the small-corpus recipe, a corpus of at least LEAN_MIN_PAIRS pairs whose target has few more
+# word forms than its source (under RICH_FORMS times the source's distinct words in the same number of
+# words: a target language whose words inflect little) trains separate tokenizers of LEAN_VOCAB a side.
+# On the real-text grid the halved vocabulary scored above 16k on such targets (fr, es) and below it on
+# targets rich in forms (de, ru), two seeds each; CJK targets (no spaces between words) count as rich
+# (docs/PERFORMANCE.md, "The vocabulary by the target's word forms").
+LEAN_VOCAB = 8000
+LEAN_MIN_PAIRS = 20_000
+RICH_FORMS = 1.3
 # Model presets sized for a GPU: the larger built-in corpus, the paper's warm-up. Declared here, below
 # streamnmt.config, because the tokenizers' child (torch-free, in data/) guesses the corpus's size too.
 GPU_PRESETS = ("base", "big", "iwslt")
@@ -30,9 +39,19 @@ def small_corpus(pairs: int | None) -> bool:
     return pairs is not None and pairs < SMALL_CORPUS_PAIRS
 
 
-def auto_vocab(pairs: int | None) -> int:
-    """Pieces per tokenizer when --src-vocab/--tgt-vocab are not given (``pairs`` None: the built-in corpus)."""
-    return SMALL_CORPUS_VOCAB if small_corpus(pairs) else CORPUS_VOCAB
+def auto_vocab(pairs: int | None, forms: float | None = None) -> int:
+    """Pieces per tokenizer when --src-vocab/--tgt-vocab are not given (``pairs`` None: the built-in
+    corpus); ``forms``: the target's word forms over the source's (:func:`lean_target`), None where
+    not counted (a shared tokenizer)."""
+    if not small_corpus(pairs):
+        return CORPUS_VOCAB
+    return LEAN_VOCAB if lean_target(pairs, forms) else SMALL_CORPUS_VOCAB
+
+
+def lean_target(pairs: int | None, forms: float | None) -> bool:
+    """A corpus the halved vocabulary fits: at least LEAN_MIN_PAIRS pairs, a target with under
+    RICH_FORMS times the source's word forms."""
+    return pairs is not None and pairs >= LEAN_MIN_PAIRS and forms is not None and forms < RICH_FORMS
 
 
 @dataclass(kw_only=True)
@@ -47,10 +66,11 @@ class DataConfig:
                                     "(DIR/tokenizer/shared.model; needed by --tie-embeddings all)")
     src_vocab: int | None = opt(None, "source SentencePiece vocabulary size when training one (capped for "
                                       f"small corpora); default: {SMALL_CORPUS_VOCAB} for a --data corpus under "
-                                      f"{SMALL_CORPUS_PAIRS:,} training pairs, else {CORPUS_VOCAB}")
+                                      f"{SMALL_CORPUS_PAIRS:,} training pairs ({LEAN_VOCAB} from {LEAN_MIN_PAIRS:,} "
+                                      "pairs where the target has few more word forms than the source), else "
+                                      f"{CORPUS_VOCAB}")
     tgt_vocab: int | None = opt(None, "target SentencePiece vocabulary size when training one (capped for "
-                                      f"small corpora); default: {SMALL_CORPUS_VOCAB} for a --data corpus under "
-                                      f"{SMALL_CORPUS_PAIRS:,} training pairs, else {CORPUS_VOCAB}")
+                                      "small corpora); default: as --src-vocab's")
     batch_size: int = opt(32, "sentences per batch (when --max-tokens is 0)")
     max_tokens: int | None = opt(None, "token budget per batch (padded tokens, the longer side); 0 = batch by "
                                        "sentences; default: on a GPU a budget sized for it (see "

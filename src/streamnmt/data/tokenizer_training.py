@@ -14,13 +14,15 @@ process started at the command's start, ``prepare_data`` in-process where no chi
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamnmt.data.config import DataConfig, auto_vocab
+from streamnmt.data import config as data_config
+from streamnmt.data.config import RICH_FORMS, DataConfig, auto_vocab, lean_target, small_corpus
 from streamnmt.data.readers import ReadStats, SplitSource, iter_pairs
 from streamnmt.data.tokenizer import Tokenizer, cpu_threads, train_shared_tokenizer, train_tokenizer
 
@@ -87,7 +89,16 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     t0 = time.perf_counter()
     samples, pairs = sample_train(cfg, sources["train"])
     check_other_splits(cfg, sources)
-    rule = auto_vocab(None if cfg.data is None else pairs)
+    pairs_ = None if cfg.data is None else pairs
+    forms = None
+    if missing[0].role != "shared" and small_corpus(pairs_) and any(side.size is None for side in missing):
+        forms = word_form_ratio(*samples)
+        if forms is not None:
+            log(f"data: the target has {forms:.2f}x the source's word forms (distinct words in the first "
+                f"{FORM_WINDOW:,} of each side's); {auto_vocab(pairs_, forms)} pieces where no size is given "
+                f"({'the halved vocabulary' if lean_target(pairs_, forms) else 'not halved'}: it needs under "
+                f"{RICH_FORMS}x and at least {data_config.LEAN_MIN_PAIRS:,} pairs)")
+    rule = auto_vocab(pairs_, forms)
     auto = {side.role: rule for side in missing if side.size is None}
     threads = threads or spm_threads(len(missing))
     if missing[0].role == "shared":
@@ -107,6 +118,32 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     log(f"data: trained {' and '.join(side.name for side in missing)} on {len(samples[0])} sampled "
         f"pairs in {time.perf_counter() - t0:.1f}s -> {directory / 'tokenizer'}")
     return Trained(toks, auto, pairs)
+
+
+FORM_WINDOW = 50_000  # words of each side counted: enough for a stable count, a 10k-pair corpus holds more
+_WORD = re.compile(r"\w+")
+
+
+def word_form_ratio(src: list[str], tgt: list[str], window: int = FORM_WINDOW) -> float | None:
+    """Distinct (lower-cased) words in the target's first ``window`` words over those in the
+    source's: how much richer in word forms the target language is. Counted over the same number of
+    words on both sides (the shorter side's where either has fewer); None under 1,000 words. A
+    target written without spaces (Chinese, Japanese) counts each run of letters as a word and
+    comes out rich."""
+    words = [_first_words(side, window) for side in (src, tgt)]
+    n = min(len(words[0]), len(words[1]))
+    if n < 1000:
+        return None
+    return len(set(words[1][:n])) / len(set(words[0][:n]))
+
+
+def _first_words(sentences: list[str], n: int) -> list[str]:
+    out: list[str] = []
+    for sentence in sentences:
+        out += _WORD.findall(sentence.lower())
+        if len(out) >= n:
+            break
+    return out[:n]
 
 
 def check_other_splits(cfg: DataConfig, sources: dict[str, SplitSource | None]) -> None:

@@ -89,16 +89,16 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     t0 = time.perf_counter()
     samples, pairs = sample_train(cfg, sources["train"])
     check_other_splits(cfg, sources)
-    pairs_ = None if cfg.data is None else pairs
+    counted = None if cfg.data is None else pairs  # the built-in corpus: None
     forms = None
-    if missing[0].role != "shared" and small_corpus(pairs_) and any(side.size is None for side in missing):
+    if missing[0].role != "shared" and small_corpus(counted) and any(side.size is None for side in missing):
         forms = word_form_ratio(*samples)
         if forms is not None:
             log(f"data: the target has {forms:.2f}x the source's word forms (distinct words in the first "
-                f"{FORM_WINDOW:,} of each side's); {auto_vocab(pairs_, forms)} pieces where no size is given "
-                f"({'the halved vocabulary' if lean_target(pairs_, forms) else 'not halved'}: it needs under "
+                f"{FORM_WINDOW:,} of each side's); {auto_vocab(counted, forms)} pieces where no size is given "
+                f"({'the halved vocabulary' if lean_target(counted, forms) else 'not halved'}: it needs under "
                 f"{RICH_FORMS}x and at least {data_config.LEAN_MIN_PAIRS:,} pairs)")
-    rule = auto_vocab(pairs_, forms)
+    rule = auto_vocab(counted, forms)
     auto = {side.role: rule for side in missing if side.size is None}
     threads = threads or spm_threads(len(missing))
     if missing[0].role == "shared":

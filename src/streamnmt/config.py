@@ -51,7 +51,8 @@ class ModelConfig:
     model: str = opt("auto", "model preset: base (6+6 x 512, 8 heads, d_ff 2048), big (6+6 x 1024, 16 heads, "
                              "d_ff 4096, dropout 0.3: the Transformer paper's big model), iwslt (6+6 x 512, "
                              "4 heads, d_ff 1024, dropout 0.3: fairseq's transformer_iwslt_de_en), small "
-                             "(3+3 x 256), tiny; auto = base on a GPU, small on CPU", choices=("auto", *PRESETS))
+                             "(3+3 x 256), tiny; "
+                             "auto = base where CUDA is present, small on CPU", choices=("auto", *PRESETS))
     d_model: int | None = opt(None, "model width (overrides the preset)")
     n_layers: int | None = opt(None, "encoder and decoder layers each (overrides the preset)")
     n_heads: int | None = opt(None, "attention heads (overrides the preset)")

@@ -21,8 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamnmt.data import config as data_config
-from streamnmt.data.config import RICH_FORMS, DataConfig, auto_vocab, lean_target, small_corpus
+from streamnmt.data.config import LEAN_MIN_PAIRS, RICH_FORMS, DataConfig, auto_vocab, lean_target, small_corpus
 from streamnmt.data.readers import ReadStats, SplitSource, iter_pairs
 from streamnmt.data.tokenizer import Tokenizer, cpu_threads, train_shared_tokenizer, train_tokenizer
 
@@ -97,7 +96,7 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
             log(f"data: the target has {forms:.2f}x the source's word forms (distinct words in the first "
                 f"{FORM_WINDOW:,} of each side's); {auto_vocab(counted, forms)} pieces where no size is given "
                 f"({'the halved vocabulary' if lean_target(counted, forms) else 'not halved'}: it needs under "
-                f"{RICH_FORMS}x and at least {data_config.LEAN_MIN_PAIRS:,} pairs)")
+                f"{RICH_FORMS}x and at least {LEAN_MIN_PAIRS:,} pairs)")
     rule = auto_vocab(counted, forms)
     auto = {side.role: rule for side in missing if side.size is None}
     threads = threads or spm_threads(len(missing))

@@ -163,7 +163,7 @@ def _inflecting_corpus(directory, suffixes: list[str], n: int = 400) -> None:
 
 
 @pytest.mark.parametrize("suffixes, vocab", [([""], LEAN_VOCAB), (["", "en", "er", "es"], SMALL_CORPUS_VOCAB)])
-def test_prepare_asks_the_halved_vocabulary_for_a_target_with_few_word_forms(tmp_path, monkeypatch, suffixes, vocab):
+def test_prepare_asks_the_lean_vocabulary_for_a_target_with_few_word_forms(tmp_path, monkeypatch, suffixes, vocab):
     from streamnmt.data import config as data_config
 
     monkeypatch.setattr(data_config, "LEAN_MIN_PAIRS", 100)  # a corpus the test can afford

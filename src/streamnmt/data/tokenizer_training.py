@@ -95,8 +95,8 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
         if forms is not None:
             log(f"data: the target has {forms:.2f}x the source's word forms (distinct words in the first "
                 f"{FORM_WINDOW:,} of each side's); {auto_vocab(counted, forms)} pieces where no size is given "
-                f"({'the halved vocabulary' if lean_target(counted, forms) else 'not halved'}: it needs under "
-                f"{RICH_FORMS}x and at least {LEAN_MIN_PAIRS:,} pairs)")
+                f"({'the lean vocabulary' if lean_target(counted, forms) else 'not the lean vocabulary'}: "
+                f"it needs under {RICH_FORMS}x and at least {LEAN_MIN_PAIRS:,} pairs)")
     rule = auto_vocab(counted, forms)
     auto = {side.role: rule for side in missing if side.size is None}
     threads = threads or spm_threads(len(missing))

@@ -65,7 +65,8 @@ class Forked:
     launcher (torchrun's ``main``, ``streamnmt train --nproc``'s ``cli.main``) as a fresh ``python -m``
     runs it, less the interpreter's start and torch's import, which a launcher pays before its ranks
     start theirs. Answers as much of ``subprocess.Popen`` as the tests use; its exit code is ``fn()``'s
-    return value or ``SystemExit``'s code, 1 for another exception, -N for a death by signal N."""
+    return value or ``SystemExit``'s code, 1 for another exception, -N for a death by signal N. Not
+    for work on a GPU: a forked child cannot use the CUDA context the test process may have made."""
 
     def __init__(self, fn: Callable[[], int | None], env: Mapping[str, str]):
         self.returncode: int | None = None

@@ -74,11 +74,17 @@ def streamnmt(args: list[str], home: str, env: dict | None = None, wait: bool = 
     return launch(run, home, env, wait)
 
 
-def launch(fn: Callable[[], int], home: str, env: dict | None, wait: bool):
-    """``fn`` in a forked child of the test process in a session of its own (:class:`Forked`: a
-    launcher's start-up, seconds before its ranks start theirs, is paid once by the test process);
-    with ``wait``, its end as a ``CompletedProcess``. Nothing it started outlives the test."""
-    proc = Forked(fn, env_for(home, **(env or {})))
+def launch(what: list[str] | Callable[[], int], home: str, env: dict | None, wait: bool):
+    """A command (a fresh process) or a function run in a forked child of the test process
+    (:class:`Forked`: a launcher's start-up, seconds before its ranks start theirs, paid once by the
+    test process), in a session of its own; with ``wait``, its end as a ``CompletedProcess``. Nothing
+    it started outlives the test."""
+    full_env = env_for(home, **(env or {}))
+    if isinstance(what, list):
+        proc = subprocess.Popen(what, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    else:
+        proc = Forked(what, full_env)
     if not wait:
         return proc
     try:
@@ -86,7 +92,7 @@ def launch(fn: Callable[[], int], home: str, env: dict | None, wait: bool):
     finally:  # nothing it started outlives the test
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(getattr(fn, "__qualname__", "launch"), proc.returncode, out, err)
+    return subprocess.CompletedProcess(what, proc.returncode, out, err)
 
 
 def common(tmp: Path, strategy: str = "full") -> list[str]:

@@ -401,10 +401,11 @@ def _prepare_once_case(rank: int, port: int, out: Path, differ: bool, hosts: int
 
 @pytest.fixture(scope="module")
 def prepare_once_cases(tmp_path_factory) -> Path:
-    """Every case of PREPARE_CASES, run by one spawned pair of processes (a spawn costs seconds)."""
+    """Every case of PREPARE_CASES, run by one pair of processes forked from the test process (a
+    fresh process's imports cost seconds)."""
     out = tmp_path_factory.mktemp("prepare-once")
-    torch.multiprocessing.spawn(_prepare_once_rank, args=([free_port() for _ in PREPARE_CASES], str(out)),
-                                nprocs=2, join=True)
+    torch.multiprocessing.start_processes(_prepare_once_rank, args=([free_port() for _ in PREPARE_CASES], str(out)),
+                                          nprocs=2, join=True, start_method="fork")
     return out
 
 

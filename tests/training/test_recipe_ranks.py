@@ -38,7 +38,7 @@ def _rank(rank: int, ports: list[int], out: str) -> None:
     from streamnmt.training import recipe
     from streamnmt.training.trainer import Trainer
 
-    recipe.device_memory_gib = lambda device: GIB[rank]  # this process only (spawned)
+    recipe.device_memory_gib = lambda device: GIB[rank]  # this process only (forked)
     recipe.device_bf16 = lambda device: rank == 0
     for amp, port in zip(("auto", "bf16"), ports):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
@@ -68,13 +68,15 @@ def _rank(rank: int, ports: list[int], out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> dict[str, Any]:
-    """Both cases in one spawn of two processes (importing the trainer is most of the time):
+    """Both cases in one start of two processes, forked from the test process (importing the trainer
+    would be most of a fresh process's time):
     {"auto": [rank 0's result, rank 1's], "bf16": [...], "out": the directory they ran in}."""
     out = tmp_path_factory.mktemp("ranks")
     old = os.environ.get("STREAMNMT_HOME")
     os.environ["STREAMNMT_HOME"] = str(tmp_path_factory.getbasetemp() / "home")  # the children inherit it
     try:
-        torch.multiprocessing.spawn(_rank, args=([free_port(), free_port()], str(out)), nprocs=2, join=True)
+        torch.multiprocessing.start_processes(_rank, args=([free_port(), free_port()], str(out)), nprocs=2, join=True,
+                                              start_method="fork")
     finally:
         if old is None:
             os.environ.pop("STREAMNMT_HOME")

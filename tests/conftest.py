@@ -1,10 +1,16 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
+import signal
+import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pytest
@@ -28,12 +34,22 @@ def single_thread():
         torch.set_num_threads(n)
 
 
+def forget_the_test_process() -> None:
+    """In a child forked from the test process: drop what is the test process's alone, as a fresh
+    process has none of it: the pack planner (streamnmt.data.packrows), whose pipe the test process
+    and every other child forked from it would read too; the child forks its own on first use."""
+    from streamnmt.data import packrows
+
+    packrows._PLANNER = None
+
+
 def in_child(fn: Callable[[], int], timeout: float = 120.0) -> int:
     """``fn()`` in a forked child of the test process (its imports paid once, which a fresh
     ``python -m streamnmt`` pays again); its return value is the exit code (-9: killed by SIGKILL)."""
     def body() -> None:
         code = 99
         try:
+            forget_the_test_process()
             code = fn()
         except BaseException as e:  # noqa: BLE001 - reported through the exit code
             print(f"child raised {type(e).__name__}: {e}", file=sys.stderr)
@@ -51,6 +67,82 @@ def in_child(fn: Callable[[], int], timeout: float = 120.0) -> int:
         pytest.fail("the run in a forked child hung")
     return proc.exitcode
 
+
+
+class Forked:
+    """``fn()`` in a forked child of the test process, in a session of its own, with ``env`` as its
+    whole environment and its stdout and stderr (those of the processes it starts too) in files: a
+    launcher (torchrun's ``main``, ``streamnmt train --nproc``'s ``cli.main``) as a fresh ``python -m``
+    runs it, less the interpreter's start and torch's import, which a launcher pays before its ranks
+    start theirs. Answers as much of ``subprocess.Popen`` as the tests use; its exit code is ``fn()``'s
+    return value or ``SystemExit``'s code, 1 for another exception, -N for a death by signal N. Not
+    for work on a GPU: a forked child cannot use the CUDA context the test process may have made."""
+
+    def __init__(self, fn: Callable[[], int | None], env: Mapping[str, str]):
+        self.returncode: int | None = None
+        self._out, self._err = (tempfile.TemporaryFile("w+", encoding="utf-8") for _ in range(2))  # noqa: SIM115
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:
+            self._child(fn, env)
+
+    def _child(self, fn: Callable[[], int | None], env: Mapping[str, str]) -> None:
+        code = 1
+        try:
+            os.setsid()
+            os.dup2(self._out.fileno(), 1)
+            os.dup2(self._err.fileno(), 2)
+            sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+            sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+            logging.root.handlers.clear()  # pytest's capture: log records go to stderr, as in a fresh process
+            os.environ.clear()
+            os.environ.update(env)
+            forget_the_test_process()
+            code = fn() or 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 - as an uncaught exception in a fresh process: its traceback, exit 1
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"forked child {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Its stdout and stderr once it has exited (``subprocess.TimeoutExpired`` after ``timeout``)."""
+        self.wait(timeout)
+        texts = []
+        for f in (self._out, self._err):
+            f.seek(0)
+            texts.append(f.read())
+            f.close()
+        return texts[0], texts[1]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 _DRAW_RESULTS_PNG = {"on": False}
 

@@ -9,6 +9,7 @@ import csv
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from streamnmt import cli
 from streamnmt.bench.profile import ALL_REDUCE, analyze_trace, format_summary
 from streamnmt.bench.scaling import merge_ranks
-from tests.test_dist import free_port
+from tests.test_dist import free_port, torchrun_main
 from tests.test_dist import launch as launch_process
 
 TINY = ["--device", "cpu", "--model", "tiny", "--builtin-size", "400", "--batch-size", "8", "--max-len", "16",
@@ -29,16 +30,22 @@ def home(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("home"))
 
 
-def launch(cmd: list[str], home: str) -> subprocess.CompletedProcess:
-    """Run ``cmd`` to the end in its own session (the trainer tests' launcher, 1 OpenMP thread)."""
-    return launch_process(cmd, home, None, True)
+def launch(what: list[str] | Callable[[], int], home: str) -> subprocess.CompletedProcess:
+    """Run a command, or a function in a forked child of the test process (``streamnmt bench``'s
+    parent, torchrun's entry point: their ranks are fresh processes), to the end in its own session
+    (the trainer tests' launcher, 1 OpenMP thread)."""
+    return launch_process(what, home, None, True)
+
+
+def bench(argv: list[str]) -> Callable[[], int]:
+    """What ``python -m streamnmt bench ARGV`` runs."""
+    return lambda: cli.main(["bench", *argv])
 
 
 @pytest.fixture(scope="module")
 def scaling(tmp_path_factory, home) -> tuple[Path, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("scaling") / "exp"
-    res = launch([sys.executable, "-m", "streamnmt", "bench", *TINY, "--strategies", "full", "--nproc", "1,2",
-                  "--out", str(out)], home)
+    res = launch(bench([*TINY, "--strategies", "full", "--nproc", "1,2", "--out", str(out)]), home)
     assert res.returncode == 0, res.stderr[-3000:]
     return out, res
 
@@ -102,9 +109,9 @@ def test_scaling_console_rank_zero_only_table_last(scaling):
 
 def test_plain_torchrun_profile_rank_zero_writes(tmp_path, home, scaling):
     out = tmp_path / "exp"
-    res = launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                  str(free_port()), "-m", "streamnmt", "bench", *TINY, "--strategies", "baseline,full",
-                  "--profile", "--profile-steps", "2", "--out", str(out)], home)
+    res = launch(torchrun_main(["--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "streamnmt",
+                                "bench", *TINY, "--strategies", "baseline,full", "--profile", "--profile-steps",
+                                "2", "--out", str(out)]), home)
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["bench.csv", "bench.json", "bench.png", "trace_baseline.json",
                                                      "trace_full.json"]
@@ -198,6 +205,7 @@ def test_two_gpus_nccl_graph_rows_and_the_all_reduce_in_the_trace(tmp_path, home
     out = tmp_path / "exp"
     drop = {"--device", "--warmup"}  # flag and value dropped in pairs ("1" is also --repeats' value)
     args = [a for i, a in enumerate(TINY) if a not in drop and (i == 0 or TINY[i - 1] not in drop)]
+    # a fresh process: the test process has made CUDA's context, which a forked child cannot use
     res = launch([sys.executable, "-m", "streamnmt", "bench", *args, "--warmup", "12", "--pad-multiple", "16",
                   "--strategies", "full,graph", "--nproc", "1,2", "--profile", "--profile-steps", "3",
                   "--out", str(out)], home)

@@ -3,8 +3,10 @@ as 1 rank x batch 2B; rank 0 alone writes; kill -9 of the launcher then --resume
 signal to one rank stops all cleanly; a dead rank ends the run; bad set-ups exit 2 writing nothing.
 
 Each torchrun costs seconds of start-up (a launcher and two ranks importing torch on a 2-core CI
-machine), so the runs that several tests check are module fixtures, and runs that need no process of
-their own (the one-process references, a resume on another world size) run in the test process.
+machine), so the runs that several tests check are module fixtures, runs that need no process of
+their own (the one-process references, a resume on another world size) run in the test process, and
+the launchers (torchrun's entry point, ``streamnmt train --nproc``) run in forked children of the test
+process, its imports paid; the ranks are fresh processes as ever.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -25,7 +28,7 @@ import torch
 
 from streamnmt.cli import main
 from streamnmt.training.runs import read_csv
-from tests.conftest import in_child, single_thread
+from tests.conftest import Forked, forget_the_test_process, in_child, single_thread
 from tests.test_accum import TINY, assert_same_training
 
 STEPS = 30
@@ -48,19 +51,40 @@ def env_for(home: str, **extra: str) -> dict[str, str]:
 
 
 def torchrun(args: list[str], home: str, env: dict | None = None, wait: bool = True):
-    """``python -m torch.distributed.run --nproc-per-node 2 -m streamnmt train ARGS`` on a free port."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), "-m", "streamnmt", "train", *args]
-    return launch(cmd, home, env, wait)
+    """``torchrun --nproc-per-node 2 -m streamnmt train ARGS`` on a free port (torchrun's own entry
+    point in a forked child of the test process: :func:`launch`)."""
+    argv = ["--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "streamnmt", "train", *args]
+    return launch(torchrun_main(argv), home, env, wait)
+
+
+def torchrun_main(argv: list[str]) -> Callable[[], int]:
+    """What ``python -m torch.distributed.run ARGV`` runs."""
+    def run() -> int:
+        from torch.distributed.run import main as torchrun_entry
+        torchrun_entry(argv)
+        return 0
+    return run
 
 
 def streamnmt(args: list[str], home: str, env: dict | None = None, wait: bool = True):
-    return launch([sys.executable, "-m", "streamnmt", "train", *args], home, env, wait)
+    """``streamnmt train ARGS`` (with --nproc: the launcher, which runs torchrun in its process)."""
+    def run() -> int:
+        with single_thread():  # as a fresh process under OMP_NUM_THREADS=1
+            return main(["train", *args])
+    return launch(run, home, env, wait)
 
 
-def launch(cmd: list[str], home: str, env: dict | None, wait: bool):
-    proc = subprocess.Popen(cmd, env=env_for(home, **(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+def launch(what: list[str] | Callable[[], int], home: str, env: dict | None, wait: bool):
+    """A command (a fresh process) or a function run in a forked child of the test process
+    (:class:`Forked`: a launcher's start-up, seconds before its ranks start theirs, paid once by the
+    test process), in a session of its own; with ``wait``, its end as a ``CompletedProcess``. Nothing
+    it started outlives the test."""
+    full_env = env_for(home, **(env or {}))
+    if isinstance(what, list):
+        proc = subprocess.Popen(what, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    else:
+        proc = Forked(what, full_env)
     if not wait:
         return proc
     try:
@@ -68,7 +92,7 @@ def launch(cmd: list[str], home: str, env: dict | None, wait: bool):
     finally:  # nothing it started outlives the test
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return subprocess.CompletedProcess(what, proc.returncode, out, err)
 
 
 def common(tmp: Path, strategy: str = "full") -> list[str]:
@@ -122,7 +146,7 @@ def fresh_corpus_run(tmp_path_factory, home) -> tuple[Path, Path, subprocess.Com
     return tmp / "two", corpus, res
 
 
-def rank_processes(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
+def rank_processes(launcher: Forked) -> dict[int, psutil.Process]:
     out = {}
     for p in psutil.Process(launcher.pid).children(recursive=True):
         with contextlib.suppress(psutil.Error):
@@ -132,7 +156,7 @@ def rank_processes(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
     return out
 
 
-def kill_rank_after(launcher: subprocess.Popen, steps: Path, rows: int, rank: int = 1,
+def kill_rank_after(launcher: Forked, steps: Path, rows: int, rank: int = 1,
                     timeout: float = 90) -> tuple[str, str, float]:
     """Once ``steps`` has more than ``rows`` rows, SIGKILL rank ``rank`` of ``launcher``'s run; its
     (stdout, stderr) and the seconds from the kill to the launcher's exit. Nothing it started outlives it."""
@@ -147,7 +171,7 @@ def kill_rank_after(launcher: subprocess.Popen, steps: Path, rows: int, rank: in
             os.killpg(launcher.pid, signal.SIGKILL)
 
 
-def wait_for_rows(steps: Path, n: int, proc: subprocess.Popen) -> None:
+def wait_for_rows(steps: Path, n: int, proc: Forked) -> None:
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         if steps.is_file() and len(steps.read_text().splitlines()) > n:
@@ -341,6 +365,7 @@ PREPARE_CASES = [(False, 1), (True, 1), (False, 2)]  # (the ranks' preparations 
 
 def _prepare_once_rank(rank: int, ports: list[int], out: str) -> None:
     """One rank of a gloo group, for each case of PREPARE_CASES in turn (a group of its own each)."""
+    forget_the_test_process()
     for (differ, hosts), port in zip(PREPARE_CASES, ports):
         case = Path(out) / f"{differ}-{hosts}"
         case.mkdir(exist_ok=True)
@@ -377,10 +402,11 @@ def _prepare_once_case(rank: int, port: int, out: Path, differ: bool, hosts: int
 
 @pytest.fixture(scope="module")
 def prepare_once_cases(tmp_path_factory) -> Path:
-    """Every case of PREPARE_CASES, run by one spawned pair of processes (a spawn costs seconds)."""
+    """Every case of PREPARE_CASES, run by one pair of processes forked from the test process (a
+    fresh process's imports cost seconds)."""
     out = tmp_path_factory.mktemp("prepare-once")
-    torch.multiprocessing.spawn(_prepare_once_rank, args=([free_port() for _ in PREPARE_CASES], str(out)),
-                                nprocs=2, join=True)
+    torch.multiprocessing.start_processes(_prepare_once_rank, args=([free_port() for _ in PREPARE_CASES], str(out)),
+                                          nprocs=2, join=True, start_method="fork")
     return out
 
 
@@ -424,23 +450,22 @@ def test_killed_rank_ends_the_others_with_one_line(tmp_path, home):
     assert "Traceback" not in err
 
 
-def two_hosts(args: list[str], home: str) -> list[subprocess.Popen]:
+def two_hosts(args: list[str], home: str) -> list[Forked]:
     """Two launchers as two hosts start them (``torchrun --nnodes 2 --nproc-per-node 1
     --rdzv-backend c10d``) on one machine: the first hosts the rendezvous store, the second joins."""
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-hosts",
-           "-m", "streamnmt", "train", *args]
-    first = launch(cmd, home, None, wait=False)
+    run = torchrun_main(["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                         f"127.0.0.1:{port}", "--rdzv-id", "two-hosts", "-m", "streamnmt", "train", *args])
+    first = launch(run, home, None, wait=False)
     deadline = time.time() + 60
     while time.time() < deadline and first.poll() is None:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
             break
         time.sleep(0.1)
-    return [first, launch(cmd, home, None, wait=False)]
+    return [first, launch(run, home, None, wait=False)]
 
 
-def finish(procs: list[subprocess.Popen], timeout: float = 180) -> list[tuple[int, str]]:
+def finish(procs: list[Forked], timeout: float = 180) -> list[tuple[int, str]]:
     """Each launcher's exit code and its stdout and stderr; nothing they started outlives them."""
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]

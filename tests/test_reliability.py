@@ -18,7 +18,7 @@ import torch
 from streamnmt.checkpoint import load_safetensors
 from streamnmt.cli import main
 from streamnmt.training.runs import read_csv
-from tests.conftest import in_child
+from tests.conftest import Forked, in_child
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread (conftest.single_thread)
 
@@ -32,11 +32,10 @@ def home(tmp_path_factory):
     return str(tmp_path_factory.getbasetemp() / "home")
 
 
-def run_cli(args: list[str], home: str, env: dict | None = None, wait: bool = True):
+def run_cli(args: list[str], home: str, env: dict | None = None):
+    """``python -m streamnmt train ARGS`` to its end, a fresh process."""
     full_env = dict(os.environ, STREAMNMT_HOME=home, PYTHONPATH=os.pathsep.join(sys.path), **(env or {}))
     cmd = [sys.executable, "-m", "streamnmt", "train", *args]
-    if not wait:
-        return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # In its own process group, so that nothing it started outlives the test.
     proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -113,8 +112,10 @@ def test_resume_refuses_other_flags(tmp_path, home, capsys, monkeypatch):
 
 
 def test_sigterm_saves_and_exits_0(tmp_path, home):
-    proc = run_cli([*TINY, "--epochs", "50", "--seed", "1", "--project", str(tmp_path), "--name", "t",
-                    "--loss-interval", "1"], home, wait=False)
+    """``streamnmt train`` in a forked child of the test process (its imports paid once), stopped by
+    SIGTERM after step 6."""
+    args = [*TINY, "--epochs", "50", "--seed", "1", "--project", str(tmp_path), "--name", "t", "--loss-interval", "1"]
+    proc = Forked(lambda: main(["train", *args]), dict(os.environ, STREAMNMT_HOME=home))
     steps = tmp_path / "t" / "steps.csv"
     deadline = time.time() + 300
     while time.time() < deadline and (not steps.is_file() or len(steps.read_text().splitlines()) < 6):

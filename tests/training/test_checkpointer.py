@@ -4,10 +4,6 @@ file, and that a resume after one equals a resume after a synchronous save (CPU)
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -20,6 +16,7 @@ from streamnmt.cli import main
 from streamnmt.training import checkpointer as ckpt_mod
 from streamnmt.training.checkpointer import Checkpointer
 from streamnmt.training.runs import read_csv
+from tests.conftest import Forked
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -108,41 +105,40 @@ def test_resume_after_an_async_save_equals_resume_after_a_sync_save(tmp_path):
     assert (tmp_path / "async" / "weights" / "best.safetensors").is_file()
 
 
-KILLED_RUN = textwrap.dedent("""
-    import sys, time
-    from streamnmt.training import checkpointer
+def _run_stuck_mid_write(argv: list[str], marker: Path) -> int:
+    """``streamnmt ARGV`` whose write of step 6's checkpoint stops halfway (``marker`` then
+    written) until the process is killed; in a forked child of the test process."""
     from streamnmt.fsutil import atomic_path
-    real = checkpointer.save_checkpoint
+
+    real = ckpt_mod.save_checkpoint
 
     def stuck_at_step_6(path, state):
         if state.get("step") != 6:
             return real(path, state)
         with atomic_path(path) as tmp:  # half a file, then the process is killed
-            tmp.write_bytes(b"PK\\x03\\x04 half of a checkpoint")
-            print("MIDWRITE", flush=True)
+            tmp.write_bytes(b"PK\x03\x04 half of a checkpoint")
+            marker.touch()
             time.sleep(120)
 
-    checkpointer.save_checkpoint = stuck_at_step_6
-    from streamnmt.cli import main
-    sys.exit(main(sys.argv[1:]))
-""")
+    ckpt_mod.save_checkpoint = stuck_at_step_6  # this child's module only
+    return main(argv)
 
 
 def test_a_kill_mid_write_leaves_the_last_good_checkpoint_exact_to_resume(tmp_path, home):
     common = [*TINY, "--epochs", "3", "--max-steps", "9", "--save-every", "3", "--project", str(tmp_path)]
     assert main(["train", *common, "--name", "ref"]) == 0
-    env = dict(os.environ, STREAMNMT_HOME=str(home), PYTHONPATH=os.pathsep.join(sys.path),
-               OMP_NUM_THREADS="1")  # as the in-process reference (one_thread): the same sums
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, "train", *common, "--name", "killed"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ, STREAMNMT_HOME=str(home))
+    marker = tmp_path / "midwrite"
+    proc = Forked(lambda: _run_stuck_mid_write(["train", *common, "--name", "killed"], marker), env)
     try:
         deadline = time.monotonic() + 120
-        for line in proc.stdout:
-            if "MIDWRITE" in line or time.monotonic() > deadline:
-                break
-        proc.send_signal(signal.SIGKILL)
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.kill()
     finally:
         proc.wait(30)
+        out, err = proc.communicate()
+    assert marker.exists(), (out + err)[-3000:]
     weights = tmp_path / "killed" / "weights"
     assert list(weights.glob(".last.pt.*.tmp")), "the kill came mid-write"
     assert load_checkpoint(weights / "last.pt")["step"] == 3  # the write of step 6 never replaced it

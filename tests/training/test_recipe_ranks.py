@@ -17,6 +17,7 @@ import torch
 from streamnmt.config import build_job, recipe_max_tokens
 from streamnmt.training import recipe
 from streamnmt.training.recipe import RankDevice, device_error, resolve_job
+from tests.conftest import forget_the_test_process
 from tests.test_dist import free_port
 
 # Rank 0 sees 8 GiB, rank 1 4 GiB: for the tiny model (d_model 64) the recipe sizes 4096 and 2048
@@ -31,6 +32,7 @@ def _rank(rank: int, ports: list[int], out: str) -> None:
     rank's, with --amp auto, then --amp bf16), on a device that claims GIB[rank] of memory and bf16
     on rank 0 only; writes what it resolved, or the error it stopped with, to out/AMP/rank{rank}."""
     torch.set_num_threads(1)
+    forget_the_test_process()
     import torch.distributed as tdist
 
     from streamnmt import dist
@@ -38,7 +40,7 @@ def _rank(rank: int, ports: list[int], out: str) -> None:
     from streamnmt.training import recipe
     from streamnmt.training.trainer import Trainer
 
-    recipe.device_memory_gib = lambda device: GIB[rank]  # this process only (spawned)
+    recipe.device_memory_gib = lambda device: GIB[rank]  # this process only (forked)
     recipe.device_bf16 = lambda device: rank == 0
     for amp, port in zip(("auto", "bf16"), ports):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
@@ -68,13 +70,15 @@ def _rank(rank: int, ports: list[int], out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> dict[str, Any]:
-    """Both cases in one spawn of two processes (importing the trainer is most of the time):
+    """Both cases in one start of two processes, forked from the test process (importing the trainer
+    would be most of a fresh process's time):
     {"auto": [rank 0's result, rank 1's], "bf16": [...], "out": the directory they ran in}."""
     out = tmp_path_factory.mktemp("ranks")
     old = os.environ.get("STREAMNMT_HOME")
     os.environ["STREAMNMT_HOME"] = str(tmp_path_factory.getbasetemp() / "home")  # the children inherit it
     try:
-        torch.multiprocessing.spawn(_rank, args=([free_port(), free_port()], str(out)), nprocs=2, join=True)
+        torch.multiprocessing.start_processes(_rank, args=([free_port(), free_port()], str(out)), nprocs=2, join=True,
+                                              start_method="fork")
     finally:
         if old is None:
             os.environ.pop("STREAMNMT_HOME")

@@ -34,22 +34,12 @@ def single_thread():
         torch.set_num_threads(n)
 
 
-def forget_the_test_process() -> None:
-    """In a child forked from the test process: drop what is the test process's alone, as a fresh
-    process has none of it: the pack planner (streamnmt.data.packrows), whose pipe the test process
-    and every other child forked from it would read too; the child forks its own on first use."""
-    from streamnmt.data import packrows
-
-    packrows._PLANNER = None
-
-
 def in_child(fn: Callable[[], int], timeout: float = 120.0) -> int:
     """``fn()`` in a forked child of the test process (its imports paid once, which a fresh
     ``python -m streamnmt`` pays again); its return value is the exit code (-9: killed by SIGKILL)."""
     def body() -> None:
         code = 99
         try:
-            forget_the_test_process()
             code = fn()
         except BaseException as e:  # noqa: BLE001 - reported through the exit code
             print(f"child raised {type(e).__name__}: {e}", file=sys.stderr)
@@ -66,7 +56,6 @@ def in_child(fn: Callable[[], int], timeout: float = 120.0) -> int:
         proc.join()
         pytest.fail("the run in a forked child hung")
     return proc.exitcode
-
 
 
 class Forked:
@@ -98,7 +87,6 @@ class Forked:
             logging.root.handlers.clear()  # pytest's capture: log records go to stderr, as in a fresh process
             os.environ.clear()
             os.environ.update(env)
-            forget_the_test_process()
             code = fn() or 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1

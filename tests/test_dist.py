@@ -28,7 +28,7 @@ import torch
 
 from streamnmt.cli import main
 from streamnmt.training.runs import read_csv
-from tests.conftest import Forked, forget_the_test_process, in_child, single_thread
+from tests.conftest import Forked, in_child, single_thread
 from tests.test_accum import TINY, assert_same_training
 
 STEPS = 30
@@ -365,7 +365,6 @@ PREPARE_CASES = [(False, 1), (True, 1), (False, 2)]  # (the ranks' preparations 
 
 def _prepare_once_rank(rank: int, ports: list[int], out: str) -> None:
     """One rank of a gloo group, for each case of PREPARE_CASES in turn (a group of its own each)."""
-    forget_the_test_process()
     for (differ, hosts), port in zip(PREPARE_CASES, ports):
         case = Path(out) / f"{differ}-{hosts}"
         case.mkdir(exist_ok=True)

@@ -307,6 +307,49 @@ def test_the_next_epoch_is_planned_in_the_background_with_the_same_rows(monkeypa
     assert packrows._PLANNER is False and packrows._planner() is None
 
 
+def test_a_process_forked_from_one_with_a_planner_plans_through_its_own(monkeypatch):
+    """Two processes forked at once from one with a planner never read its one pipe: each forks a
+    planner of its own on first use, and its rows are those planned in place."""
+    import multiprocessing
+
+    from streamnmt.data import packrows
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork start method here")
+    monkeypatch.setattr(packrows, "_PLANNER", None)
+    parents = packrows._planner()
+    assert parents and parents._proc.is_alive()
+    rng = np.random.default_rng(3)
+    src, tgt = rng.integers(1, 30, 2000), rng.integers(1, 30, 2000)
+    shape = pack_shape(src, tgt, max_len=32, max_tokens=512, batch_size=0, pad_multiple=8)
+
+    def child(seed: int) -> int:
+        if packrows._PLANNER is not None:
+            return 3  # the parent's planner, and its pipe, inherited
+        own = packrows._planner()
+        if not own or own._proc.pid == parents._proc.pid:
+            return 4
+        key = ("forked", seed)
+        own.submit(key, (src, tgt, shape, True, seed, 1, packrows.WINDOW))
+        want = packrows.epoch_rows(src, tgt, shape, True, seed, 1, packrows.WINDOW)
+        got = own.result(key)
+        return 0 if len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want)) else 5
+
+    pids = []
+    for seed in (1, 2):
+        pid = os.fork()
+        if pid == 0:
+            code = 6
+            try:
+                code = child(seed)
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    assert codes == [0, 0]
+    assert packrows._PLANNER is parents and parents._proc.is_alive() and not parents._asked
+
+
 def test_the_planner_ends_on_sigterm_even_when_forked_under_the_trainers_handler(monkeypatch):
     """multiprocessing ends its daemon children with SIGTERM at exit and joins them: a planner forked
     while the trainer's stop handler (which only sets a flag) was installed must still end, or the

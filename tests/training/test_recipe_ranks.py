@@ -17,7 +17,6 @@ import torch
 from streamnmt.config import build_job, recipe_max_tokens
 from streamnmt.training import recipe
 from streamnmt.training.recipe import RankDevice, device_error, resolve_job
-from tests.conftest import forget_the_test_process
 from tests.test_dist import free_port
 
 # Rank 0 sees 8 GiB, rank 1 4 GiB: for the tiny model (d_model 64) the recipe sizes 4096 and 2048
@@ -32,7 +31,6 @@ def _rank(rank: int, ports: list[int], out: str) -> None:
     rank's, with --amp auto, then --amp bf16), on a device that claims GIB[rank] of memory and bf16
     on rank 0 only; writes what it resolved, or the error it stopped with, to out/AMP/rank{rank}."""
     torch.set_num_threads(1)
-    forget_the_test_process()
     import torch.distributed as tdist
 
     from streamnmt import dist

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import os
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -203,6 +204,17 @@ def _planner() -> _Planner | None:
             except OSError:
                 _PLANNER = False
     return _PLANNER or None
+
+
+def _forget_planner_after_fork() -> None:
+    # A process forked from one with a planner (a DataLoader worker, a launcher's child) would read the
+    # parent's one pipe beside it and take its answers: it forks a planner of its own on first use.
+    global _PLANNER
+    _PLANNER = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_planner_after_fork)
 
 
 def _planner_failed() -> None:

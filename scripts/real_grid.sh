@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Recipes on a real corpus (scripts/make_real_corpus.py): each variant trained for the same wall-clock
-# budget, one run per GPU at a time, then its best.pt scored on the test split; a table last.
+# budget, one run per GPU at a time, then its best.pt scored on the test split; a table last (test
+# BLEU, the best dev BLEU with its wall-clock second and step, the median target tokens/s of the epoch
+# lines, the set-up seconds and the training share of the wall clock: the columns docs/PERFORMANCE.md's
+# real-text tables carry).
 #
 # Usage: OUT=dir scripts/real_grid.sh CORPUS LANG TIME VARIANT...
 #   CORPUS   a folder with train/dev/test JSON ({"en": ..., LANG: ...} records)
@@ -57,20 +60,33 @@ for ((i = 0; i < ${#V[@]}; i += gpus)); do  # one wave: a run on every GPU
 done
 
 {
-printf "%-14s %8s %10s %8s %s\n" run test_BLEU best_dev at_step "end line"
+printf "%-14s %8s %10s %6s %8s %8s %7s %6s\n" run test_BLEU best_dev at_s at_step tok/s setup_s train
 for v in "${V[@]}"; do
   name=${v%%:*}
   bleu=$(grep -oE "^BLEU = [0-9.]+" "$LOGS/grid_${name}_test.txt" 2>/dev/null | awk '{print $3}')
-  dev=$(python3 - "$root/$name/evals.csv" <<'PY' 2>/dev/null
-import csv, sys
-rows = list(csv.DictReader(open(sys.argv[1])))
-col = next(c for c in rows[0] if "bleu" in c.lower())
-best = max(rows, key=lambda r: float(r[col] or "nan"))
-print(f"{float(best[col]):.2f} {best.get('step', '?')}")
+  # best dev BLEU (at wall s, step) from evals.csv; target tokens/s: the median of the epoch lines'
+  # column 4; set-up seconds and the training share from the run's set-up and end lines
+  row=$(python3 - "$root/$name/evals.csv" "$LOGS/grid_$name.log" <<'PY' 2>/dev/null
+import csv, re, statistics, sys
+best = ["-", "-", "-"]
+try:
+    rows = list(csv.DictReader(open(sys.argv[1])))
+    col = next(c for c in rows[0] if "bleu" in c.lower())
+    b = max(rows, key=lambda r: float(r[col] or "nan"))
+    best = [f"{float(b[col]):.2f}", f"{float(b.get('wall_s') or 'nan'):.0f}", b.get("step", "-")]
+except (OSError, StopIteration, ValueError, IndexError):
+    pass
+log = open(sys.argv[2]).read()
+tok = [float(m) for m in re.findall(r"^\s+\d+\s+[\d.]+G\s+\d+\s+(\d+)\s", log, re.M)]
+setup = re.search(r"^set-up ([\d.]+) s", log, re.M)
+train = re.findall(r"^wall \d+ s: training (\d+) %", log, re.M)
+print(*best, f"{statistics.median(tok) / 1000:.0f}k" if tok else "-",
+      setup.group(1) if setup else "-", f"{train[-1]}%" if train else "-")
 PY
 )
-  endline=$(grep -E "wall [0-9]+ s|^eole" "$LOGS/grid_$name.log" | tail -1 | cut -c1-110)
-  printf "%-14s %8s %10s %8s %s\n" "$name" "${bleu:-failed}" "${dev% *}" "${dev#* }" "$endline"
+  read -r dev at_s at_step tok setup train <<< "${row:-- - - - - -}"
+  printf "%-14s %8s %10s %6s %8s %8s %7s %6s\n" "$name" "${bleu:-failed}" "$dev" "$at_s" "$at_step" "$tok" \
+    "$setup" "$train"
   cp "$root/$name/evals.csv" "$LOGS/grid_${name}_evals.csv" 2>/dev/null
 done
 } | tee -a "$OUT/grid_table.txt"

@@ -17,10 +17,9 @@ CORPUS_VOCAB = 32000
 # Within the small-corpus recipe, a corpus of at least LEAN_MIN_PAIRS pairs whose target has few more
 # word forms than its source (under RICH_FORMS times the source's distinct words in the same number of
 # words: a target language whose words inflect little) trains separate tokenizers of LEAN_VOCAB a side.
-# On the real-text grid 8k scored above 16k on such targets (fr, es) and below it on targets rich in
-# forms (de, ru), two seeds each; 4k scored above 8k on fr and es (two seeds each) and 2k below 4k
-# on fr; CJK targets (no spaces between words) count as rich (docs/PERFORMANCE.md, "The vocabulary by
-# the target's word forms").
+# LEAN_VOCAB is the size the real-text grid chose for such targets; targets rich in forms kept
+# SMALL_CORPUS_VOCAB, and CJK targets (no spaces between words) count as rich (docs/PERFORMANCE.md,
+# "The vocabulary by the target's word forms" and "The rule's own runs, and 4,000 a side").
 LEAN_VOCAB = 4000
 LEAN_MIN_PAIRS = 20_000
 RICH_FORMS = 1.3

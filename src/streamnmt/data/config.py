@@ -19,7 +19,7 @@ CORPUS_VOCAB = 32000
 # words: a target language whose words inflect little) trains separate tokenizers of LEAN_VOCAB a side.
 # LEAN_VOCAB is the size the real-text grid chose for such targets; targets rich in forms kept
 # SMALL_CORPUS_VOCAB, and CJK targets (no spaces between words) count as rich (docs/PERFORMANCE.md,
-# "The vocabulary by the target's word forms" and "The rule's own runs, and 4,000 a side").
+# "The recipe on real text": the tables of the vocabulary by the target's word forms and the rule's own runs).
 LEAN_VOCAB = 4000
 LEAN_MIN_PAIRS = 20_000
 RICH_FORMS = 1.3

@@ -121,6 +121,9 @@ class OptimConfig:
                                    "budget, see streamnmt.config.recipe_warmup; else 4000 for base and big, "
                                    "400 for smaller presets)")
     clip_grad: float = opt(1.0, "clip the gradient norm to this (0 = off)")
+    lr_cooldown: float = opt(0.0, "the last share of the run in which the learning rate falls linearly to "
+                                  "zero (0 = off; 0.2 = the last fifth): of --max-steps or --epochs, or of the "
+                                  "training time --time-limit leaves, planned from the steps a second measured")
     amp: str = opt("auto", "mixed precision: bf16, fp16 (with a grad scaler) or off; auto = bf16 on a "
                            "GPU that has it natively, fp16 on other GPUs, off on the CPU",
                    choices=("auto", "bf16", "fp16", "off"))
@@ -129,6 +132,7 @@ class OptimConfig:
         check(self.lr > 0, "lr", f"must be positive; got {self.lr}")
         check(self.warmup is None or self.warmup >= 1, "warmup", f"must be at least 1; got {self.warmup}")
         check(self.clip_grad >= 0, "clip_grad", f"must be 0 (off) or positive; got {self.clip_grad}")
+        check(0.0 <= self.lr_cooldown < 1.0, "lr_cooldown", f"must be in [0, 1); got {self.lr_cooldown}")
         check_choice(self.amp, "amp", ("auto", "bf16", "fp16", "off"))
 
 

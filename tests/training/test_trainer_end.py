@@ -229,7 +229,7 @@ def test_the_last_write_runs_while_the_plots_are_drawn_and_ends_before_the_run_d
 @pytest.mark.parametrize("main", [True, False])
 def test_after_a_step_one_agreement_carries_the_stop_and_rank0s_evaluation(tmp_path, main):
     """Several ranks, the time rule: every --sync-interval steps one all-reduce of (stop, rank 0's
-    due); a rank other than 0 contributes no due of its own; between those steps nothing is asked."""
+    due, rank 0's cool-down due); a rank other than 0 contributes no due of its own; between those steps nothing is asked."""
     t = make_trainer(tmp_path, "--name", "s", "--max-steps", "2")
     k = t.job.engine.sync_interval
     sent: list[tuple] = []
@@ -240,7 +240,7 @@ def test_after_a_step_one_agreement_carries_the_stop_and_rank0s_evaluation(tmp_p
 
         def agree_any(self, flags, site="dist.stop", long_wait=False):
             sent.append(tuple(flags))
-            return (flags[0] or not main, True)  # the other rank asked to stop; rank 0's rule: due
+            return (flags[0] or not main, True, False)  # the other rank asked to stop; rank 0's rule: due
 
     Ranks.main = main
     t.dist = Ranks()
@@ -249,5 +249,5 @@ def test_after_a_step_one_agreement_carries_the_stop_and_rank0s_evaluation(tmp_p
     assert t._after_step() is False and sent == [] and t.stopped is False  # not an agreement step
     t.global_step = 2 * k
     assert t._after_step() is True  # rank 0's answer, on every rank
-    assert sent == [(False, main)]  # only rank 0 puts its rule in
+    assert sent == [(False, main, False)]  # only rank 0 puts its rule in (no --lr-cooldown: none due)
     assert t.stopped is (not main)  # any rank's stop request stops all

@@ -36,6 +36,7 @@ from streamnmt.models.attention import resolve_attention, settle_triton
 from streamnmt.models.transformer import ModelShape, Transformer
 from streamnmt.training.checkpointer import remove_stale_temporaries, repair_safetensors_beside
 from streamnmt.training.checkpoints import CheckpointManager
+from streamnmt.training.cooldown import Cooldown, steps_of_run
 from streamnmt.training.evaluator import Evaluator
 from streamnmt.training.loop_evaluation import LoopEvaluation
 from streamnmt.training.metrics import RunMetrics
@@ -84,6 +85,7 @@ class Run:
     wall_before: float | None = 0.0
     save_dir: Path = Path()
     metrics: RunMetrics = None  # type: ignore[assignment]
+    cooldown: Cooldown | None = None  # --lr-cooldown's plan (None: off)
 
     def wall_s(self) -> float | None:
         """Seconds of wall clock the run has taken to reach its current state: this command's, from
@@ -274,6 +276,10 @@ class _RunBuilder:
                              evaluator=evaluator, budget=TimeBudget(job.run.time_limit_s(), t0=self.t_command),
                              setup_s=self.setup_s, t_command=self.t_command, bleu_dtype=self.bleu_dtype)
         run.evaluations = LoopEvaluation(run)
+        if job.optim.lr_cooldown:
+            end = steps_of_run(job.run.max_steps, job.run.epochs, len(self.train_loader), job.engine.accum_steps)
+            run.cooldown = Cooldown(job.optim.lr_cooldown, self.train_step.schedule, run.budget, end_step=end,
+                                    log=self.log)
         run.checkpoints = CheckpointManager(run, save_dir_of_resume(job) if resume is not None else Path())
         if resume is not None:
             epoch, epoch_pos = run.checkpoints.restore(resume)

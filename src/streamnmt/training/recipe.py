@@ -73,6 +73,7 @@ def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[
     if optim.amp == "auto":  # bf16 where the GPU has it natively, else fp16 with the grad scaler
         optim = dataclasses.replace(optim, amp=("bf16" if device_bf16(device) else "fp16") if cuda else "off")
     run = resolve_end(run, cuda, job.data.data is not None, log)
+    check_cooldown_end(optim, run)
     run = resolve_ema(run)
     if run.eval_dtype == "auto":  # the dtype rank 0 decodes BLEU in (bf16 where native, else fp32)
         run = dataclasses.replace(run, eval_dtype=dtype_name(decode_dtype(run.eval_dtype, device, "eval_dtype")))
@@ -133,6 +134,14 @@ def resolve_end(run: RunConfig, cuda: bool, own_corpus: bool, log: Callable[[str
             f"evaluations in a row (--patience {patience}{'' if run.patience else ', auto'}: no --time-limit, "
             "--epochs or --max-steps given; Ctrl-C or SIGTERM also end it, saved)")
     return dataclasses.replace(run, epochs=epochs, patience=patience)
+
+
+def check_cooldown_end(optim: OptimConfig, run: RunConfig) -> None:
+    """--lr-cooldown needs the run's end (a time limit or a step count): a run that trains until its
+    plateau (:func:`resolve_end`) has none to cool down to."""
+    if optim.lr_cooldown and run.epochs >= EPOCHS_UNLIMITED and not run.time_limit and not run.max_steps:
+        raise ConfigError(f"--lr-cooldown {optim.lr_cooldown:g}: the run has no end to cool down to (no "
+                          "--time-limit, --max-steps or --epochs: it trains until its plateau); give one of them")
 
 
 def resolve_ema(run: RunConfig) -> RunConfig:

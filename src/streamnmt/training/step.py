@@ -26,6 +26,7 @@ which the step hands to the engine as a named value (``values``), read with the 
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import sys
 import threading
@@ -94,16 +95,30 @@ def noam_lr(step: int, d_model: int, warmup: int, factor: float) -> float:
 
 class NoamSchedule:
     """Noam schedule kept on the device: the learning rate is a tensor the optimizer reads, updated
-    by device kernels each step, so neither an eager step nor a captured CUDA graph waits on the host."""
+    by device kernels each step, so neither an eager step nor a captured CUDA graph waits on the host.
+
+    A cool-down (``--lr-cooldown``, :meth:`plan`) scales it by ``(end - step) / (end - start)``,
+    within [0, 1]: the Noam rate up to ``start``, falling linearly to zero at ``end``. The plan lives in
+    two device tensors the step reads (a captured graph sees a new plan); none planned, ``end`` is
+    infinite and the scale 1."""
 
     def __init__(self, d_model: int, warmup: int, factor: float, device: torch.device):
         self.d_model, self.warmup, self.factor = d_model, warmup, factor
         self.step_t = torch.zeros((), dtype=torch.float32, device=device)
         self.lr_t = torch.zeros((), dtype=torch.float32, device=device)
+        self.end_t = torch.full((), math.inf, dtype=torch.float32, device=device)
+        self.span_t = torch.ones((), dtype=torch.float32, device=device)
+        self.cooldown: tuple[int, int] | None = None  # (start, end) steps, the host's copy of the plan
 
     def _update_lr(self) -> None:
-        s = self.step_t.clamp(min=1)  # the same formula as noam_lr, on device tensors
-        self.lr_t.copy_(self.factor * self.d_model ** -0.5 * torch.minimum(s.rsqrt(), s * self.warmup ** -1.5))
+        s = self.step_t.clamp(min=1)  # the same formula as lr_at, on device tensors
+        noam = self.factor * self.d_model ** -0.5 * torch.minimum(s.rsqrt(), s * self.warmup ** -1.5)
+        self.lr_t.copy_(noam * ((self.end_t - self.step_t) / self.span_t).clamp(0.0, 1.0))
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (1-based), computed on the host (logs)."""
+        lr = noam_lr(step, self.d_model, self.warmup, self.factor)
+        return lr * cooldown_scale(step, self.cooldown)
 
     def advance(self) -> None:
         self.step_t += 1
@@ -113,6 +128,26 @@ class NoamSchedule:
         """Continue after ``step`` optimizer steps (resume)."""
         self.step_t.fill_(step)
         self._update_lr()
+
+    def plan(self, start: int, end: int) -> None:
+        """Cool down from optimizer step ``start`` to zero at step ``end`` (> ``start``). Queued on the
+        current stream with no host wait: between two batches of the engine's run, before the next
+        one (a step queued earlier that reads it sooner is one before ``start``: its scale stays 1)."""
+        if end <= start:
+            raise ValueError(f"a cool-down ends after it starts; got steps {start} -> {end}")
+        self.cooldown = (start, end)
+        self.end_t.fill_(float(end))
+        self.span_t.fill_(float(end - start))
+        self._update_lr()
+
+
+def cooldown_scale(step: int, plan: tuple[int, int] | None) -> float:
+    """The learning rate's factor at optimizer step ``step`` under cool-down ``plan`` ((start, end)
+    steps, or None): 1 up to ``start``, then falling linearly to 0 at ``end``."""
+    if plan is None:
+        return 1.0
+    start, end = plan
+    return min(max((end - step) / (end - start), 0.0), 1.0)
 
 
 class LossSums(NamedTuple):

@@ -36,7 +36,6 @@ from streamnmt.training.build import Run, build_run, resume_job
 from streamnmt.training.checkpoints import LoopRecord
 from streamnmt.training.monitor import CpuSampler, NvmlSampler
 from streamnmt.training.reporting import merge_sync_stats, progress, time_line
-from streamnmt.training.step import noam_lr
 from streamnmt.training.stopping import stop_signals
 from streamnmt import testhooks
 
@@ -58,6 +57,7 @@ class Trainer:
         self.train_loader, self.budget, self.save_dir = run.train_loader, run.budget, run.save_dir
         self.evaluator, self.evaluations, self.metrics = run.evaluator, run.evaluations, run.metrics
         self.checkpoints, self.checkpointer = run.checkpoints, run.checkpoints.writer
+        self.cooldown = run.cooldown
         # the loop's state
         self.global_step, self.epoch, self.epoch_pos = run.start.step, run.start.epoch, run.start.epoch_pos
         self.clock = time.perf_counter  # the loop's timings (injectable: tests use a fake clock)
@@ -106,6 +106,8 @@ class Trainer:
         row: dict[str, Any] = {}
         times["set-up"] = time.monotonic() - self.run.t_command  # from the command's start to the first step
         loop_start = self.clock()
+        if self.cooldown is not None:  # --lr-cooldown: a run ending at a step count is planned now
+            self.cooldown.begin(self.global_step)
         with stop_signals(self):
             self.evaluations.resume(self)
             self.log(f"{'Epoch':>7}{'GPU_mem':>9}{'batches':>9}{'tokens/s':>10}{'train_loss':>12}"
@@ -262,8 +264,7 @@ class Trainer:
             ntok = info.batch.norm_tokens or info.batch.ntokens  # real target tokens of the global step (all ranks)
             tokens += ntok
             metrics.pending_rows[info.step] = {"step": info.step, "epoch": epoch + 1, "tokens": ntok,
-                                               "lr": noam_lr(info.step, self.run.shape.d_model, self.job.optim.warmup,
-                                                             self.job.optim.lr)}
+                                               "lr": self.train_step.schedule.lr_at(info.step)}
             # 2. losses whose copies to the host have completed (never blocks)
             losses += metrics.write_steps(self.losses.poll())
             if metrics.last_loss is not None:
@@ -349,12 +350,18 @@ class Trainer:
         rank stops, and only --eval-every N (the same step count everywhere) evaluates."""
         step = self.global_step
         due, ask = self.evaluator.cadence.due_mid_epoch(step, self.dist)
+        c = self.cooldown  # --lr-cooldown: rank 0's clock decides, as for the stop
+        cool = self.dist.main and c is not None and not c.planned and c.due(step, sum(self.reserve().values()))
         if not self.dist.active:
             self.stopped = self.stop_requested
+            if cool:
+                c.agree(step, sum(self.reserve().values()), self.dist)
             return due
         if step % self.job.engine.sync_interval == 0:
-            self.stopped, agreed = self.dist.agree_any((self.stop_requested, ask), "dist.step")
+            self.stopped, agreed, cool = self.dist.agree_any((self.stop_requested, ask, cool), "dist.step")
             due = due or agreed
+            if cool and not self.stopped:  # every rank plans rank 0's end: one more exchange, once a run
+                c.agree(step, sum(self.reserve().values()), self.dist)
         return due
 
     def drain(self, why: str) -> list[StepLoss]:

@@ -49,6 +49,25 @@ def test_a_pass_beside_training_is_paced_by_its_estimate_until_its_cost_is_known
     assert c.cost_s == 2.0 and c.since_s == 0.0
 
 
+def test_the_end_keeps_time_for_the_longest_of_the_last_evaluations():
+    """A BLEU pass's cost moves from one evaluation to the next: the end of a time-limited run keeps
+    the longest of the last END_COST_WINDOW, not the last alone (which may be the shortest)."""
+    c = Cadence(None)
+    assert c.end_cost_s is None
+    c.started(estimate_s=1.5)
+    assert c.end_cost_s == 1.5  # none ended yet: the estimate
+    for cost in (7.8, 7.4, 7.1):
+        c.done(cost)
+    assert c.cost_s == 7.1 and c.end_cost_s == 7.8
+    c.done(6.0)
+    assert c.end_cost_s == 7.4  # 7.8 left the window
+    again = Cadence(None)
+    again.load_state_dict(c.state_dict())
+    assert again.end_cost_s == 7.4 and again.costs == [7.4, 7.1, 6.0]
+    again.load_state_dict({"since_s": 0.0, "cost_s": 3.0})  # a checkpoint from before the window
+    assert again.end_cost_s == 3.0
+
+
 def test_fixed_cadences_keep_their_meaning():
     every = Cadence(5)
     assert every.due(10, epoch_end=False) and not every.due(11, epoch_end=False) and every.due(11, epoch_end=True)

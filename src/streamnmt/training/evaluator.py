@@ -53,6 +53,7 @@ from streamnmt.training.stopping import EarlyStopping
 COST_RATIO = 9.0  # training seconds per second of evaluation: evaluation <= 1 / (1 + 9) = 10 % of the run
 FIRST_EVAL_S = 60.0  # the first evaluation, when no epoch has ended sooner (its cost is not known yet)
 MIN_INTERVAL_S = 10.0  # mid-epoch: never closer than this (a near-free evaluation would run every step)
+END_COST_WINDOW = 3  # the end keeps time for the longest of this many last evaluations (Cadence.end_cost_s)
 EVAL_BATCH = 64  # dev sentences per decoding batch
 
 
@@ -80,6 +81,7 @@ class Cadence:
         self.first_after_s, self.min_interval_s = first_after_s, min_interval_s
         self.since_s = 0.0  # training seconds since the last evaluation
         self.cost_s: float | None = None  # what the last evaluation cost
+        self.costs: list[float] = []  # the last END_COST_WINDOW evaluations' costs
 
     def trained(self, seconds: float) -> None:
         self.since_s += seconds
@@ -113,8 +115,16 @@ class Cadence:
         """An evaluation cost ``cost_s``; ``restart``: count the training since from now (a pass
         beside training restarted the count when it started: :meth:`started`)."""
         self.cost_s = cost_s
+        self.costs = [*self.costs, cost_s][-END_COST_WINDOW:]
         if restart:
             self.since_s = 0.0
+
+    @property
+    def end_cost_s(self) -> float | None:
+        """What the end of a time-limited run keeps for its last evaluation: the longest of the last
+        ``END_COST_WINDOW`` (a BLEU pass's cost moves with what the model decodes, and a pass that
+        outlasts its reserve is cut and not compared for best.pt), else the pacing estimate."""
+        return max(self.costs) if self.costs else self.cost_s
 
     def started(self, estimate_s: float | None = None) -> None:
         """An evaluation started beside training: its cost is known when it ends (:meth:`done`);
@@ -124,11 +134,13 @@ class Cadence:
             self.cost_s = estimate_s
 
     def state_dict(self) -> dict[str, Any]:
-        return {"since_s": self.since_s, "cost_s": self.cost_s}
+        return {"since_s": self.since_s, "cost_s": self.cost_s, "costs": list(self.costs)}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         if state:
             self.since_s, self.cost_s = state["since_s"], state["cost_s"]
+            # a checkpoint written before the window: its last cost alone
+            self.costs = list(state.get("costs", [] if self.cost_s is None else [self.cost_s]))
 
 
 @dataclass

@@ -173,10 +173,11 @@ class Trainer:
     def reserve(self, evaluation: bool = True) -> dict[str, float]:
         """Seconds the end of the run will take after the last step, by part: its evaluation (unless not
         ``evaluation``) and the best.pt it may write, its last.pt write and with ``--ema`` what its
-        ema.pt, written beside it, takes longer (each as long as the last one of its kind took, ema.pt
-        as best.pt; a write still in flight counts once more) and the exports and plots (a small share)."""
+        ema.pt, written beside it, takes longer (the evaluation as long as the longest of the last few,
+        :attr:`Cadence.end_cost_s`; each write as long as the last one of its kind took, ema.pt as
+        best.pt; a write still in flight counts once more) and the exports and plots (a small share)."""
         w = self.checkpointer.write_s
-        cost = self.evaluator.cadence.cost_s or 0.0
+        cost = self.evaluator.cadence.end_cost_s or 0.0
         ev = cost + w.get("best", 0.0) if evaluation else 0.0
         # a pass beside training: the end waits for it (not counted where the pass itself asks)
         ev += cost if evaluation and self.evaluator.running else 0.0

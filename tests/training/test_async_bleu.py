@@ -167,7 +167,7 @@ def test_last_pt_holds_a_pass_that_ends_after_the_last_step(tmp_path):
 def test_a_launched_pass_paces_the_cadence_by_validation_and_the_last_bleu_pass(tmp_path, monkeypatch):
     """Until a pass beside training is collected, the auto cadence counts what the launch cost on the
     loop plus the newest finished BLEU pass's seconds (not the first evaluation's, captures included)."""
-    from streamnmt.training.evaluator import Cadence
+    from streamnmt.training.cadence import Cadence
 
     estimates, real_started = [], Cadence.started
 

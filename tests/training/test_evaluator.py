@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from streamnmt.training.evaluator import COST_RATIO, Cadence, Evaluator
+from streamnmt.training.cadence import COST_RATIO, Cadence
+from streamnmt.training.evaluator import Evaluator
 from streamnmt.training.runs import read_csv
 from tests.test_recipe import home, make_trainer  # noqa: F401  (home: each test's STREAMNMT_HOME)
 
@@ -51,11 +52,14 @@ def test_a_pass_beside_training_is_paced_by_its_estimate_until_its_cost_is_known
 
 def test_the_end_keeps_time_for_the_longest_of_the_last_evaluations():
     """A BLEU pass's cost moves from one evaluation to the next: the end of a time-limited run keeps
-    the longest of the last END_COST_WINDOW, not the last alone (which may be the shortest)."""
+    the longest of the last END_COST_WINDOW, not the last alone (which may be the shortest); a
+    process's first evaluation (its graphs' captures) is left out once another has ended."""
     c = Cadence(None)
     assert c.end_cost_s is None
     c.started(estimate_s=1.5)
     assert c.end_cost_s == 1.5  # none ended yet: the estimate
+    c.done(20.0)  # the first: its graphs' captures
+    assert c.end_cost_s == 20.0  # no other yet
     for cost in (7.8, 7.4, 7.1):
         c.done(cost)
     assert c.cost_s == 7.1 and c.end_cost_s == 7.8
@@ -64,6 +68,8 @@ def test_the_end_keeps_time_for_the_longest_of_the_last_evaluations():
     again = Cadence(None)
     again.load_state_dict(c.state_dict())
     assert again.end_cost_s == 7.4 and again.costs == [7.4, 7.1, 6.0]
+    again.done(9.0)  # a resumed process's first: captures again, not in the window
+    assert again.end_cost_s == 7.4
     again.load_state_dict({"since_s": 0.0, "cost_s": 3.0})  # a checkpoint from before the window
     assert again.end_cost_s == 3.0
 

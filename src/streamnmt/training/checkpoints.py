@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from streamnmt.checkpoint import load_model_weights, rng_state, set_rng_state, tokenizer_entry
+from streamnmt.training.cadence import Cadence
 from streamnmt.training.checkpointer import Checkpointer, new_weights_id, safetensors_beside, weights_only
-from streamnmt.training.evaluator import Cadence
 from streamnmt.training.stopping import is_better
 
 

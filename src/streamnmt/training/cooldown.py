@@ -59,6 +59,18 @@ class Cooldown:
         if self.budget.limit_s is None and not self.planned and self.end_step is not None and self.end_step >= 1:
             self.start(max(self.step_start, 0), self.end_step, f"the last {self.share:.0%} of {self.end_step} steps")
 
+    def retarget(self, last: int) -> None:
+        """The run's last epoch starts and its length is known: the run's last step is ``last`` (packed
+        epochs differ by a few batches from the first, which the plan was made from). A plan by the
+        step count keeps its start and moves its end; one by the time limit ends no later."""
+        if self.end_step is None or last == self.end_step:
+            return
+        self.end_step = last
+        if self.planned:
+            start, end = self.schedule.cooldown
+            if (self.budget.limit_s is None or last + 1 < end) and last + 1 > start:
+                self.schedule.plan(start, last + 1)
+
     def due(self, step: int, reserve_s: float) -> bool:
         """After optimizer step ``step``, the end keeping ``reserve_s`` seconds: start cooling down now?
         (A run with a time limit; host arithmetic only.)"""
@@ -86,11 +98,12 @@ class Cooldown:
         end = dist.broadcast(end, "dist.cooldown") if dist.active else end
         self.start(step, end, f"about {self.budget.limit_s - self.budget.elapsed():.0f} s of --time-limit left")
 
-    def start(self, step: int, end: int, why: str = "") -> None:
-        """Cool down from ``step`` to zero at step ``end`` (every rank: the same two numbers)."""
-        self.schedule.plan(step, end)
+    def start(self, step: int, last: int, why: str = "") -> None:
+        """Cool down from ``step`` so that the rate reaches zero just after step ``last``, the run's
+        last (which still trains, at a rate one step above zero); every rank: the same two numbers."""
+        self.schedule.plan(step, last + 1)
         lr = self.schedule.lr_at(step)
-        self.log(f"lr: cool-down from step {step} (lr {lr:.2e}) to 0 at step {end} "
+        self.log(f"lr: cool-down from step {step} (lr {lr:.2e}), linearly to 0 just after step {last} "
                  f"(--lr-cooldown {self.share:g}{': ' + why if why else ''})")
 
 

@@ -130,15 +130,16 @@ class NoamSchedule:
         self._update_lr()
 
     def plan(self, start: int, end: int) -> None:
-        """Cool down from optimizer step ``start`` to zero at step ``end`` (> ``start``). Queued on the
-        current stream with no host wait: between two batches of the engine's run, before the next
-        one (a step queued earlier that reads it sooner is one before ``start``: its scale stays 1)."""
+        """Cool down from optimizer step ``start`` to zero at step ``end`` (> ``start``). Two fills on
+        the current stream, no host wait: between two batches of the engine's run, before the next
+        one. A step still in flight is one at or before ``start``: whichever of the old and new
+        values it reads, its scale is 1. The rate itself is left to the next :meth:`advance` (a write
+        to it here could land between an in-flight step's advance and its Adam)."""
         if end <= start:
             raise ValueError(f"a cool-down ends after it starts; got steps {start} -> {end}")
         self.cooldown = (start, end)
         self.end_t.fill_(float(end))
         self.span_t.fill_(float(end - start))
-        self._update_lr()
 
 
 def cooldown_scale(step: int, plan: tuple[int, int] | None) -> float:

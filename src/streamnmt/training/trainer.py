@@ -225,6 +225,8 @@ class Trainer:
         n_batches = len(self.train_loader) - self.epoch_pos  # micro-batches: --accum-steps per step
         if r.max_steps:
             n_batches = min(n_batches, (r.max_steps - self.global_step) * self.job.engine.accum_steps)
+        if self.cooldown is not None and epoch == r.epochs - 1:  # the last epoch's length is known now
+            self.cooldown.retarget(self.global_step + -(-n_batches // self.job.engine.accum_steps))
         bar = progress(n_batches, f"epoch {epoch + 1}" + (f"/{r.epochs}" if r.epochs < 1_000_000 else ""),
                        quiet=not self.dist.main)
         tally = self._steps(epoch, n_batches, bar)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-COST_RATIO = 9.0  # training seconds per second of evaluation: evaluation <= 1 / (1 + 9) = 10 % of the run
+COST_RATIO = 9.0  # training seconds per second of evaluation: evaluation at most 1 / (1 + COST_RATIO) of the run
 FIRST_EVAL_S = 60.0  # the first evaluation, when no epoch has ended sooner (its cost is not known yet)
 MIN_INTERVAL_S = 10.0  # mid-epoch: never closer than this (a near-free evaluation would run every step)
 END_COST_WINDOW = 3  # the end keeps time for the longest of this many last evaluations (Cadence.end_cost_s)

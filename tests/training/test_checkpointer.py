@@ -181,3 +181,25 @@ def test_ema_pt_is_written_beside_a_last_pt_write_and_close_waits_for_both(tmp_p
     with pytest.raises(OSError, match="No space left"):
         c.close()
     assert load_checkpoint(tmp_path / "last.pt")["step"] == 2
+
+
+def test_a_write_in_flight_counts_what_it_has_left_by_the_last_of_its_kind(tmp_path, monkeypatch):
+    """The run's end reserve waits for the writes in flight: by the last write of their kind (any
+    kind's before one of theirs ended) less the time they have run, nothing once none is in flight."""
+    gate, _ = _gated_writes(monkeypatch, held={"held.pt"})
+    c = Checkpointer(torch.device("cpu"), background=True)
+    assert c.in_flight_s() == 0.0
+    c.write_s = {"last": 30.0}
+    c.save(tmp_path / "held.pt", {"step": 1}, kind="best")  # no best.pt has ended: last.pt's 30 s
+    time.sleep(0.2)
+    left = c.in_flight_s()
+    assert 29.0 < left <= 29.8
+    gate.set()
+    c.close()
+    assert c.in_flight_s() == 0.0 and "best" in c.write_s
+    c.write_s = {**c.write_s, "best": 20.0}
+    gate.clear()
+    c.save(tmp_path / "held.pt", {"step": 2}, kind="best")
+    assert 19.0 < c.in_flight_s() <= 20.0  # its own kind's last write now
+    gate.set()
+    c.close()

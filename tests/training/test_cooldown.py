@@ -165,6 +165,30 @@ def test_a_time_limited_run_cools_down_to_about_its_last_step(tmp_path):
     assert t.train_step.schedule.lr_at(result["steps"]) < 0.25 * t.train_step.schedule.lr_at(start)
 
 
+def test_a_loop_faster_than_measured_stops_at_the_plans_end_with_time_left(tmp_path):
+    """The plan's end comes from the rate measured so far; where the loop then runs faster (here 1 s a
+    step until the plan, 0.5 s after), the run stops after the plan's last step, not at the limit:
+    a step at rate zero would change nothing."""
+    t = make_trainer(tmp_path, "--name", "f", "--time-limit", "40s", "--lr-cooldown", "0.25", "--eval-every", "0",
+                     "--epochs", "100")
+    at: list[int] = []
+
+    def clock() -> float:
+        plan = t.train_step.schedule.cooldown
+        if plan is None:
+            return float(t.global_step)
+        if not at:
+            at.append(t.global_step)
+        return at[0] + 0.5 * (t.global_step - at[0])
+
+    t.clock = t.budget.clock = clock
+    t.budget.t0 = 0.0
+    result = t.train()
+    start, end = t.train_step.schedule.cooldown
+    assert start == at[0] and result["steps"] == end - 1 and t.budget.elapsed() < 40 - 3
+    assert t.stop_reason(result["steps"]) == f"--lr-cooldown: the learning rate reached 0 after step {end - 1}"
+
+
 @pytest.mark.parametrize("main", [True, False])
 def test_several_ranks_plan_rank0s_end_at_the_same_agreed_step(tmp_path, main):
     """Rank 0's clock decides: its due goes into the step's one agreement, and every rank plans the

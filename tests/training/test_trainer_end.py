@@ -3,6 +3,8 @@ saves and evaluations, and what a resume makes of them (tiny model, CPU, fake cl
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -251,3 +253,25 @@ def test_after_a_step_one_agreement_carries_the_stop_and_rank0s_evaluation(tmp_p
     assert t._after_step() is True  # rank 0's answer, on every rank
     assert sent == [(False, main, False)]  # only rank 0 puts its rule in (no --lr-cooldown: none due)
     assert t.stopped is (not main)  # any rank's stop request stops all
+
+
+def test_the_end_reserve_keeps_a_best_pt_write_for_a_pass_not_yet_collected(tmp_path):
+    """A pass beside training (finished or not) is collected at the end and may write best.pt, which
+    the end's last.pt waits for: the reserve counts that write, and a pass still decoding its cost
+    too; the pass's own stop rule (``evaluation=False``) counts neither."""
+    t = make_trainer(tmp_path, "--name", "r", "--time-limit", "60s", "--epochs", "1")
+    t.checkpointer.write_s = {"last": 2.0, "best": 1.5}
+    t.evaluator.cadence.done(4.0)
+    t.evaluator.cadence.done(3.0)  # the first evaluation's cost (its captures) is left out
+    cost = t.evaluator.cadence.end_cost_s
+    assert cost == 3.0
+    none = t.reserve()
+    t.evaluator.pending = (None, None, SimpleNamespace(done=True))  # finished, not yet collected
+    finished = t.reserve()
+    t.evaluator.pending = (None, None, SimpleNamespace(done=False))  # still decoding
+    running = t.reserve()
+    assert finished["evaluation"] == pytest.approx(none["evaluation"] + 1.5)
+    assert running["evaluation"] == pytest.approx(none["evaluation"] + 1.5 + cost)
+    assert finished["writes"] == none["writes"] == 2.0  # no write in flight
+    assert t.reserve(evaluation=False)["evaluation"] == 0.0
+    t.evaluator.pending = None

@@ -68,6 +68,7 @@ class Checkpointer:
         # while the writer records a write.
         self.write_s: dict[str, float] = {}
         self.writes = 0
+        self._started: dict[str, float] = {}  # when each write in flight began (perf_counter), by kind
 
     # -- the loop's side ------------------------------------------------------------------------
     def save(self, path: Path, state: dict[str, Any], *, kind: str = "last", keep: int = 0, step: int = 0,
@@ -89,6 +90,7 @@ class Checkpointer:
         staged = self._stage(kind, state)
         thread = threading.Thread(target=self._run, args=(kind, path, staged, keep, step, then),
                                   name=f"streamnmt-checkpoint-writer-{kind}", daemon=True)
+        self._started = {**self._started, kind: time.perf_counter()}  # replaced: a pass's thread reads it
         self._threads[kind] = thread
         thread.start()
         return time.perf_counter() - t0
@@ -108,7 +110,16 @@ class Checkpointer:
 
     @property
     def busy(self) -> bool:
-        return any(thread.is_alive() for thread in self._threads.values())
+        return any(thread.is_alive() for thread in list(self._threads.values()))
+
+    def in_flight_s(self) -> float:
+        """Seconds the writes in flight have left, by the last write of their kind (of any kind where
+        none of theirs has ended yet): what a write staged now waits for. The writes run side by side
+        (an OVERLAPS kind beside another), so the longest of them."""
+        now, started, took = time.perf_counter(), self._started, self.write_s
+        left = [max(took.get(kind, max(took.values(), default=0.0)) - (now - started.get(kind, now)), 0.0)
+                for kind, thread in list(self._threads.items()) if thread.is_alive()]
+        return max(left, default=0.0)
 
     def close(self) -> float:
         """The end of the run: every write finished (or its error raised)."""

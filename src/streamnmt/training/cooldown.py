@@ -10,8 +10,9 @@ known before the first step, and a resumed run plans it again the same way. Wher
 ends it, the end is a time: the cool-down starts once what is left of the training time (the limit
 less the end's reserve, :meth:`Trainer.reserve`) is the given share of the loop's time, and its end
 step is what is left times the steps a second the loop has run so far. The rate is measured, so the
-last step may come a little before or after the planned end: before it, the rate is not yet zero;
-after it, the steps left train at zero. A resumed time-limited run has a time slot of its own and
+time limit may stop the run a little before the planned end (the rate is not yet zero there); where
+the loop runs faster than measured, the run stops at the planned end, with time left (a step at rate
+zero would change nothing). A resumed time-limited run has a time slot of its own and
 plans again in it. Several ranks: rank 0's clock decides, and every rank plans the same step
 (:meth:`Trainer._after_step`), since each rank's Adam applies its own learning rate.
 """
@@ -40,6 +41,7 @@ class Cooldown:
         self.share, self.schedule, self.budget, self.log = share, schedule, budget, log
         self.end_step = end_step
         self.step0, self.e0 = 0, 0.0  # where the loop started (step, budget seconds)
+        self.timed = False  # planned by the time rule (a step count's plan ends where the run does)
 
     @property
     def planned(self) -> bool:
@@ -58,6 +60,12 @@ class Cooldown:
         self.step0, self.e0 = step, self.budget.elapsed()
         if self.budget.limit_s is None and not self.planned and self.end_step is not None and self.end_step >= 1:
             self.start(max(self.step_start, 0), self.end_step, f"the last {self.share:.0%} of {self.end_step} steps")
+
+    def finished(self, step: int) -> bool:
+        """Optimizer step ``step`` was the plan's last: the rate is zero from the next, so a run the
+        time limit would stop later stops here (the rate measured at the plan ran slower than the
+        loop then ran)."""
+        return self.timed and self.planned and step >= self.schedule.cooldown[1] - 1
 
     def retarget(self, last: int) -> None:
         """The run's last epoch starts and its length is known: the run's last step is ``last`` (packed
@@ -96,6 +104,7 @@ class Cooldown:
         end = self.end_estimate(step, reserve_s) if dist.main else None
         # Needed: each rank's Adam applies its own learning rate, so every rank takes rank 0's end.
         end = dist.broadcast(end, "dist.cooldown") if dist.active else end
+        self.timed = True
         self.start(step, end, f"about {self.budget.limit_s - self.budget.elapsed():.0f} s of --time-limit left")
 
     def start(self, step: int, last: int, why: str = "") -> None:

@@ -175,15 +175,18 @@ class Trainer:
         ``evaluation``) and the best.pt it may write, its last.pt write and with ``--ema`` what its
         ema.pt, written beside it, takes longer (the evaluation as long as the longest of the last few,
         :attr:`Cadence.end_cost_s`; each write as long as the last one of its kind took, ema.pt as
-        best.pt; a write still in flight counts once more) and the exports and plots (a small share)."""
+        best.pt; a write still in flight counts what it has left; a pass beside training counts the
+        best.pt its collection may write) and the exports and plots (a small share)."""
         w = self.checkpointer.write_s
         cost = self.evaluator.cadence.end_cost_s or 0.0
         ev = cost + w.get("best", 0.0) if evaluation else 0.0
-        # a pass beside training: the end waits for it (not counted where the pass itself asks)
+        # a pass beside training: the end waits for it (not counted where the pass itself asks), and
+        # its collection may write best.pt, which the end's last.pt waits for
         ev += cost if evaluation and self.evaluator.running else 0.0
+        ev += w.get("best", 0.0) if evaluation and self.evaluator.pending is not None else 0.0
         # --average-last: the end scores the mean of the last evaluated weights too, and may write best.pt
         ev += cost + w.get("best", 0.0) if evaluation and self.evaluator.averager.on else 0.0
-        writes = w.get("last", 0.0) + (max(w.values(), default=0.0) if self.checkpointer.busy else 0.0)
+        writes = w.get("last", 0.0) + self.checkpointer.in_flight_s()  # last.pt waits for a write in flight
         if self.train_step.ema is not None and self.dist.main:  # weights/ema.pt, written beside the last.pt
             ema = w.get("ema") or w.get("best") or w.get("last", 0.0)  # weights only, as best.pt
             writes += max(ema - w.get("last", 0.0), 0.0)  # the end waits for the longer of the two
@@ -355,6 +358,9 @@ class Trainer:
         due, ask = self.evaluator.cadence.due_mid_epoch(step, self.dist)
         c = self.cooldown  # --lr-cooldown: rank 0's clock decides, as for the stop
         cool = self.dist.main and c is not None and not c.planned and c.due(step, sum(self.reserve().values()))
+        if c is not None and c.finished(step) and not self.stop_requested:  # every rank: the same plan and step
+            self.request_stop(lambda last, at=step: f"--lr-cooldown: the learning rate reached 0 after step {at}"
+                              + ("" if last == at else f", the ranks stopped after step {last}"))
         if not self.dist.active:
             self.stopped = self.stop_requested
             if cool:

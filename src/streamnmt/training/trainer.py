@@ -357,20 +357,22 @@ class Trainer:
         step = self.global_step
         due, ask = self.evaluator.cadence.due_mid_epoch(step, self.dist)
         c = self.cooldown  # --lr-cooldown: rank 0's clock decides, as for the stop
-        cool = self.dist.main and c is not None and not c.planned and c.due(step, sum(self.reserve().values()))
+        unplanned = self.dist.main and c is not None and not c.planned
+        kept = sum(self.reserve().values()) if unplanned else 0.0  # rank 0's alone is used
+        cool = unplanned and c.due(step, kept)
         if c is not None and c.finished(step) and not self.stop_requested:  # every rank: the same plan and step
             self.request_stop(lambda last, at=step: f"--lr-cooldown: the learning rate reached 0 after step {at}"
                               + ("" if last == at else f", the ranks stopped after step {last}"))
         if not self.dist.active:
             self.stopped = self.stop_requested
             if cool:
-                c.agree(step, sum(self.reserve().values()), self.dist)
+                c.agree(step, kept, self.dist)
             return due
         if step % self.job.engine.sync_interval == 0:
             self.stopped, agreed, cool = self.dist.agree_any((self.stop_requested, ask, cool), "dist.step")
             due = due or agreed
             if cool and not self.stopped:  # every rank plans rank 0's end: one more exchange, once a run
-                c.agree(step, sum(self.reserve().values()), self.dist)
+                c.agree(step, kept, self.dist)
         return due
 
     def drain(self, why: str) -> list[StepLoss]:

@@ -142,12 +142,13 @@ def test_the_last_epoch_moves_the_end_to_its_own_length():
     c.begin(0)
     c.retarget(97)
     assert c.schedule.cooldown == (80, 98) and c.end_step == 97
-    t = Cooldown(0.2, schedule(), budget(60.0, [0.0]), end_step=100, log=lambda _: None)
+    t = Cooldown(0.2, schedule(), budget(60.0, [0.0]), end_step=130, log=lambda _: None)
     t.start(70, 110)
+    t.timed = True  # as agree() marks a time plan that ends before the step count
     t.retarget(120)
-    assert t.schedule.cooldown == (70, 111)  # the time limit comes first
+    assert t.schedule.cooldown == (70, 111) and t.timed  # the time limit comes first
     t.retarget(105)
-    assert t.schedule.cooldown == (70, 106) and t.end_step == 105
+    assert t.schedule.cooldown == (70, 106) and t.end_step == 105 and not t.timed  # the run's own end now
 
 
 def test_a_time_limited_run_cools_down_to_about_its_last_step(tmp_path):
@@ -168,7 +169,7 @@ def test_a_time_limited_run_cools_down_to_about_its_last_step(tmp_path):
 def test_a_loop_faster_than_measured_stops_at_the_plans_end_with_time_left(tmp_path):
     """The plan's end comes from the rate measured so far; where the loop then runs faster (here 1 s a
     step until the plan, 0.5 s after), the run stops after the plan's last step, not at the limit:
-    a step at rate zero would change nothing."""
+    steps at rate zero would leave the weights as they are."""
     t = make_trainer(tmp_path, "--name", "f", "--time-limit", "40s", "--lr-cooldown", "0.25", "--eval-every", "0",
                      "--epochs", "100")
     at: list[int] = []
@@ -187,6 +188,23 @@ def test_a_loop_faster_than_measured_stops_at_the_plans_end_with_time_left(tmp_p
     start, end = t.train_step.schedule.cooldown
     assert start == at[0] and result["steps"] == end - 1 and t.budget.elapsed() < 40 - 3
     assert t.stop_reason(result["steps"]) == f"--lr-cooldown: the learning rate reached 0 after step {end - 1}"
+
+
+@pytest.mark.parametrize("end", [["--epochs", "3"], ["--epochs", "100", "--max-steps", "20"]])
+def test_a_time_limited_run_that_its_step_count_ends_first_ends_as_it_would_have(tmp_path, end):
+    """A time limit far off and a step count that ends the run first: the time rule plans at the
+    step count's start, its end capped at the run's last step; the run is not stopped early by the
+    plan's end but ends at its step count, its last epoch's row written."""
+    t = make_trainer(tmp_path, "--name", "e", "--time-limit", "1000s", "--lr-cooldown", "0.25", "--eval-every", "0",
+                     *end)
+    t.clock = t.budget.clock = lambda: float(t.global_step)
+    t.budget.t0 = 0.0
+    result = t.train()
+    steps = 20 if "--max-steps" in end else 3 * len(t.train_loader)
+    assert result["steps"] == steps and not result["stopped"]
+    assert t.train_step.schedule.cooldown[1] == steps + 1 and not t.cooldown.timed
+    rows = read_csv(tmp_path / "e" / "results.csv")
+    assert int(rows[-1]["steps"]) == steps and ("--max-steps" in end or int(rows[-1]["epoch"]) == 3)
 
 
 @pytest.mark.parametrize("main", [True, False])

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from streamnmt.training.async_bleu import Deferred
 from streamnmt.training.evaluator import Evaluator
 from streamnmt.training.runs import read_csv
 from streamnmt.training.trainer import Trainer
@@ -257,8 +258,9 @@ def test_after_a_step_one_agreement_carries_the_stop_and_rank0s_evaluation(tmp_p
 
 def test_the_end_reserve_keeps_a_best_pt_write_for_a_pass_not_yet_collected(tmp_path):
     """A pass beside training (finished or not) is collected at the end and may write best.pt, which
-    the end's last.pt waits for: the reserve counts that write, and a pass still decoding its cost
-    too; the pass's own stop rule (``evaluation=False``) counts neither."""
+    the end's last.pt waits for: the reserve counts that write, and a pass still to decode (running,
+    or a resumed run's, decoded on the loop) its cost too; the pass's own stop rule
+    (``evaluation=False``) counts neither. A write in flight counts what it has left."""
     t = make_trainer(tmp_path, "--name", "r", "--time-limit", "60s", "--epochs", "1")
     t.checkpointer.write_s = {"last": 2.0, "best": 1.5}
     t.evaluator.cadence.done(4.0)
@@ -272,6 +274,10 @@ def test_the_end_reserve_keeps_a_best_pt_write_for_a_pass_not_yet_collected(tmp_
     running = t.reserve()
     assert finished["evaluation"] == pytest.approx(none["evaluation"] + 1.5)
     assert running["evaluation"] == pytest.approx(none["evaluation"] + 1.5 + cost)
+    t.evaluator.pending = (None, None, Deferred(lambda stop: (None, 0.0, 0)))  # a resumed run's
+    assert t.reserve()["evaluation"] == pytest.approx(running["evaluation"])
     assert finished["writes"] == none["writes"] == 2.0  # no write in flight
     assert t.reserve(evaluation=False)["evaluation"] == 0.0
     t.evaluator.pending = None
+    t.checkpointer.in_flight_s = lambda: 0.7
+    assert t.reserve()["writes"] == pytest.approx(2.7)

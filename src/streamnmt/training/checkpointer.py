@@ -59,7 +59,9 @@ class Checkpointer:
         self.cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if self.cuda and background else None  # made once
         self._pinned: dict[tuple, torch.Tensor] = {}  # staging buffers, by (kind, path in the state)
-        self._threads: dict[str, threading.Thread] = {}  # writes in flight, by kind
+        # writes in flight, by kind: the thread and when it began (perf_counter). Replaced, never
+        # changed in place: a BLEU pass's thread reads it (the run's time reserve, in_flight_s)
+        self._threads: dict[str, tuple[threading.Thread, float]] = {}
         self._error: BaseException | None = None  # the first error of a write, raised on the loop
         self._lock = threading.Lock()  # two writers (OVERLAPS) record their seconds
         # how long the last write of each kind (last, best, ema) took on the writer (serialise,
@@ -68,7 +70,6 @@ class Checkpointer:
         # while the writer records a write.
         self.write_s: dict[str, float] = {}
         self.writes = 0
-        self._started: dict[str, float] = {}  # when each write in flight began (perf_counter), by kind
 
     # -- the loop's side ------------------------------------------------------------------------
     def save(self, path: Path, state: dict[str, Any], *, kind: str = "last", keep: int = 0, step: int = 0,
@@ -90,8 +91,7 @@ class Checkpointer:
         staged = self._stage(kind, state)
         thread = threading.Thread(target=self._run, args=(kind, path, staged, keep, step, then),
                                   name=f"streamnmt-checkpoint-writer-{kind}", daemon=True)
-        self._started = {**self._started, kind: time.perf_counter()}  # replaced: a pass's thread reads it
-        self._threads[kind] = thread
+        self._threads = {**self._threads, kind: (thread, time.perf_counter())}
         thread.start()
         return time.perf_counter() - t0
 
@@ -100,9 +100,10 @@ class Checkpointer:
         any write here. Returns the seconds waited."""
         t0 = time.perf_counter()
         for k in [kind] if kind is not None else list(self._threads):
-            thread = self._threads.pop(k, None)
-            if thread is not None:
-                thread.join()
+            entry = self._threads.get(k)
+            if entry is not None:
+                entry[0].join()
+                self._threads = {j: e for j, e in self._threads.items() if j != k}
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -110,15 +111,15 @@ class Checkpointer:
 
     @property
     def busy(self) -> bool:
-        return any(thread.is_alive() for thread in list(self._threads.values()))
+        return any(thread.is_alive() for thread, _ in self._threads.values())
 
     def in_flight_s(self) -> float:
         """Seconds the writes in flight have left, by the last write of their kind (of any kind where
         none of theirs has ended yet): what a write staged now waits for. The writes run side by side
         (an OVERLAPS kind beside another), so the longest of them."""
-        now, started, took = time.perf_counter(), self._started, self.write_s
-        left = [max(took.get(kind, max(took.values(), default=0.0)) - (now - started.get(kind, now)), 0.0)
-                for kind, thread in list(self._threads.items()) if thread.is_alive()]
+        now, threads, took = time.perf_counter(), self._threads, self.write_s  # each read once
+        left = [max(took.get(kind, max(took.values(), default=0.0)) - (now - t0), 0.0)
+                for kind, (thread, t0) in threads.items() if thread.is_alive()]
         return max(left, default=0.0)
 
     def close(self) -> float:

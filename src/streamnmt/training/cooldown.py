@@ -11,8 +11,10 @@ ends it, the end is a time: the cool-down starts once what is left of the traini
 less the end's reserve, :meth:`Trainer.reserve`) is the given share of the loop's time, and its end
 step is what is left times the steps a second the loop has run so far. The rate is measured, so the
 time limit may stop the run a little before the planned end (the rate is not yet zero there); where
-the loop runs faster than measured, the run stops at the planned end, with time left (a step at rate
-zero would change nothing). A resumed time-limited run has a time slot of its own and
+the loop runs faster than measured, the run stops at the planned end, with time left (steps at rate
+zero leave the weights as they are; only the moving average, ``--ema``, would still move toward
+them). A plan whose end is the run's own last step (the step count came first) is a step-count
+plan: the run ends there as it would have. A resumed time-limited run has a time slot of its own and
 plans again in it. Several ranks: rank 0's clock decides, and every rank plans the same step
 (:meth:`Trainer._after_step`), since each rank's Adam applies its own learning rate.
 """
@@ -41,7 +43,9 @@ class Cooldown:
         self.share, self.schedule, self.budget, self.log = share, schedule, budget, log
         self.end_step = end_step
         self.step0, self.e0 = 0, 0.0  # where the loop started (step, budget seconds)
-        self.timed = False  # planned by the time rule (a step count's plan ends where the run does)
+        # planned by the time rule to end before the run's step count does (the run stops at its end);
+        # a step-count plan ends where the run does
+        self.timed = False
 
     @property
     def planned(self) -> bool:
@@ -62,10 +66,11 @@ class Cooldown:
             self.start(max(self.step_start, 0), self.end_step, f"the last {self.share:.0%} of {self.end_step} steps")
 
     def finished(self, step: int) -> bool:
-        """Optimizer step ``step`` was the plan's last: the rate is zero from the next, so a run the
-        time limit would stop later stops here (the rate measured at the plan ran slower than the
-        loop then ran)."""
-        return self.timed and self.planned and step >= self.schedule.cooldown[1] - 1
+        """Optimizer step ``step`` was a time plan's last, before the run's step count ends it: the
+        rate is zero from the next, so a run the time limit would stop later stops here (the loop ran
+        faster than the rate the plan was made from)."""
+        return (self.timed and self.planned and step >= self.schedule.cooldown[1] - 1
+                and (self.end_step is None or step < self.end_step))
 
     def retarget(self, last: int) -> None:
         """The run's last epoch starts and its length is known: the run's last step is ``last`` (packed
@@ -76,8 +81,9 @@ class Cooldown:
         self.end_step = last
         if self.planned:
             start, end = self.schedule.cooldown
-            if (self.budget.limit_s is None or last + 1 < end) and last + 1 > start:
+            if (not self.timed or last + 1 < end) and last + 1 > start:
                 self.schedule.plan(start, last + 1)
+                self.timed = False  # it ends where the run does now
 
     def due(self, step: int, reserve_s: float) -> bool:
         """After optimizer step ``step``, the end keeping ``reserve_s`` seconds: start cooling down now?
@@ -104,7 +110,7 @@ class Cooldown:
         end = self.end_estimate(step, reserve_s) if dist.main else None
         # Needed: each rank's Adam applies its own learning rate, so every rank takes rank 0's end.
         end = dist.broadcast(end, "dist.cooldown") if dist.active else end
-        self.timed = True
+        self.timed = self.end_step is None or end < self.end_step  # else the step count ends the run there
         self.start(step, end, f"about {self.budget.limit_s - self.budget.elapsed():.0f} s of --time-limit left")
 
     def start(self, step: int, last: int, why: str = "") -> None:

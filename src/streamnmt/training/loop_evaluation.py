@@ -111,15 +111,17 @@ class LoopEvaluation:
 
     def bleu_stop(self, loop: Any) -> Callable[[], bool]:
         """The loop's rule that cuts a BLEU pass short: a signal (a grace period is short), and under
-        --time-limit where the run's end (its last write and exports) would no longer fit: a
-        half-trained model can decode several times longer than the last evaluation did, which the
-        reserve had counted on."""
+        --time-limit where the run's end (the pass's best.pt, the last write, the exports) would no
+        longer fit: a half-trained model can decode several times longer than the last evaluation
+        did, which the reserve had counted on."""
         budget = self.budget
 
         def stop() -> bool:
             if loop.signalled:
                 return True
-            return budget.limit_s is not None and budget.expired(sum(loop.reserve(evaluation=False).values()))
+            # the end after the pass: its best.pt (if better), then last.pt and the rest
+            after = sum(loop.reserve(evaluation=False).values()) + loop.checkpointer.write_s.get("best", 0.0)
+            return budget.limit_s is not None and budget.expired(after)
         return stop
 
     def collect(self, loop: Any, wait: bool = False) -> bool:

@@ -31,6 +31,7 @@ from streamnmt.config import TrainJob
 from streamnmt.engine import STATS
 from streamnmt.engine.losses import StepLoss
 from streamnmt.errors import NonFiniteLoss
+from streamnmt.training.async_bleu import Deferred
 from streamnmt.training.averaging import average_at_end
 from streamnmt.training.build import Run, build_run, resume_job
 from streamnmt.training.checkpoints import LoopRecord
@@ -65,6 +66,7 @@ class Trainer:
         self._loop_s, self._loop_steps = 0.0, 0  # the loop's training seconds and steps (mean step time)
         self.stopped = False  # the ranks agreed to stop
         self.kept: dict[str, float] | None = None  # --time-limit: the reserve the loop stopped with, by part
+        self.kept_s = 0.0  # the reserve's sum at this step (_check_budget)
         self.signalled = False  # a first signal arrived (a second Ctrl-C aborts)
         self.pending_losses: list[StepLoss] = []  # drained by a stop mid-epoch, for the end's means
 
@@ -165,8 +167,13 @@ class Trainer:
         return self._stop_agreed() or bool(r.max_steps and self.global_step >= r.max_steps)
 
     def _check_budget(self) -> None:
-        """Ask to stop once --time-limit leaves only what the end of the run needs (reserve)."""
-        if not self.stop_requested and self.budget.expired(sum((parts := self.reserve()).values())):
+        """Ask to stop once --time-limit leaves only what the end of the run needs (reserve; its sum
+        kept for the step's cool-down rule, :meth:`_after_step`)."""
+        if self.stop_requested:
+            return
+        parts = self.reserve()
+        self.kept_s = sum(parts.values())
+        if self.budget.expired(self.kept_s):
             self.kept = parts  # the end line says it beside what the end took
             self.request_stop(self.budget.reason)
 
@@ -175,15 +182,19 @@ class Trainer:
         ``evaluation``) and the best.pt it may write, its last.pt write and with ``--ema`` what its
         ema.pt, written beside it, takes longer (the evaluation as long as the longest of the last few,
         :attr:`Cadence.end_cost_s`; each write as long as the last one of its kind took, ema.pt as
-        best.pt; a write still in flight counts what it has left; a pass beside training counts the
-        best.pt its collection may write) and the exports and plots (a small share)."""
+        best.pt; a write still in flight counts what it has left; a pending pass counts the decoding it
+        has left and the whole best.pt its collection may write, though that write runs beside the
+        end's evaluation: a second or so of training given up for an end that fits) and the exports
+        and plots (a small share)."""
         w = self.checkpointer.write_s
         cost = self.evaluator.cadence.end_cost_s or 0.0
         ev = cost + w.get("best", 0.0) if evaluation else 0.0
-        # a pass beside training: the end waits for it (not counted where the pass itself asks), and
-        # its collection may write best.pt, which the end's last.pt waits for
-        ev += cost if evaluation and self.evaluator.running else 0.0
-        ev += w.get("best", 0.0) if evaluation and self.evaluator.pending is not None else 0.0
+        # a pending pass: the end waits for one still running beside training (not counted where the
+        # pass itself asks) or decodes a resumed run's on the loop (Deferred), and its collection may
+        # write best.pt, which the end's last.pt waits for
+        pending = self.evaluator.pending  # read once: a pass's thread asks too
+        if evaluation and pending is not None:
+            ev += (cost if not pending[2].done or isinstance(pending[2], Deferred) else 0.0) + w.get("best", 0.0)
         # --average-last: the end scores the mean of the last evaluated weights too, and may write best.pt
         ev += cost + w.get("best", 0.0) if evaluation and self.evaluator.averager.on else 0.0
         writes = w.get("last", 0.0) + self.checkpointer.in_flight_s()  # last.pt waits for a write in flight
@@ -357,22 +368,20 @@ class Trainer:
         step = self.global_step
         due, ask = self.evaluator.cadence.due_mid_epoch(step, self.dist)
         c = self.cooldown  # --lr-cooldown: rank 0's clock decides, as for the stop
-        unplanned = self.dist.main and c is not None and not c.planned
-        kept = sum(self.reserve().values()) if unplanned else 0.0  # rank 0's alone is used
-        cool = unplanned and c.due(step, kept)
+        cool = self.dist.main and c is not None and not c.planned and c.due(step, self.kept_s)
         if c is not None and c.finished(step) and not self.stop_requested:  # every rank: the same plan and step
             self.request_stop(lambda last, at=step: f"--lr-cooldown: the learning rate reached 0 after step {at}"
                               + ("" if last == at else f", the ranks stopped after step {last}"))
         if not self.dist.active:
             self.stopped = self.stop_requested
             if cool:
-                c.agree(step, kept, self.dist)
+                c.agree(step, self.kept_s, self.dist)
             return due
         if step % self.job.engine.sync_interval == 0:
             self.stopped, agreed, cool = self.dist.agree_any((self.stop_requested, ask, cool), "dist.step")
             due = due or agreed
             if cool and not self.stopped:  # every rank plans rank 0's end: one more exchange, once a run
-                c.agree(step, kept, self.dist)
+                c.agree(step, self.kept_s, self.dist)
         return due
 
     def drain(self, why: str) -> list[StepLoss]:

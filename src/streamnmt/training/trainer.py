@@ -184,8 +184,8 @@ class Trainer:
         :attr:`Cadence.end_cost_s`; each write as long as the last one of its kind took, ema.pt as
         best.pt; a write still in flight counts what it has left; a pending pass counts the decoding it
         has left and the whole best.pt its collection may write, though that write runs beside the
-        end's evaluation: a second or so of training given up for an end that fits) and the exports
-        and plots (a small share)."""
+        end's evaluation: up to one best.pt write of training given up for an end that fits) and the
+        exports and plots (a small share)."""
         w = self.checkpointer.write_s
         cost = self.evaluator.cadence.end_cost_s or 0.0
         ev = cost + w.get("best", 0.0) if evaluation else 0.0

@@ -27,7 +27,7 @@ SRC_SLACKS = (1.0, 1.05, 1.1, 1.15, 1.2, 1.25)
 # projection d x V: for the base model at a 32k vocabulary 22M vs 38M multiply-adds, 0.57.
 SRC_COST = 0.57
 MIN_TGT_FILL = 0.96  # a source width must leave at least this share of target positions real (the
-# padding stays under 5 % on the whole corpus, whose fill varies a little from the sample's)
+# padding stays near 1 - MIN_TGT_FILL on the whole corpus, whose fill varies a little from the sample's)
 
 
 def round_up(n: int, multiple: int) -> int:

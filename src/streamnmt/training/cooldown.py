@@ -74,8 +74,10 @@ class Cooldown:
 
     def retarget(self, last: int) -> None:
         """The run's last epoch starts and its length is known: the run's last step is ``last`` (packed
-        epochs differ by a few batches from the first, which the plan was made from). A plan by the
-        step count keeps its start and moves its end; one by the time limit ends no later."""
+        epochs differ by a few batches from the first, which the plan was made from). Called before
+        the epoch's first batch, after the previous epoch's drain: no step in flight reads the plan
+        as it changes (:meth:`NoamSchedule.plan`). A plan by the step count keeps its start and moves
+        its end; one by the time limit ends no later."""
         if self.end_step is None or last == self.end_step:
             return
         self.end_step = last

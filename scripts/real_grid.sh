@@ -12,8 +12,9 @@
 #            (two variants of the same flags and other seeds: d03s2:--dropout=0.3,--seed=2);
 #            a NAME starting with "eole" runs scripts/eole_compare.py instead (its flags after the colon),
 #            its training loop given TIME (its set-up not counted: the peer gets the benefit of the doubt)
-# Each run gets its own copy of the corpus, so runs with other vocabularies never share a tokenizer
-# folder or cache (their tokenizers are trained inside their own time, as a user's first run's are).
+# Each run gets its own copy of the corpus's files (the splits, corpus_info.json), never its folders: a
+# tokenizer/ or cache/ an earlier run left there would otherwise be found and used, whatever the run's
+# vocabulary; every run trains its tokenizers inside its own time, as a user's first run does.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-src} STREAMNMT_HOME=${STREAMNMT_HOME:-/tmp/snhome}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -34,7 +35,8 @@ seconds() {  # 2m, 90s, 1.5h, 1h30m, 120 -> whole seconds
 
 train_one() {  # GPU NAME FLAGS...
   local gpu=$1 name=$2; shift 2
-  rm -rf "$root/$name" "$root/data_$name"; cp -r "$corpus" "$root/data_$name"
+  rm -rf "$root/$name" "$root/data_$name"; mkdir -p "$root/data_$name"
+  find "$corpus" -maxdepth 1 -type f -exec cp {} "$root/data_$name/" \;
   local guard=$(( $(seconds "$budget") + 300 ))  # a run past its budget and set-up is stopped (SIGTERM: saved)
   if [[ $name == eole* ]]; then
     CUDA_VISIBLE_DEVICES=$gpu timeout $guard python3 scripts/eole_compare.py --data "$root/data_$name" --src-lang en \

@@ -20,8 +20,9 @@ What it does:
 
 1. Reads ``--data``'s train/dev/test splits with the project's readers (any format ``streamnmt
    train --data`` reads) and writes eole's line-aligned text files under ``--work``.
-2. Tokenizer: the corpus's own SentencePiece models (``DATA/tokenizer/eng.model`` and
-   ``chn.model``, written by a ``streamnmt train`` on it) where they exist, else models trained by
+2. Tokenizer: the corpus's own SentencePiece models (``DATA/tokenizer/src.model`` and
+   ``tgt.model``, or an older version's ``eng.model`` and ``chn.model``, written by a ``streamnmt
+   train`` on it) where they exist, else models trained by
    the project's code with its defaults (unigram, ``--vocab`` 32k soft-capped) under ``--work``:
    both toolkits then see the same pieces. eole's ``sentencepiece`` transform applies them, and
    ``build_vocab`` counts the pieces over the whole training split.
@@ -91,13 +92,15 @@ def write_text_splits(data: Path, src_lang: str, tgt_lang: str, work: Path) -> d
 
 def tokenizers(data: Path, work: Path, choice: str, vocab: int, src_lang: str, tgt_lang: str) -> tuple[Path, Path, str]:
     """The SentencePiece models (source, target) and where they came from."""
-    own = (data / "tokenizer" / "eng.model", data / "tokenizer" / "chn.model")
+    _streamnmt()
+    from streamnmt.data.tokenizer_training import corpus_model
+
+    own = (corpus_model(data, "source"), corpus_model(data, "target"))
     if choice == "corpus" or (choice == "auto" and all(p.is_file() for p in own)):
         missing = [str(p) for p in own if not p.is_file()]
         if missing:
             raise CompareError(f"--tokenizer corpus: {missing[0]} not found (run streamnmt train on the corpus first)")
         return own[0], own[1], "the corpus's (DATA/tokenizer)"
-    _streamnmt()
     from streamnmt.data.tokenizer import train_tokenizer
 
     paths = (work / "spm" / "src.model", work / "spm" / "tgt.model")

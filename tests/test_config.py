@@ -23,6 +23,24 @@ def test_flags_override_file(tmp_path):
     assert job.data.batch_size == 4 and job.optim.lr == 2.0
 
 
+def test_the_seeds_tokenizer_names_are_read_as_the_source_and_target_ones(tmp_path):
+    """--tokenizer-eng/--tokenizer-chn and their config keys (config.yaml files, checkpoints written
+    before the rename) are the same settings as --tokenizer-src/--tokenizer-tgt."""
+    from streamnmt.cli import build_parser, parse
+
+    args = parse(build_parser(), ["train", "--tokenizer-eng", "a.model", "--tokenizer-tgt", "b.model"])
+    assert args["tokenizer_src"] == "a.model" and args["tokenizer_tgt"] == "b.model"
+    old = job_from_dict({"data": {"tokenizer_eng": "a.model", "tokenizer_chn": "b.model"}})
+    assert (old.data.tokenizer_src, old.data.tokenizer_tgt) == ("a.model", "b.model")
+    assert "tokenizer_eng" not in old.to_dict()["data"]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"data": {"tokenizer_eng": "a.model"}, "tokenizer_chn": "b.model"}))
+    job = build_job({"tokenizer_src": "c.model"}, str(path))  # a flag overrides the file's older key
+    assert (job.data.tokenizer_src, job.data.tokenizer_tgt) == ("c.model", "b.model")
+    with pytest.raises(ConfigError, match="'tokenizer_eng' is the older name of 'tokenizer_src'"):
+        job_from_dict({"data": {"tokenizer_eng": "a.model", "tokenizer_src": "c.model"}})
+
+
 @pytest.mark.parametrize("flags,named", [
     ({"batch_size": "0"}, "--batch-size"),
     ({"batch_size": "-3"}, "--batch-size"),

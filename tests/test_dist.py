@@ -349,15 +349,15 @@ def test_fresh_corpus_is_prepared_once(fresh_corpus_run, tmp_path):
     _, fresh, res = fresh_corpus_run
     out = res.stdout + res.stderr
     assert out.count("data: trained source tokenizer and target tokenizer") == 1
-    assert sorted(p.name for p in (fresh / "tokenizer").iterdir()) == ["chn.model", "eng.model"]
+    assert sorted(p.name for p in (fresh / "tokenizer").iterdir()) == ["src.model", "tgt.model"]
     entries = sorted(p.name.split("-")[0] for p in (fresh / "cache").iterdir())
     assert entries == ["dev", "test", "train"]  # one entry per split: every rank had the same key
     # Seeded SentencePiece: a one-process preparation of the same corpus trains the same models.
     corpus = tmp_path / "corpus"
     synthetic.write_builtin(corpus, 500, seed=0)
     bundle = prepare_data(DataConfig(data=str(corpus), max_len=32), log=lambda _: None)
-    assert bundle.src_tok.sha256 == file_sha256(fresh / "tokenizer" / "eng.model")
-    assert bundle.tgt_tok.sha256 == file_sha256(fresh / "tokenizer" / "chn.model")
+    assert bundle.src_tok.sha256 == file_sha256(fresh / "tokenizer" / "src.model")
+    assert bundle.tgt_tok.sha256 == file_sha256(fresh / "tokenizer" / "tgt.model")
 
 
 PREPARE_CASES = [(False, 1), (True, 1), (False, 2)]  # (the ranks' preparations differ, hosts)
@@ -490,7 +490,7 @@ def test_two_hosts_prepare_once_and_train_as_one_host_with_two_processes(two_ran
     assert [code for code, _ in results] == [0, 0], "\n".join(text[-3000:] for _, text in results)
     text = "".join(t for _, t in results)
     assert text.count("data: trained source tokenizer and target tokenizer") == 1
-    assert sorted(p.name for p in (corpus / "tokenizer").iterdir()) == ["chn.model", "eng.model"]
+    assert sorted(p.name for p in (corpus / "tokenizer").iterdir()) == ["src.model", "tgt.model"]
     assert sorted(p.name.split("-")[0] for p in (corpus / "cache").iterdir()) == ["dev", "test", "train"]
     assert sorted(p.name for p in runs.iterdir()) == ["hosts"]
     assert [(r["step"], r["loss"]) for r in read_csv(runs / "hosts" / "steps.csv")] == \

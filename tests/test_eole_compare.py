@@ -67,15 +67,15 @@ def test_the_corpus_tokenizer_is_used_where_present_and_errors_are_one_line(tmp_
     assert ec.main(["--data", str(data), "--tgt-lang", "de", "--work", str(work), "--tokenizer", "corpus",
                     "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--tokenizer corpus" in err and "eng.model" in err
+    assert err.count("\n") == 1 and "--tokenizer corpus" in err and "src.model" in err
     (data / "tokenizer").mkdir()
     ec.main(["--data", str(data), "--tgt-lang", "de", "--work", str(work), "--tokenizer", "own", "--vocab", "60",
              "--dry-run", "--device", "cpu", "--layers", "1", "--hidden", "32", "--heads", "2"])
-    for side, name in (("src", "eng"), ("tgt", "chn")):
-        (data / "tokenizer" / f"{name}.model").write_bytes((work / "spm" / f"{side}.model").read_bytes())
+    for side in ("src", "tgt"):
+        (data / "tokenizer" / f"{side}.model").write_bytes((work / "spm" / f"{side}.model").read_bytes())
     assert ec.main(["--data", str(data), "--tgt-lang", "de", "--work", str(work), "--dry-run"]) == 0
     cfg = yaml.safe_load((work / "train.yaml").read_text())
-    assert cfg["transforms_configs"]["sentencepiece"]["tgt_subword_model"] == str(data / "tokenizer" / "chn.model")
+    assert cfg["transforms_configs"]["sentencepiece"]["tgt_subword_model"] == str(data / "tokenizer" / "tgt.model")
     assert "the corpus's" in capsys.readouterr().out
     assert ec.main(["--data", str(tmp_path / "nope"), "--work", str(work), "--dry-run"]) == 2
     assert "data directory not found" in capsys.readouterr().err

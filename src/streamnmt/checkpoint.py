@@ -254,15 +254,15 @@ def embedded_tokenizers(ckpt: dict[str, Any], path: str, out: Path | None = None
         if not files[side].is_file() or file_sha256(files[side]) != tok.sha256:
             atomic_write(files[side], tok.model_bytes())
     # shared: the one model names both sides, replacing whatever file the run named for either
-    return {"tokenizer_eng": str(files["src"]), "tokenizer_chn": str(files["src" if shared else "tgt"])}
+    return {"tokenizer_src": str(files["src"]), "tokenizer_tgt": str(files["src" if shared else "tgt"])}
 
 
 def tokenizers_of_weights(job: Any, log: Callable[[str], None]) -> Any:
     """``--weights``: fine-tune with the tokenizers the checkpoint carries (its model's vocabulary)
-    unless --tokenizer-eng/--tokenizer-chn name others; they are written, named by their hash, to
+    unless --tokenizer-src/--tokenizer-tgt name others; they are written, named by their hash, to
     ``$STREAMNMT_HOME/tokenizers/``, which config.yaml then records."""
     d = job.data
-    if not job.run.weights or d.tokenizer_eng or d.tokenizer_chn:
+    if not job.run.weights or d.tokenizer_src or d.tokenizer_tgt:
         return job
     ckpt = load_checkpoint(job.run.weights)
     metas = ckpt.get("tokenizers") or {}

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from streamnmt.configbase import check, check_choice, from_dict, opt, to_dict
+from streamnmt.configbase import canonical, check, check_choice, from_dict, opt, to_dict
 from streamnmt.data.config import GPU_PRESETS, DataConfig, builtin_size_for, small_corpus  # noqa: F401 (re-exported)
 from streamnmt.engine.config import EngineConfig
 from streamnmt.errors import ConfigError
@@ -380,8 +380,9 @@ class TrainJob:
 
 
 def section_of(key: str) -> str:
+    """The section of a config key (a field's name, or one of its older names)."""
     for name, cls in SECTIONS.items():
-        if key in {f.name for f in dataclasses.fields(cls)}:
+        if any(key == f.name or key in f.metadata.get("aliases", ()) for f in dataclasses.fields(cls)):
             return name
     raise ConfigError(f"unknown config key '{key}'")
 
@@ -415,6 +416,8 @@ def load_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
             except ConfigError:
                 raise ConfigError(f"--config: {path}: unknown config key '{key}'") from None
     for name, values in out.items():
+        # older key names read as their fields', so that a flag given for the field overrides them
+        out[name] = values = canonical(SECTIONS[name], values, where=f"--config: {path}: ")
         known = {f.name for f in dataclasses.fields(SECTIONS[name])}
         for key in values:
             if key not in known:

@@ -4,7 +4,8 @@ Each component declares a ``@dataclass(kw_only=True)`` whose fields are made wit
 (default + help text). From that one declaration we derive:
 
 * the argparse flags (``batch_size`` -> ``--batch-size``), see :func:`add_args`;
-* construction from a YAML mapping with unknown keys refused, see :func:`from_dict`;
+* construction from a YAML mapping with unknown keys refused, see :func:`from_dict` (a field's older
+  names, its ``aliases``, are read as it: config.yaml files and checkpoints written before a rename);
 * validation in ``__post_init__`` via :func:`check`, whose message names the flag and the key.
 """
 
@@ -21,10 +22,12 @@ from streamnmt.errors import ConfigError
 T = TypeVar("T")
 
 
-def opt(default: Any, help: str, *, choices: tuple | None = None, cli: bool = True, const: Any = None) -> Any:
+def opt(default: Any, help: str, *, choices: tuple | None = None, cli: bool = True, const: Any = None,
+        aliases: tuple[str, ...] = ()) -> Any:
     """A config field: ``default`` plus the help text shown by ``--help``; with ``const``, the flag
-    may be given without a value, meaning ``const`` (``--compile`` = ``--compile on``)."""
-    meta = {"help": help, "choices": choices, "cli": cli, "const": const}
+    may be given without a value, meaning ``const`` (``--compile`` = ``--compile on``); ``aliases``:
+    the field's older names, still read as config keys and flags."""
+    meta = {"help": help, "choices": choices, "cli": cli, "const": const, "aliases": aliases}
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -95,12 +98,27 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def canonical(cls: type, values: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """``values`` with every field's older name (its ``aliases``) replaced by the field's name; a
+    mapping that gives both, with different values, raises ConfigError. Other keys pass as they are."""
+    renamed = {alias: f.name for f in dataclasses.fields(cls) for alias in f.metadata.get("aliases", ())}
+    out = {k: v for k, v in values.items() if k not in renamed}
+    for key, value in values.items():
+        if key in renamed:
+            name = renamed[key]
+            if name in out and out[name] != value:
+                raise ConfigError(f"{where}config key '{key}' is the older name of '{name}', and both are given "
+                                  f"({value!r}, {out[name]!r}): give '{name}' alone")
+            out[name] = value
+    return out
+
+
 def from_dict(cls: type[T], values: dict[str, Any], where: str = "") -> T:
     """Build ``cls`` from a mapping; unknown keys and badly typed values raise ConfigError."""
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
-    for key, value in values.items():
+    for key, value in canonical(cls, values, where).items():
         if key not in names:
             raise ConfigError(f"{where}unknown config key '{key}'; known keys: {', '.join(sorted(names))}")
         kwargs[key] = _coerce(value, hints[key], key)
@@ -124,8 +142,9 @@ def add_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: typ
             help_text += f" (default: {default})"
         # argparse %-formats help strings: a literal "10 %" would make --help itself fail
         kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
+        flags = [flag_name(f.name), *map(flag_name, f.metadata.get("aliases", ()))]
         if typ is bool:
-            parser.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **kw)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
             continue
         # Values arrive as strings and are coerced (and validated) by from_dict, so that a bad
         # flag and a bad YAML value give the same message.
@@ -136,10 +155,10 @@ def add_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: typ
             kw["metavar"] = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
         if f.metadata.get("const") is not None:
             kw.update(nargs="?", const=f.metadata["const"])
-        parser.add_argument(flag_name(f.name), **kw)
+        parser.add_argument(*flags, **kw)
 
 
 def pick(cls: type, values: dict[str, Any]) -> dict[str, Any]:
-    """The entries of ``values`` that are fields of ``cls``."""
+    """The entries of ``values`` that are fields of ``cls`` (older names read as the field's)."""
     names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in values.items() if k in names}
+    return {k: v for k, v in canonical(cls, values).items() if k in names}

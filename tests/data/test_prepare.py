@@ -85,7 +85,7 @@ def test_changed_source_file_invalidates_its_split(corpus_dir: Path, logs) -> No
 def test_changed_tokenizer_invalidates_every_split(corpus_dir: Path, logs) -> None:
     lines, log = logs
     prepare_data(small_config(corpus_dir), log=log)
-    other = train_tokenizer([s for s, _ in make_pairs(100, 9)], corpus_dir / "tokenizer" / "eng.model", 50,
+    other = train_tokenizer([s for s, _ in make_pairs(100, 9)], corpus_dir / "tokenizer" / "src.model", 50,
                             "en", log=_quiet)
     lines.clear()
     bundle = prepare_data(small_config(corpus_dir), log=log)
@@ -205,7 +205,7 @@ def test_builtin_corpus_directory(tmp_path: Path, monkeypatch) -> None:
     expected = tmp_path / "home" / "builtin-150"
     assert calls[0] == (expected, 150, 0)
     assert bundle.data_dir == expected and len(bundle.train) == 150
-    assert (expected / "tokenizer" / "chn.model").is_file() and (expected / "cache").is_dir()
+    assert (expected / "tokenizer" / "tgt.model").is_file() and (expected / "cache").is_dir()
     assert read_pairs(cfg, "dev") == json_pairs(expected / "dev.json")
 
 

@@ -22,8 +22,8 @@ from .conftest import make_pairs, small_config, write_corpus
 def toks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, Tokenizer, list]:
     directory = tmp_path_factory.mktemp("tok")
     pairs = make_pairs(300)
-    src = train_tokenizer([s for s, _ in pairs], directory / "eng.model", 120, "en", log=lambda _: None)
-    tgt = train_tokenizer([t for _, t in pairs], directory / "chn.model", 120, "ch", log=lambda _: None)
+    src = train_tokenizer([s for s, _ in pairs], directory / "src.model", 120, "en", log=lambda _: None)
+    tgt = train_tokenizer([t for _, t in pairs], directory / "tgt.model", 120, "ch", log=lambda _: None)
     return src, tgt, pairs
 
 
@@ -90,7 +90,7 @@ def test_training_is_quiet(tmp_path: Path, capfd) -> None:
     prepare_data(small_config(tmp_path), log=lambda _: None)
     out, err = capfd.readouterr()
     assert out == "" and err == ""
-    assert (tmp_path / "tokenizer" / "eng.model").is_file() and (tmp_path / "tokenizer" / "chn.model").is_file()
+    assert (tmp_path / "tokenizer" / "src.model").is_file() and (tmp_path / "tokenizer" / "tgt.model").is_file()
 
 
 def test_model_with_other_special_ids_is_refused(tmp_path: Path) -> None:
@@ -114,7 +114,7 @@ def test_missing_or_garbage_model(tmp_path: Path) -> None:
 def test_given_tokenizers_are_used_as_they_are(tmp_path: Path, toks) -> None:
     src, tgt, _ = toks
     write_corpus(tmp_path / "c")
-    cfg = small_config(tmp_path / "c", tokenizer_eng=str(src.path), tokenizer_chn=str(tgt.path))
+    cfg = small_config(tmp_path / "c", tokenizer_src=str(src.path), tokenizer_tgt=str(tgt.path))
     bundle = prepare_data(cfg, log=lambda _: None)
     assert bundle.src_tok.path == src.path and bundle.tgt_tok.sha256 == tgt.sha256
     assert not (tmp_path / "c" / "tokenizer").exists()
@@ -122,9 +122,23 @@ def test_given_tokenizers_are_used_as_they_are(tmp_path: Path, toks) -> None:
     assert s.tolist() == src.encode(read_pairs(cfg, "dev")[0][0])[:cfg.max_len - 1]
 
 
+def test_a_corpus_folder_with_an_older_versions_models_uses_them(tmp_path: Path, toks) -> None:
+    """A corpus an older version trained in holds eng.model/chn.model: they are found and used, not
+    retrained beside them; a fresh folder gets src.model/tgt.model."""
+    src, tgt, _ = toks
+    write_corpus(tmp_path / "c")
+    (tmp_path / "c" / "tokenizer").mkdir()
+    (tmp_path / "c" / "tokenizer" / "eng.model").write_bytes(src.path.read_bytes())
+    (tmp_path / "c" / "tokenizer" / "chn.model").write_bytes(tgt.path.read_bytes())
+    bundle = prepare_data(small_config(tmp_path / "c"), log=lambda _: None)
+    assert bundle.src_tok.path.name == "eng.model" and bundle.src_tok.sha256 == src.sha256
+    assert bundle.tgt_tok.path.name == "chn.model" and bundle.tgt_tok.sha256 == tgt.sha256
+    assert sorted(p.name for p in (tmp_path / "c" / "tokenizer").iterdir()) == ["chn.model", "eng.model"]
+
+
 def test_given_tokenizer_missing_is_an_input_error(tmp_path: Path) -> None:
     write_corpus(tmp_path / "c")
-    cfg = small_config(tmp_path / "c", tokenizer_eng=str(tmp_path / "absent.model"))
+    cfg = small_config(tmp_path / "c", tokenizer_src=str(tmp_path / "absent.model"))
     with pytest.raises(InputError, match="absent.model"):
         prepare_data(cfg, log=lambda _: None)
     assert not (tmp_path / "c" / "tokenizer").exists()  # the other side was not trained either

@@ -91,7 +91,7 @@ def test_a_child_writes_the_models_sizes_and_lines_prepare_would(tmp_path, monke
     b = prepare_data(dataclasses.replace(job.data, data=str(tmp_path / "b")), log=here.append)
 
     assert taken[0] is not None and taken[1] is None  # a: the child's models; b: trained here
-    models = ["shared.model"] if shared else ["eng.model", "chn.model"]
+    models = ["shared.model"] if shared else ["src.model", "tgt.model"]
     for model in models:
         assert (tmp_path / "a" / "tokenizer" / model).read_bytes() == (tmp_path / "b" / "tokenizer" / model).read_bytes()
     assert sorted(taken[0].trained) == sorted(str(tmp_path / "a" / "tokenizer" / m) for m in models)
@@ -138,7 +138,7 @@ def test_no_child_for_tokenizers_given_or_found_weights_or_torchrun(tmp_path, mo
 
     try:
         assert not starts(data=data, weights=str(tmp_path / "w.pt"))  # its checkpoint's tokenizers may serve
-        assert not starts(data=data, tokenizer_eng=str(tmp_path / "e.model"), tokenizer_chn=str(tmp_path / "z.model"))
+        assert not starts(data=data, tokenizer_src=str(tmp_path / "e.model"), tokenizer_tgt=str(tmp_path / "z.model"))
         monkeypatch.setenv("WORLD_SIZE", "2")
         assert not starts(data=data) and started == []
         monkeypatch.setenv("WORLD_SIZE", "1")
@@ -146,9 +146,9 @@ def test_no_child_for_tokenizers_given_or_found_weights_or_torchrun(tmp_path, mo
         request = json.loads(started[-1][-1])
         assert request["data"] == dataclasses.asdict(build_job({"max_len": 24, "data": data, "src_vocab": 300}).data)
         tok.mkdir()
-        (tok / "eng.model").write_bytes(b"")
+        (tok / "src.model").write_bytes(b"")
         assert starts(data=data)  # the target's model is still to train
-        (tok / "chn.model").write_bytes(b"")
+        (tok / "tgt.model").write_bytes(b"")
         assert not starts(data=data)
         assert starts(data=data, shared_vocab=True)
         (tok / "shared.model").write_bytes(b"")
@@ -188,7 +188,7 @@ def test_the_child_writes_the_builtin_corpus_and_models_prepare_would(tmp_path, 
     assert taken[0] is not None and taken[1] is None  # a: the child's corpus and models; b: written here
     files = _files(a.data_dir)
     assert sorted(files) == sorted(["dev.json", "test.json", "train.json", synthetic.MANIFEST_NAME,
-                                    "tokenizer/chn.model", "tokenizer/eng.model"])
+                                    "tokenizer/tgt.model", "tokenizer/src.model"])
     assert files == _files(b.data_dir) and a.data_dir == tmp_path / "a" / "builtin-200"
     assert a.auto_vocab == b.auto_vocab and a.stats == b.stats and a.stats["train"]["read"] == 200
     assert _same(by_child, a.data_dir) == _same(here, b.data_dir)
@@ -234,8 +234,8 @@ def test_no_child_for_the_builtin_corpus_written_with_its_models(tmp_path, monke
         synthetic.write_builtin(directory, 150)
         assert starts()  # the models are still to train
         tok.mkdir()
-        (tok / "eng.model").write_bytes(b"")
-        (tok / "chn.model").write_bytes(b"")
+        (tok / "src.model").write_bytes(b"")
+        (tok / "tgt.model").write_bytes(b"")
         assert not starts() and len(started) == 2
         assert not starts(weights=str(tmp_path / "w.pt"))
         (directory / "dev.json").write_text("[]\n", encoding="utf-8")  # damaged: prepare_data writes it again

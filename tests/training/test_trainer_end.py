@@ -3,6 +3,7 @@ saves and evaluations, and what a resume makes of them (tiny model, CPU, fake cl
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -95,17 +96,34 @@ def test_a_best_pt_newer_than_last_pt_is_replaced_only_by_a_better_model(tmp_pat
 
 
 def test_a_shared_vocabulary_run_resumes_whatever_files_it_named(tmp_path):
-    """--shared-vocab with the model named by --tokenizer-chn: the resume names the embedded shared
+    """--shared-vocab with the model named by --tokenizer-tgt: the resume names the embedded shared
     model for both sides (two different names would be refused)."""
     first = make_trainer(tmp_path, "--name", "a", "--shared-vocab", "--max-steps", "2")
     first.train()
     shared = str(first.run.data.src_tok.path)
-    named = make_trainer(tmp_path, "--name", "b", "--shared-vocab", "--tokenizer-chn", shared, "--max-steps", "2")
+    named = make_trainer(tmp_path, "--name", "b", "--shared-vocab", "--tokenizer-tgt", shared, "--max-steps", "2")
     named.train()
     resumed = Trainer.from_checkpoint(str(tmp_path / "b" / "weights" / "last.pt"), log=lambda _: None,
                                       changes={"max_steps": 3})
-    assert resumed.job.data.tokenizer_eng == resumed.job.data.tokenizer_chn
+    assert resumed.job.data.tokenizer_src == resumed.job.data.tokenizer_tgt
     assert resumed.run.data.src_tok.sha256 == resumed.run.data.tgt_tok.sha256 == named.run.data.src_tok.sha256
+
+
+def test_a_checkpoint_from_before_the_tokenizer_rename_resumes(tmp_path):
+    """A checkpoint whose config names its tokenizers by the seeds' keys (tokenizer_eng/tokenizer_chn)
+    resumes with the models it embeds, which replace the files those keys named."""
+    from streamnmt.training.build import resume_job
+
+    first = make_trainer(tmp_path, "--name", "a", "--max-steps", "2")
+    first.train()
+    ckpt = torch.load(tmp_path / "a" / "weights" / "last.pt", weights_only=True)
+    data = ckpt["config"]["data"]
+    data["tokenizer_eng"], data["tokenizer_chn"] = str(tmp_path / "gone.model"), str(tmp_path / "gone2.model")
+    del data["tokenizer_src"], data["tokenizer_tgt"]
+    torch.save(ckpt, tmp_path / "old.pt")
+    job, _ = resume_job(str(tmp_path / "old.pt"), log=lambda _: None)
+    assert Path(job.data.tokenizer_src).is_file() and Path(job.data.tokenizer_tgt).is_file()
+    assert "gone" not in job.data.tokenizer_src + job.data.tokenizer_tgt
 
 
 def test_safetensors_round_trip_scalars_and_empty_tensors(tmp_path):

@@ -60,8 +60,13 @@ class DataConfig:
                                  "none = the built-in English->Chinese corpus")
     src_lang: str = opt("en", "source-language key in JSON records / file extension")
     tgt_lang: str = opt("ch", "target-language key in JSON records / file extension")
-    tokenizer_eng: str | None = opt(None, "existing SentencePiece model for the source side")
-    tokenizer_chn: str | None = opt(None, "existing SentencePiece model for the target side")
+    # --tokenizer-eng/--tokenizer-chn: the seeds' names for these flags (English->Chinese), still read
+    tokenizer_src: str | None = opt(None, "existing SentencePiece model for the source side (default: "
+                                          "DIR/tokenizer/src.model, trained there when absent)",
+                                    aliases=("tokenizer_eng",))
+    tokenizer_tgt: str | None = opt(None, "existing SentencePiece model for the target side (default: "
+                                          "DIR/tokenizer/tgt.model, trained there when absent)",
+                                    aliases=("tokenizer_chn",))
     shared_vocab: bool = opt(False, "one SentencePiece model for both sides, trained on both sides' text "
                                     "(DIR/tokenizer/shared.model; needed by --tie-embeddings all)")
     src_vocab: int | None = opt(None, "source SentencePiece vocabulary size when training one (capped for "
@@ -112,10 +117,10 @@ class DataConfig:
         check(self.prefetch_factor >= 1, "prefetch_factor", f"must be at least 1; got {self.prefetch_factor}")
         check(self.builtin_size is None or self.builtin_size >= 100, "builtin_size",
               f"must be at least 100; got {self.builtin_size}")
-        check(not (self.shared_vocab and self.tokenizer_eng and self.tokenizer_chn
-                   and self.tokenizer_eng != self.tokenizer_chn), "shared_vocab",
-              "uses one SentencePiece model for both sides, but --tokenizer-eng and --tokenizer-chn name two "
-              "files: give the shared model once (--tokenizer-eng) or drop --shared-vocab")
+        check(not (self.shared_vocab and self.tokenizer_src and self.tokenizer_tgt
+                   and self.tokenizer_src != self.tokenizer_tgt), "shared_vocab",
+              "uses one SentencePiece model for both sides, but --tokenizer-src and --tokenizer-tgt name two "
+              "files: give the shared model once (--tokenizer-src) or drop --shared-vocab")
         check(self.tokenizer_sample >= 100, "tokenizer_sample",
               f"must be at least 100; got {self.tokenizer_sample}")
 

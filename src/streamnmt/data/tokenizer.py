@@ -169,7 +169,7 @@ def _train(sentences: Sequence[str], target: Path, vocab_size: int, cap: int, cj
         atomic_write(target, data)
     except OSError as e:
         raise InputError(f"{target}: cannot write the tokenizer ({e.strerror}); pass existing models "
-                         f"with --tokenizer-eng/--tokenizer-chn or use a writable data directory") from None
+                         f"with --tokenizer-src/--tokenizer-tgt or use a writable data directory") from None
     tok = Tokenizer(target)
     if tok.vocab_size < vocab_size:
         log(f"data: {name or target.name}: vocabulary capped at {tok.vocab_size} pieces (asked for "

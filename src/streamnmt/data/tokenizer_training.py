@@ -1,10 +1,10 @@
 """Training a corpus's tokenizers: which SentencePiece models ``prepare_data`` trains, and the training.
 
-:func:`sides` names the models a config's run uses (given by --tokenizer-eng/--tokenizer-chn, else
-``DIR/tokenizer/{eng,chn}.model``, or ``shared.model`` with --shared-vocab); :func:`to_train` those
-of them not there yet. :func:`train` trains those: a seeded sample of the training split read in one
-streaming pass, dev and test read through once (a bad record stops the run before a model is
-written), the sizes asked (the corpus rule's :func:`~streamnmt.data.config.auto_vocab` where
+:func:`sides` names the models a config's run uses (given by --tokenizer-src/--tokenizer-tgt, else
+``DIR/tokenizer/{src,tgt}.model`` (:func:`corpus_model`), or ``shared.model`` with --shared-vocab);
+:func:`to_train` those of them not there yet. :func:`train` trains those: a seeded sample of the
+training split read in one streaming pass, dev and test read through once (a bad record stops the
+run before a model is written), the sizes asked (the corpus rule's :func:`~streamnmt.data.config.auto_vocab` where
 --src-vocab/--tgt-vocab are not given), the two sides at once on SentencePiece's threads.
 
 No torch here, nor numpy: :mod:`streamnmt.data.tokenizer_child` runs this very code in a child
@@ -28,8 +28,20 @@ from streamnmt.data.tokenizer import Tokenizer, cpu_threads, train_shared_tokeni
 Log = Callable[[str], None]
 
 # The DataConfig fields that sides() and train() read: a child's models serve a run whose fields agree
-FIELDS = ("data", "src_lang", "tgt_lang", "tokenizer_eng", "tokenizer_chn", "shared_vocab", "src_vocab",
+FIELDS = ("data", "src_lang", "tgt_lang", "tokenizer_src", "tokenizer_tgt", "shared_vocab", "src_vocab",
           "tgt_vocab", "tokenizer_sample")
+# A corpus's own models, by side; before the rename the seeds' English->Chinese names, which a corpus
+# folder an older version trained in still holds: found there, they are used as they are.
+CORPUS_MODELS = {"source": "src.model", "target": "tgt.model"}
+OLDER_CORPUS_MODELS = {"source": "eng.model", "target": "chn.model"}
+
+
+def corpus_model(directory: Path, role: str) -> Path:
+    """The corpus's own model of side ``role`` ("source" or "target") under ``DIR/tokenizer/``: the
+    older name where only it is there, else the current one (trained there when absent)."""
+    folder = Path(directory) / "tokenizer"
+    current, older = folder / CORPUS_MODELS[role], folder / OLDER_CORPUS_MODELS[role]
+    return older if older.is_file() and not current.is_file() else current
 
 
 @dataclass(frozen=True)
@@ -38,7 +50,7 @@ class Side:
 
     role: str
     path: Path
-    given: bool  # named by --tokenizer-eng/--tokenizer-chn
+    given: bool  # named by --tokenizer-src/--tokenizer-tgt
     size: int | None  # the size asked; None: the corpus rule's
     name: str  # for log lines
 
@@ -52,14 +64,14 @@ def sides(cfg: DataConfig, directory: Path) -> list[Side]:
     """The source and target models, or with --shared-vocab the one model of both sides (the
     larger of --src-vocab/--tgt-vocab where either is given)."""
     if cfg.shared_vocab:
-        given = cfg.tokenizer_eng or cfg.tokenizer_chn
+        given = cfg.tokenizer_src or cfg.tokenizer_tgt
         asked = [v for v in (cfg.src_vocab, cfg.tgt_vocab) if v is not None]
         return [Side("shared", Path(given or directory / "tokenizer" / "shared.model"), bool(given),
                      max(asked) if asked else None, "shared tokenizer")]
-    return [Side("source", Path(cfg.tokenizer_eng or directory / "tokenizer" / "eng.model"),
-                 cfg.tokenizer_eng is not None, cfg.src_vocab, "source tokenizer"),
-            Side("target", Path(cfg.tokenizer_chn or directory / "tokenizer" / "chn.model"),
-                 cfg.tokenizer_chn is not None, cfg.tgt_vocab, "target tokenizer")]
+    return [Side("source", Path(cfg.tokenizer_src or corpus_model(directory, "source")),
+                 cfg.tokenizer_src is not None, cfg.src_vocab, "source tokenizer"),
+            Side("target", Path(cfg.tokenizer_tgt or corpus_model(directory, "target")),
+                 cfg.tokenizer_tgt is not None, cfg.tgt_vocab, "target tokenizer")]
 
 
 def to_train(cfg: DataConfig, directory: Path) -> list[Side]:

@@ -24,7 +24,8 @@ import torch
 from streamnmt import dist as distributed
 from streamnmt import setupclock
 from streamnmt.checkpoint import embedded_tokenizers, load_checkpoint, load_model_weights, tokenizers_of_weights
-from streamnmt.config import RESUME_SETTINGS, ModelConfig, TrainJob, job_from_dict
+from streamnmt.config import RESUME_SETTINGS, DataConfig, ModelConfig, TrainJob, job_from_dict
+from streamnmt.configbase import canonical
 from streamnmt.data import batch_shapes, make_loader, make_sampler, prepare_data
 from streamnmt.data.prepare import prepare_once
 from streamnmt.devices import resolve_device, seed_everything
@@ -420,7 +421,8 @@ def resume_job(path: str, log: Callable[[str], None] = print, device: str | None
                           f"when a run continues; start a new run (--weights) instead")
     before = job_from_dict(config).run
     config["run"].update(changes)
-    config["data"] = {**config.get("data", {}), **embedded_tokenizers(ckpt, path)}
+    # older key names first, so that the embedded tokenizers' paths replace rather than contradict them
+    config["data"] = {**canonical(DataConfig, config.get("data", {})), **embedded_tokenizers(ckpt, path)}
     job = job_from_dict(config)
     said = [f"--{k.replace('_', '-')} {getattr(before, k)} -> {getattr(job.run, k)}" for k in changes
             if getattr(before, k) != getattr(job.run, k)]

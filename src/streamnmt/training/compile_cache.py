@@ -157,13 +157,11 @@ def tokenizer_vocab(cfg: Any) -> tuple[int, int] | None:
     exist once it has run). make_step checks them against the model it is given (:func:`for_step`)."""
     from streamnmt.data.prepare import builtin_dir
     from streamnmt.data.tokenizer import Tokenizer
+    from streamnmt.data.tokenizer_training import sides
 
     directory = builtin_dir(cfg) if cfg.data is None else Path(cfg.data).expanduser()
-    if cfg.shared_vocab:
-        paths = [cfg.tokenizer_eng or cfg.tokenizer_chn or directory / "tokenizer" / "shared.model"] * 2
-    else:
-        paths = [cfg.tokenizer_eng or directory / "tokenizer" / "eng.model",
-                 cfg.tokenizer_chn or directory / "tokenizer" / "chn.model"]
+    paths = [side.path for side in sides(cfg, directory)]
+    paths = paths * 2 if len(paths) == 1 else paths  # a shared model serves both sides
     try:
         src, tgt = (Tokenizer(Path(p)).vocab_size for p in paths)
     except Exception:  # noqa: BLE001 - a missing or unreadable file: no key, never a failed run

@@ -2,8 +2,8 @@
 # Recipes on a real corpus (scripts/make_real_corpus.py): each variant trained for the same wall-clock
 # budget, one run per GPU at a time, then its best.pt scored on the test split; a table last (test
 # BLEU, the best dev BLEU with its wall-clock second and step, the median target tokens/s of the epoch
-# lines, the set-up seconds and the training share of the wall clock: the columns docs/PERFORMANCE.md's
-# real-text tables carry).
+# lines, the set-up seconds, the training share of the wall clock and the tokenizers' pieces: the
+# columns docs/PERFORMANCE.md's real-text tables carry).
 #
 # Usage: OUT=dir scripts/real_grid.sh CORPUS LANG TIME VARIANT...
 #   CORPUS   a folder with train/dev/test JSON ({"en": ..., LANG: ...} records)
@@ -62,12 +62,13 @@ for ((i = 0; i < ${#V[@]}; i += gpus)); do  # one wave: a run on every GPU
 done
 
 {
-printf "%-14s %8s %10s %6s %8s %8s %7s %6s\n" run test_BLEU best_dev at_s at_step tok/s setup_s train
+printf "%-14s %8s %10s %6s %8s %8s %7s %6s %12s\n" run test_BLEU best_dev at_s at_step tok/s setup_s train pieces
 for v in "${V[@]}"; do
   name=${v%%:*}
   bleu=$(grep -oE "^BLEU = [0-9.]+" "$LOGS/grid_${name}_test.txt" 2>/dev/null | awk '{print $3}')
   # best dev BLEU (at wall s, step) from evals.csv; target tokens/s: the median of the epoch lines'
-  # column 4; set-up seconds and the training share from the run's set-up and end lines
+  # column 4; set-up seconds and the training share from the run's set-up and end lines; the pieces of
+  # the source/target tokenizers the run used, "found" where it found them rather than trained them
   row=$(python3 - "$root/$name/evals.csv" "$LOGS/grid_$name.log" <<'PY' 2>/dev/null
 import csv, re, statistics, sys
 best = ["-", "-", "-"]
@@ -82,13 +83,16 @@ log = open(sys.argv[2]).read()
 tok = [float(m) for m in re.findall(r"^\s+\d+\s+[\d.]+G\s+\d+\s+(\d+)\s", log, re.M)]
 setup = re.search(r"^set-up ([\d.]+) s", log, re.M)
 train = re.findall(r"^wall \d+ s: training (\d+) %", log, re.M)
+vocab = re.search(r"^data: ready in .*\(vocab (\d+) source, (\d+) target\)", log, re.M)
+pieces = f"{vocab.group(1)}/{vocab.group(2)}" if vocab else "-"
+pieces += ",found" if vocab and "the tokenizers given or found" in log else ""
 print(*best, f"{statistics.median(tok) / 1000:.0f}k" if tok else "-",
-      setup.group(1) if setup else "-", f"{train[-1]}%" if train else "-")
+      setup.group(1) if setup else "-", f"{train[-1]}%" if train else "-", pieces)
 PY
 )
-  read -r dev at_s at_step tok setup train <<< "${row:-- - - - - -}"
-  printf "%-14s %8s %10s %6s %8s %8s %7s %6s\n" "$name" "${bleu:-failed}" "$dev" "$at_s" "$at_step" "$tok" \
-    "$setup" "$train"
+  read -r dev at_s at_step tok setup train pieces <<< "${row:-- - - - - - -}"
+  printf "%-14s %8s %10s %6s %8s %8s %7s %6s %12s\n" "$name" "${bleu:-failed}" "$dev" "$at_s" "$at_step" "$tok" \
+    "$setup" "$train" "$pieces"
   cp "$root/$name/evals.csv" "$LOGS/grid_${name}_evals.csv" 2>/dev/null
 done
 } | tee -a "$OUT/grid_table.txt"

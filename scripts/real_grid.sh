@@ -36,7 +36,7 @@ seconds() {  # 2m, 90s, 1.5h, 1h30m, 120 -> whole seconds
 train_one() {  # GPU NAME FLAGS...
   local gpu=$1 name=$2; shift 2
   rm -rf "$root/$name" "$root/data_$name"; mkdir -p "$root/data_$name"
-  find "$corpus" -maxdepth 1 -type f -exec cp {} "$root/data_$name/" \;
+  find "$corpus" -maxdepth 1 ! -type d -exec cp {} "$root/data_$name/" \;
   local guard=$(( $(seconds "$budget") + 300 ))  # a run past its budget and set-up is stopped (SIGTERM: saved)
   if [[ $name == eole* ]]; then
     CUDA_VISIBLE_DEVICES=$gpu timeout $guard python3 scripts/eole_compare.py --data "$root/data_$name" --src-lang en \
@@ -85,7 +85,7 @@ setup = re.search(r"^set-up ([\d.]+) s", log, re.M)
 train = re.findall(r"^wall \d+ s: training (\d+) %", log, re.M)
 vocab = re.search(r"^data: ready in .*\(vocab (\d+) source, (\d+) target\)", log, re.M)
 pieces = f"{vocab.group(1)}/{vocab.group(2)}" if vocab else "-"
-pieces += ",found" if vocab and "the tokenizers given or found" in log else ""
+pieces += ",found" if vocab and not re.search(r"^data: trained ", log, re.M) else ""
 print(*best, f"{statistics.median(tok) / 1000:.0f}k" if tok else "-",
       setup.group(1) if setup else "-", f"{train[-1]}%" if train else "-", pieces)
 PY

@@ -28,7 +28,7 @@ def test_the_seeds_tokenizer_names_are_read_as_the_source_and_target_ones(tmp_pa
     before the rename) are the same settings as --tokenizer-src/--tokenizer-tgt."""
     from streamnmt.cli import build_parser, parse
 
-    args = parse(build_parser(), ["train", "--tokenizer-eng", "a.model", "--tokenizer-tgt", "b.model"])
+    args = parse(build_parser(), ["train", "--tokenizer-eng", "a.model", "--tokenizer-chn", "b.model"])
     assert args["tokenizer_src"] == "a.model" and args["tokenizer_tgt"] == "b.model"
     old = job_from_dict({"data": {"tokenizer_eng": "a.model", "tokenizer_chn": "b.model"}})
     assert (old.data.tokenizer_src, old.data.tokenizer_tgt) == ("a.model", "b.model")
@@ -37,6 +37,10 @@ def test_the_seeds_tokenizer_names_are_read_as_the_source_and_target_ones(tmp_pa
     path.write_text(yaml.safe_dump({"data": {"tokenizer_eng": "a.model"}, "tokenizer_chn": "b.model"}))
     job = build_job({"tokenizer_src": "c.model"}, str(path))  # a flag overrides the file's older key
     assert (job.data.tokenizer_src, job.data.tokenizer_tgt) == ("c.model", "b.model")
+    assert build_job({"tokenizer_chn": "d.model"}, str(path)).data.tokenizer_tgt == "d.model"
+    same = job_from_dict({"data": {"tokenizer_eng": None, "tokenizer_chn": "b.model", "tokenizer_tgt": "b.model",
+                                   "tokenizer_src": "a.model"}})  # None: an older key not given
+    assert (same.data.tokenizer_src, same.data.tokenizer_tgt) == ("a.model", "b.model")
     with pytest.raises(ConfigError, match="'tokenizer_eng' is the older name of 'tokenizer_src'"):
         job_from_dict({"data": {"tokenizer_eng": "a.model", "tokenizer_src": "c.model"}})
 

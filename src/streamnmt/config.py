@@ -429,7 +429,9 @@ def build_job(flags: dict[str, Any], config_file: str | None = None) -> TrainJob
     """Config file first, then flags (a flat dict of field name -> value) on top."""
     values = load_yaml(config_file) if config_file else {}
     for key, value in flags.items():
-        values.setdefault(section_of(key), {})[key] = value
+        section = section_of(key)
+        # a flag given by an older name replaces the file's value under either name
+        values[section] = {**values.get(section, {}), **canonical(SECTIONS[section], {key: value})}
     return TrainJob(**{name: from_dict(cls, values.get(name, {})) for name, cls in SECTIONS.items()})
 
 

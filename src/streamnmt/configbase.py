@@ -100,11 +100,12 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def canonical(cls: type, values: dict[str, Any], where: str = "") -> dict[str, Any]:
     """``values`` with every field's older name (its ``aliases``) replaced by the field's name; a
-    mapping that gives both, with different values, raises ConfigError. Other keys pass as they are."""
+    mapping that gives both, with different values, raises ConfigError (an older key set to None counts
+    as not given). Other keys pass as they are."""
     renamed = {alias: f.name for f in dataclasses.fields(cls) for alias in f.metadata.get("aliases", ())}
     out = {k: v for k, v in values.items() if k not in renamed}
     for key, value in values.items():
-        if key in renamed:
+        if key in renamed and value is not None:
             name = renamed[key]
             if name in out and out[name] != value:
                 raise ConfigError(f"{where}config key '{key}' is the older name of '{name}', and both are given "

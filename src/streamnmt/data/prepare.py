@@ -130,8 +130,9 @@ def prepare_data(cfg: DataConfig, log: Log = print, build: bool = True) -> DataB
 def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],
                 log: Log, build: bool = True, early: tokenizer_child.Result | None = None
                 ) -> tuple[Tokenizer, Tokenizer, dict[str, int]]:
-    """Given models as they are; else ``DIR/tokenizer/{eng,chn}.model`` (``shared.model`` with
-    --shared-vocab), trained when absent: by the child process the command started for them
+    """Given models as they are; else ``DIR/tokenizer/{src,tgt}.model`` or an older version's names
+    (:func:`~streamnmt.data.tokenizer_training.corpus_model`; ``shared.model`` with --shared-vocab),
+    trained when absent: by the child process the command started for them
     (:mod:`streamnmt.data.tokenizer_child`; ``early``: what it did, waited for by the caller), else
     now. Third: the sizes the corpus rule asked of those trained, by role (empty: sizes given, or
     none trained)."""

@@ -4,8 +4,9 @@
 ``DIR/tokenizer/{src,tgt}.model`` (:func:`corpus_model`), or ``shared.model`` with --shared-vocab);
 :func:`to_train` those of them not there yet. :func:`train` trains those: a seeded sample of the
 training split read in one streaming pass, dev and test read through once (a bad record stops the
-run before a model is written), the sizes asked (the corpus rule's :func:`~streamnmt.data.config.auto_vocab` where
---src-vocab/--tgt-vocab are not given), the two sides at once on SentencePiece's threads.
+run before a model is written), the sizes asked (the corpus rule's
+:func:`~streamnmt.data.config.auto_vocab` where --src-vocab/--tgt-vocab are not given), the two sides
+at once on SentencePiece's threads.
 
 No torch here, nor numpy: :mod:`streamnmt.data.tokenizer_child` runs this very code in a child
 process started at the command's start, ``prepare_data`` in-process where no child did.

@@ -66,30 +66,8 @@ printf "%-14s %8s %10s %6s %8s %8s %7s %6s %12s\n" run test_BLEU best_dev at_s a
 for v in "${V[@]}"; do
   name=${v%%:*}
   bleu=$(grep -oE "^BLEU = [0-9.]+" "$LOGS/grid_${name}_test.txt" 2>/dev/null | awk '{print $3}')
-  # best dev BLEU (at wall s, step) from evals.csv; target tokens/s: the median of the epoch lines'
-  # column 4; set-up seconds and the training share from the run's set-up and end lines; the pieces of
-  # the source/target tokenizers the run used, "found" where it found them rather than trained them
-  row=$(python3 - "$root/$name/evals.csv" "$LOGS/grid_$name.log" <<'PY' 2>/dev/null
-import csv, re, statistics, sys
-best = ["-", "-", "-"]
-try:
-    rows = list(csv.DictReader(open(sys.argv[1])))
-    col = next(c for c in rows[0] if "bleu" in c.lower())
-    b = max(rows, key=lambda r: float(r[col] or "nan"))
-    best = [f"{float(b[col]):.2f}", f"{float(b.get('wall_s') or 'nan'):.0f}", b.get("step", "-")]
-except (OSError, StopIteration, ValueError, IndexError):
-    pass
-log = open(sys.argv[2]).read()
-tok = [float(m) for m in re.findall(r"^\s+\d+\s+[\d.]+G\s+\d+\s+(\d+)\s", log, re.M)]
-setup = re.search(r"^set-up ([\d.]+) s", log, re.M)
-train = re.findall(r"^wall \d+ s: training (\d+) %", log, re.M)
-vocab = re.search(r"^data: ready in .*\(vocab (\d+) source, (\d+) target\)", log, re.M)
-pieces = f"{vocab.group(1)}/{vocab.group(2)}" if vocab else "-"
-pieces += ",found" if vocab and not re.search(r"^data: trained ", log, re.M) else ""
-print(*best, f"{statistics.median(tok) / 1000:.0f}k" if tok else "-",
-      setup.group(1) if setup else "-", f"{train[-1]}%" if train else "-", pieces)
-PY
-)
+  # best dev BLEU of a whole pass (at wall s, step), tokens/s, set-up, training share, pieces: grid_row.py
+  row=$(python3 "$(dirname "$0")/grid_row.py" "$root/$name/evals.csv" "$LOGS/grid_$name.log" 2>/dev/null)
   read -r dev at_s at_step tok setup train pieces <<< "${row:-- - - - - - -}"
   printf "%-14s %8s %10s %6s %8s %8s %7s %6s %12s\n" "$name" "${bleu:-failed}" "$dev" "$at_s" "$at_step" "$tok" \
     "$setup" "$train" "$pieces"

@@ -1,0 +1,73 @@
+"""One row of scripts/real_grid.sh's table, from a run's evals.csv and its training log.
+
+Prints, space-separated ("-" where the run has no value):
+  best_dev at_s at_step tok/s setup_s train pieces
+- best_dev, at_s, at_step: the best dev BLEU of a whole pass (a pass the time limit cut short, its
+  ``bleu_n`` under the run's largest, is not compared: as scripts/plot_time_to_bleu.py and best.pt),
+  with its wall-clock second and step;
+- tok/s: the median of the epoch lines' target tokens/s, in thousands;
+- setup_s and train: the set-up line's seconds and the end line's training share of the wall clock;
+- pieces: the source/target tokenizers' pieces from the data line, ",found" where the run trained
+  none (it found them in the corpus folder or was given them).
+
+Usage: python3 scripts/grid_row.py EVALS_CSV LOG
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import statistics
+import sys
+from pathlib import Path
+
+EPOCH_LINE = re.compile(r"^\s+\d+\s+[\d.]+G\s+\d+\s+(\d+)\s", re.M)  # epoch, GPU_mem, batches, tokens/s
+SETUP_LINE = re.compile(r"^set-up ([\d.]+) s", re.M)
+END_LINE = re.compile(r"^wall \d+ s: training (\d+) %", re.M)
+DATA_LINE = re.compile(r"^data: ready in .*\(vocab (\d+) source, (\d+) target\)", re.M)
+TRAINED_LINE = re.compile(r"^data: trained ", re.M)
+
+
+def best_dev(path: Path) -> list[str]:
+    """[BLEU, wall s, step] of the best whole pass, or dashes."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = [r for r in csv.DictReader(f) if (r.get("bleu") or "").strip()]
+    except OSError:
+        return ["-", "-", "-"]
+    whole = max((int(r.get("bleu_n") or 0) for r in rows), default=0)
+    rows = [r for r in rows if int(r.get("bleu_n") or 0) == whole]
+    if not rows:
+        return ["-", "-", "-"]
+    b = max(rows, key=lambda r: float(r["bleu"]))
+    wall = b.get("wall_s") or ""
+    return [f"{float(b['bleu']):.2f}", f"{float(wall):.0f}" if wall else "-", b.get("step") or "-"]
+
+
+def from_log(text: str) -> list[str]:
+    """[tok/s, set-up s, training share, pieces] from a training log."""
+    tok = [float(m) for m in EPOCH_LINE.findall(text)]
+    setup = SETUP_LINE.search(text)
+    train = END_LINE.findall(text)
+    vocab = DATA_LINE.search(text)
+    pieces = f"{vocab.group(1)}/{vocab.group(2)}" if vocab else "-"
+    if vocab and not TRAINED_LINE.search(text):
+        pieces += ",found"
+    return [f"{statistics.median(tok) / 1000:.0f}k" if tok else "-", setup.group(1) if setup else "-",
+            f"{train[-1]}%" if train else "-", pieces]
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__.strip().splitlines()[-1], file=sys.stderr)
+        return 2
+    try:
+        text = Path(argv[1]).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        text = ""
+    print(*best_dev(Path(argv[0])), *from_log(text))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

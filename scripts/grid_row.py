@@ -2,9 +2,9 @@
 
 Prints, space-separated ("-" where the run has no value):
   best_dev at_s at_step tok/s setup_s train pieces
-- best_dev, at_s, at_step: the best dev BLEU of a whole pass (a pass the time limit cut short, its
-  ``bleu_n`` under the run's largest, is not compared: as scripts/plot_time_to_bleu.py and best.pt),
-  with its wall-clock second and step;
+- best_dev, at_s, at_step: the best dev BLEU of a whole pass, with its wall-clock second and step, read
+  as scripts/plot_time_to_bleu.py reads a run (a pass the time limit cut short is not compared, as for
+  best.pt; the end's --average-last row, no point in time, is left out);
 - tok/s: the median of the epoch lines' target tokens/s, in thousands;
 - setup_s and train: the set-up line's seconds and the end line's training share of the wall clock;
 - pieces: the source/target tokenizers' pieces from the data line, ",found" where the run trained
@@ -15,11 +15,16 @@ Usage: python3 scripts/grid_row.py EVALS_CSV LOG
 
 from __future__ import annotations
 
-import csv
+import importlib.util
 import re
 import statistics
 import sys
 from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("plot_time_to_bleu", Path(__file__).with_name("plot_time_to_bleu.py"))
+ttb = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = ttb  # its dataclasses look their module up there
+_spec.loader.exec_module(ttb)
 
 EPOCH_LINE = re.compile(r"^\s+\d+\s+[\d.]+G\s+\d+\s+(\d+)\s", re.M)  # epoch, GPU_mem, batches, tokens/s
 SETUP_LINE = re.compile(r"^set-up ([\d.]+) s", re.M)
@@ -31,17 +36,13 @@ TRAINED_LINE = re.compile(r"^data: trained ", re.M)
 def best_dev(path: Path) -> list[str]:
     """[BLEU, wall s, step] of the best whole pass, or dashes."""
     try:
-        with open(path, newline="", encoding="utf-8") as f:
-            rows = [r for r in csv.DictReader(f) if (r.get("bleu") or "").strip()]
-    except OSError:
+        curve = ttb.read_curve(str(path))
+    except ttb.InputError:
         return ["-", "-", "-"]
-    whole = max((int(r.get("bleu_n") or 0) for r in rows), default=0)
-    rows = [r for r in rows if int(r.get("bleu_n") or 0) == whole]
-    if not rows:
+    i = curve.best_index()
+    if i is None:
         return ["-", "-", "-"]
-    b = max(rows, key=lambda r: float(r["bleu"]))
-    wall = b.get("wall_s") or ""
-    return [f"{float(b['bleu']):.2f}", f"{float(wall):.0f}" if wall else "-", b.get("step") or "-"]
+    return [f"{curve.bleu[i]:.2f}", f"{curve.wall_s[i]:.0f}", curve.step[i]]
 
 
 def from_log(text: str) -> list[str]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -29,11 +29,17 @@ class Curve:
     bleu: list[float]
     full: list[bool]  # a whole BLEU pass (not cut by the time limit)
     untimed: int = 0  # evaluations left out: no wall_s
+    step: list[str] = field(default_factory=list)  # each evaluation's step, as evals.csv has it
 
     def best(self) -> tuple[float, float] | None:
         """(BLEU, wall_s) of the best whole pass, or None."""
-        points = [(b, w) for b, w, f in zip(self.bleu, self.wall_s, self.full) if f]
-        return max(points, key=lambda p: (p[0], -p[1])) if points else None
+        i = self.best_index()
+        return None if i is None else (self.bleu[i], self.wall_s[i])
+
+    def best_index(self) -> int | None:
+        """The index of the best whole pass (the earliest of equals), or None."""
+        points = [i for i, f in enumerate(self.full) if f]
+        return max(points, key=lambda i: (self.bleu[i], -self.wall_s[i])) if points else None
 
     def best_so_far(self) -> list[float | None]:
         """After each evaluation, the best whole pass up to it (None before the first whole pass)."""
@@ -79,7 +85,8 @@ def read_curve(spec: str) -> Curve:
         counts = [int(r["bleu_n"]) if r.get("bleu_n") else 0 for r in timed]
         return Curve(label or (run.name if run.is_dir() else run.parent.name),
                      [float(r["wall_s"]) for r in timed], [float(r["bleu"]) for r in timed],
-                     [n == max(counts) for n in counts], untimed=len(rows) - len(timed))
+                     [n == max(counts) for n in counts], untimed=len(rows) - len(timed),
+                     step=[r.get("step") or "-" for r in timed])
     except ValueError as e:
         raise InputError(f"{evals}: {e}") from None
 

@@ -24,20 +24,22 @@ wall 595 s: training 95 % (563 s), evaluation 1 % (4 s), set-up 4 % (22 s)
 """
 
 
-def write_evals(path: Path, rows: list[tuple[int, float, str, int]]) -> Path:
+def write_evals(path: Path, rows: list[tuple]) -> Path:
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["step", "epoch", "wall_s", "val_loss", "bleu", "bleu_n", "best"])
-        for step, wall, bleu, n in rows:
-            w.writerow([step, 1, wall, 1.0, bleu, n, 0])
+        w.writerow(["step", "epoch", "wall_s", "val_loss", "bleu", "bleu_n", "best", "kind"])
+        for step, wall, bleu, n, *kind in rows:
+            w.writerow([step, 1, wall, 1.0, bleu, n, 0, *kind])
     return path
 
 
 def test_the_best_whole_pass_and_the_log_columns(tmp_path, capsys):
     # an evaluation without BLEU first (its empty value must not win or block the max), a cut pass
-    # scoring above the whole ones (not compared, as for best.pt)
+    # scoring above the whole ones (not compared, as for best.pt), the end's --average-last row (no
+    # point in time: left out, as in the plots)
     evals = write_evals(tmp_path / "evals.csv", [(10, 20.0, "", 0), (184, 30.4, "41.20", 500),
-                                                 (368, 61.9, "55.07", 500), (400, 70.0, "60.00", 64)])
+                                                 (368, 61.9, "55.07", 500), (400, 70.0, "60.00", 64),
+                                                 (400, 71.0, "58.00", 500, "average")])
     (tmp_path / "run.log").write_text(LOG)
     assert grid_row.main([str(evals), str(tmp_path / "run.log")]) == 0
     assert capsys.readouterr().out.split() == ["55.07", "62", "368", "534k", "21.2", "95%", "4000/3900"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from streamnmt.configbase import canonical, check, check_choice, from_dict, opt, to_dict
+from streamnmt.configbase import canonical, check, check_choice, from_dict, names_of, opt, to_dict
 from streamnmt.data.config import GPU_PRESETS, DataConfig, builtin_size_for, small_corpus  # noqa: F401 (re-exported)
 from streamnmt.engine.config import EngineConfig
 from streamnmt.errors import ConfigError
@@ -382,7 +382,7 @@ class TrainJob:
 def section_of(key: str) -> str:
     """The section of a config key (a field's name, or one of its older names)."""
     for name, cls in SECTIONS.items():
-        if any(key == f.name or key in f.metadata.get("aliases", ()) for f in dataclasses.fields(cls)):
+        if key in names_of(cls):
             return name
     raise ConfigError(f"unknown config key '{key}'")
 

@@ -98,11 +98,17 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def names_of(cls: type) -> dict[str, str]:
+    """Every config key ``cls`` reads, its fields' names and their older names (``aliases``), to the
+    field's name."""
+    return {name: f.name for f in dataclasses.fields(cls) for name in (f.name, *f.metadata.get("aliases", ()))}
+
+
 def canonical(cls: type, values: dict[str, Any], where: str = "") -> dict[str, Any]:
     """``values`` with every field's older name (its ``aliases``) replaced by the field's name; a
     mapping that gives both, with different values, raises ConfigError (an older key set to None counts
     as not given). Other keys pass as they are."""
-    renamed = {alias: f.name for f in dataclasses.fields(cls) for alias in f.metadata.get("aliases", ())}
+    renamed = {key: name for key, name in names_of(cls).items() if key != name}
     out = {k: v for k, v in values.items() if k not in renamed}
     for key, value in values.items():
         if key in renamed and value is not None:

@@ -106,3 +106,27 @@ def test_second_compile_starts_warm(tmp_path):
                                                 "TRITON_CACHE_DIR": str(tmp_path / "triton")})
         assert moved["state"] == "warm" and moved["loaded"] and moved["fx_miss"] == 0, moved_out
         assert moved["ready_s"] < cold["ready_s"], (cold, moved)
+
+
+def test_background_compile_takes_over_in_graph_mode(tmp_path):
+    """``--compile background``: a child compiles the step (Inductor, cold) while graph mode trains
+    uncompiled; between epochs the run compiles from the cache the child filled, captures again and
+    trains compiled: its gradients reach the weights, and compiling from the warm cache takes less
+    time than the child's cold compile."""
+    import re
+
+    res = run_cli(["--device", "cuda", "--model", "tiny", "--builtin-size", "4000", "--bleu-samples", "0",
+                   "--max-len", "32", "--max-tokens", "1024", "--epochs", "100000", "--time-limit", "90s",
+                   "--sync-strategy", "graph", "--compile", "background", "--project", str(tmp_path),
+                   "--name", "bg"], str(tmp_path / "home"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout + res.stderr
+    assert "engine: compile in the background" in out, out[-3000:]
+    m = re.search(r"compiled step from step (\d+) on \(compiled beside training in (\d+) s; compiled here "
+                  r"from its cache and captured in ([\d.]+) s\)", out)
+    assert m is not None, out[-3000:]
+    first, child_s, here_s = int(m.group(1)), float(m.group(2)), float(m.group(3))
+    assert here_s < child_s, m.group(0)
+    rows = [r for r in read_csv(tmp_path / "bg" / "steps.csv") if int(r["step"]) >= first]
+    assert len(rows) > 100
+    assert all(float(r["grad_norm"]) > 0.1 and float(r["loss"]) == float(r["loss"]) for r in rows)

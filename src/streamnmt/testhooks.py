@@ -10,6 +10,10 @@ the processes they start, so the code under test runs as a user's would up to th
 - ``STREAMNMT_INJECT_INF_GRAD_FROM=N``: from the N-th call on, an infinite gradient under a finite loss;
 - ``STREAMNMT_TEST_CAPTURE_FAIL_RANK=R``: graph capture "fails" on rank R (the ranks' agreement on a
   failed capture).
+- ``STREAMNMT_TEST_COMPILE_CHILD_FAILS=1``: ``--compile background``'s child fails at its start (the
+  run goes on uncompiled).
+- ``STREAMNMT_TEST_COMPILE_BACKEND=NAME``: torch.compile's backend for the training step (``eager``:
+  TorchDynamo traces, nothing is generated: the CPU tests of ``--compile background`` in seconds).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ KILL_AT_STEP = "STREAMNMT_TEST_KILL_AT_STEP"
 INF_LOSS_CALL = "STREAMNMT_INJECT_INF_STEP"
 INF_GRAD_FROM_CALL = "STREAMNMT_INJECT_INF_GRAD_FROM"
 CAPTURE_FAIL_RANK = "STREAMNMT_TEST_CAPTURE_FAIL_RANK"
+COMPILE_CHILD_FAILS = "STREAMNMT_TEST_COMPILE_CHILD_FAILS"
+COMPILE_BACKEND = "STREAMNMT_TEST_COMPILE_BACKEND"
 
 
 def _number(name: str) -> int:
@@ -47,3 +53,13 @@ def capture_failure() -> str | None:
     if want is not None and want == os.environ.get("RANK", "0"):
         return f"injected by {CAPTURE_FAIL_RANK}"
     return None
+
+
+def compile_child_fails() -> bool:
+    """``--compile background``'s child process fails before it compiles."""
+    return _number(COMPILE_CHILD_FAILS) > 0
+
+
+def compile_backend() -> str | None:
+    """torch.compile's backend for the training step (None: torch's default, Inductor)."""
+    return os.environ.get(COMPILE_BACKEND) or None

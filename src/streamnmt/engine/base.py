@@ -146,8 +146,12 @@ class Strategy:
         """Does micro-batch ``i`` end its optimizer step? (The run's last one always does.)"""
         return last or (i + 1) % self.accum == 0
 
-    def prepare(self, step: StepFunction, examples: Iterable[Any]) -> None:
-        """Set-up before training, given one example host batch per batch shape (graph capture)."""
+    def prepare(self, step: StepFunction, examples: Iterable[Any], again: bool = False) -> str | None:
+        """Set-up before training, given one example host batch per batch shape (graph capture);
+        ``again``: between epochs, for a step whose model changed (``--compile background``). None,
+        or why it could not (``again`` only: the strategy is then as it was). Eager strategies
+        capture nothing."""
+        return None
 
     def run(self, batches: Iterable, step: StepFunction, losses: DeferredLosses,
             start_step: int = 0) -> Iterator[StepInfo]:

@@ -11,6 +11,7 @@ STRATEGY_NAMES = ("baseline", "event", "interval", "deep", "full", "graph")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 PIPELINES = ("deep", "full")  # the strategies whose stream count is a setting (--streams)
 PIPELINE_STREAMS = (3, 4)
+COMPILE_CHOICES = ("auto", "on", "off", "background")
 
 
 @dataclass(kw_only=True)
@@ -19,9 +20,11 @@ class EngineConfig:
                                      "CUDA, full on CPU", choices=("auto", *STRATEGY_NAMES))
     sync_interval: int = opt(10, "interval/deep/full/graph: the host blocks every this many batches")
     loss_interval: int = opt(10, "losses are copied to the host every this many batches")
-    compile: str = opt("auto", "torch.compile the model (fused kernels): on, off, or auto = on in graph mode "
-                               "when the run is long enough to win the compile time back",
-                       choices=("auto", "on", "off"), const="on")
+    compile: str = opt("auto", "torch.compile the model (fused kernels): on, off, auto = on in graph mode "
+                               "when the run is long enough to win the compile time back, or background = "
+                               "a child process compiles while the run trains uncompiled, and the compiled "
+                               "step takes over when it is done (one process)",
+                       choices=COMPILE_CHOICES, const="on")
     streams: int | None = opt(None, "deep/full: CUDA streams of the pipeline: 4 = copy N+1, forward N, backward N, "
                                     "copy N+2 (the seed layout, default); 3 = copy, forward, backward")
     accum_steps: int = opt(1, "gradient accumulation: batches per optimizer step (the loss is normalised by "
@@ -41,7 +44,7 @@ class EngineConfig:
         check_choice(self.sync_strategy, "sync_strategy", ("auto", *STRATEGY_NAMES))
         if str(self.compile).lower() in ("true", "false"):  # config.yaml of earlier versions held a bool
             self.compile = "on" if str(self.compile).lower() == "true" else "off"
-        check_choice(self.compile, "compile", ("auto", "on", "off"))
+        check_choice(self.compile, "compile", COMPILE_CHOICES)
         check(self.sync_interval >= 1, "sync_interval", f"must be at least 1; got {self.sync_interval}")
         check(self.loss_interval >= 1, "loss_interval", f"must be at least 1; got {self.loss_interval}")
         if self.streams is not None:

@@ -100,6 +100,11 @@ def _ema_due(step: StepFunction) -> bool:
     return bool(getattr(step, "ema", None) is not None and step.ema.every > 1 and step.ema_due())
 
 
+def _first_line(e: BaseException) -> str:
+    """A capture error in one line."""
+    return str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+
+
 def shape_key(batch: Any) -> tuple:
     return tuple(tuple(t.shape) for t in tensors(batch))
 
@@ -174,11 +179,32 @@ class GraphStrategy(Strategy):
         self.report = {"fallback": why}
 
     # -- capture -------------------------------------------------------------------------------
-    def prepare(self, step: StepFunction, examples: Iterable[Any]) -> None:
-        """Capture one graph per example batch's shape (call once, before training).
+    def prepare(self, step: StepFunction, examples: Iterable[Any], again: bool = False) -> str | None:
+        """Capture one graph per example batch's shape (before training).
 
         A failed capture falls back to ``full`` on one process; with DDP it is recorded in
-        ``report["capture_error"]`` instead, for the caller to agree on across ranks."""
+        ``report["capture_error"]`` instead, for the caller to agree on across ranks.
+
+        ``again``: between epochs, the step's model changed (``--compile background``: now compiled;
+        the warm-up compiles it) on one process. The graphs in use stay until the new ones are
+        captured; a capture that fails leaves them in use and is returned (why, one line), with no
+        fallback. ``report["recapture_s"]``: the seconds it took."""
+        if again:
+            if self.fallback is not None:
+                return self.fallback.prepare(step, examples, again=True)
+            old = (self.graphs, self.ema_graphs, self.opt_graph, self.opt_graph_ema, self._deferred, self.report)
+            self.graphs, self.ema_graphs, self._deferred = {}, {}, []
+            self.opt_graph = self.opt_graph_ema = None
+            t0 = time.perf_counter()
+            try:
+                self._capture_all(step, list(examples))
+            except (RuntimeError, NotImplementedError) as e:
+                # Needed: the failed capture's work must be finished before the old graphs replay again.
+                host_sync("graph.recapture", lambda: torch.cuda.synchronize(self.device))
+                self.graphs, self.ema_graphs, self.opt_graph, self.opt_graph_ema, self._deferred, self.report = old
+                return _first_line(e)
+            self.report = {**self.report, "recapture_s": round(time.perf_counter() - t0, 2)}
+            return None
         self.polling = _data_parallel(step)  # replayed collectives: host waits poll with a deadline
         injected = testhooks.capture_failure()  # test hook (streamnmt.testhooks)
         if injected is not None:
@@ -198,8 +224,7 @@ class GraphStrategy(Strategy):
             self._deferred.clear()
             # Needed: the failed capture's work must be finished before the fallback strategy starts.
             host_sync("graph.capture", lambda: torch.cuda.synchronize(self.device))
-            msg = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-            self._capture_failed(step, msg)
+            self._capture_failed(step, _first_line(e))
             return
         shapes = {key if self.accum == 1 else key[0] for key in self.graphs}
         self.report = {"shapes": len(shapes), "capture_s": round(time.perf_counter() - t0, 2),

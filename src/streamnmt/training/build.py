@@ -36,6 +36,7 @@ from streamnmt.inference.decoding import decode_dtype
 from streamnmt.models.attention import resolve_attention, settle_triton
 from streamnmt.models.transformer import ModelShape, Transformer
 from streamnmt.training.checkpointer import remove_stale_temporaries, repair_safetensors_beside
+from streamnmt.training import compile_cache, compile_child
 from streamnmt.training.checkpoints import CheckpointManager
 from streamnmt.training.cooldown import Cooldown, steps_of_run
 from streamnmt.training.evaluator import Evaluator
@@ -87,6 +88,12 @@ class Run:
     save_dir: Path = Path()
     metrics: RunMetrics = None  # type: ignore[assignment]
     cooldown: Cooldown | None = None  # --lr-cooldown's plan (None: off)
+    background_compile: Any = None  # --compile background: the child compiling the step (None: none)
+
+    def examples(self) -> list[Any]:
+        """One example batch per training batch shape: what the engine prepares (captures) the step on."""
+        return [example_batch(shape, self.shape, self.job.run.seed, packed=self.job.data.packs)
+                for shape in self.train_loader.shapes()]
 
     def wall_s(self) -> float | None:
         """Seconds of wall clock the run has taken to reach its current state: this command's, from
@@ -301,12 +308,23 @@ class _RunBuilder:
             self.job = dataclasses.replace(self.job, model=dataclasses.replace(self.job.model, attention="sdpa"))
             self.run.job = self.job  # the run's checkpoints and config.yaml say what trains
             self.run.checkpoints.use_job(self.job)
-        self.strategy.prepare(self.train_step, [example_batch(shape, self.shape, self.job.run.seed,
-                                                           packed=self.job.data.packs)
-                                             for shape in self.train_loader.shapes()])
+        self.strategy.prepare(self.train_step, self.run.examples())
         # Several ranks: graph capture succeeded everywhere, or every rank stops with one line.
         self.dist.agree_on_capture(self.strategy.report.get("capture_error"))
         self.train_step.compile_ready(self.log)  # --compile: artefacts saved; "engine: ready in X s" (cache warm/cold)
+        if self.job.engine.compile == "background" and not self.dist.active:
+            self.run.background_compile = self._start_compile_child()
+
+    def _start_compile_child(self) -> Any:
+        """--compile background: the child that compiles the step while the run trains uncompiled (its
+        key staged by resolve_compile; a resumed run's child fills the directories alone)."""
+        cache = compile_cache.take_staged() or compile_cache.CompileCache(None, since="the model").stage(self.log)
+        job = self.job
+        return compile_child.start(shape=self.shape, attention=self.model.attention, amp=job.optim.amp,
+                                   label_smoothing=job.model.label_smoothing, clip=job.optim.clip_grad,
+                                   device=self.device, batch_shapes=self.train_loader.shapes(),
+                                   packed=job.data.packs, seed=job.run.seed, deterministic=job.run.deterministic,
+                                   facts=cache.facts, cache_root=str(cache.root), log=self.log)
 
     def _build_run_dir(self, resume: dict[str, Any] | None) -> None:
         """The run directory (only now that everything above is valid): rank 0 makes it, the others learn it."""

@@ -334,6 +334,14 @@ def stage(cache: CompileCache | None, log: Log | None) -> None:
     _staged = cache.stage(log) if cache is not None else None
 
 
+def take_staged() -> CompileCache | None:
+    """The cache resolve_compile staged for a step that does not compile here (``--compile
+    background``: its child compiles under the key), cleared; None where none was staged."""
+    global _staged
+    cache, _staged = _staged, None
+    return cache
+
+
 def for_step(model: Any) -> CompileCache:
     """The compile cache of a step about to compile ``model``: the one resolve_compile staged, its
     vocabulary sizes checked against the model's (the key then follows the model); where none was

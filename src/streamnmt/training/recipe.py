@@ -207,9 +207,17 @@ def resolve_compile(job: TrainJob, train: TokenizedCorpus, device: torch.device,
     # name), and from what Inductor's options depend on, not from Inductor itself (importing it
     # costs seconds of a run's start-up; docs/PERFORMANCE.md, "Evaluation and checkpoints in a run").
     cache = None
-    if job.engine.compile == "on" or (rule and decide(COMPILE_S_PER_SHAPE_WARM).value):
+    if job.engine.compile in ("on", "background") or (rule and decide(COMPILE_S_PER_SHAPE_WARM).value):
         cache = compile_cache.CompileCache(compile_cache.job_key(job, shapes, device, world, inductor_key()))
     warm = cache is not None and cache.warm
+    if job.engine.compile == "background":
+        # a child process compiles beside training (streamnmt.training.compile_child); where the cache
+        # is warm compiling here takes seconds, and under torchrun each rank compiles in its own process
+        why = ("the compile cache is warm: compiling here takes seconds" if warm else
+               "several processes: each compiles its own step" if world > 1 else "")
+        log(f"engine: compile {'on (--compile background: ' + why + ')' if why else 'in the background'}")
+        compile_cache.stage(cache, log)  # the directories the child inherits; its key, for the child's manifest
+        return dataclasses.replace(job, engine=dataclasses.replace(job.engine, compile="on" if why else "background"))
     choice = decide(COMPILE_S_PER_SHAPE_WARM if warm else COMPILE_S_PER_SHAPE)
     if job.engine.compile == "auto":
         note = (f"; compile cache {'warm' if warm else 'cold'}" if cache is not None else

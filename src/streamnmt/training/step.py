@@ -339,6 +339,24 @@ class NMTStep:
                                                     max=torch.finfo(torch.float32).max)
         return norm
 
+    def use_compiled(self, shapes: int) -> None:
+        """From the next forward on, the step runs its model compiled (``--compile background``: the
+        compile cache holds its artefacts, so this compiles warm at the next forward); one process, no
+        DDP. :meth:`use_uncompiled` undoes it."""
+        loss_model = self.model
+        if not isinstance(loss_model, LossModel) or self.ddp is not None or self._parallelize is not None:
+            raise RuntimeError("only a one-process step that is not compiled yet can switch to compiled")
+        fit_compile_cache(shapes)
+        loss_model.loss_fn = _loss_eager()  # as make_step(compile=True) makes it: see _loss_eager
+        self._uncompiled, self.model = loss_model, compiled(loss_model)
+
+    def use_uncompiled(self) -> None:
+        """Back to the uncompiled model (its compiled step could not be captured)."""
+        loss_model = getattr(self, "_uncompiled", None)
+        if loss_model is not None:
+            loss_model.loss_fn = linear_cross_entropy
+            self.model, self._uncompiled = loss_model, None
+
     def compile_ready(self, log: Callable[[str], None]) -> None:
         """Called once the engine is prepared: with ``compile``, save the compiled artefacts (once per
         run) and say how long the start took and whether the compile cache was warm. Graph mode's
@@ -402,9 +420,6 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
         fit_compile_cache(shapes)
         cache = compile_cache.for_step(model)  # before torch.compile first runs: it reads the directories
 
-    def compiled(m: torch.nn.Module) -> torch.nn.Module:
-        return torch.compile(m, dynamic=False, options=inductor_options() or None)
-
     def parallelize(m: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
         from streamnmt.dist import parallelize as wrap
         wrapped = wrap(m, device, bucket_cap_mb)
@@ -417,6 +432,14 @@ def make_step(model: torch.nn.Module, device: torch.device, *, d_model: int, lr:
         step.ema = EMA(step.params, ema, schedule.step_t, every=ema_every)
     step.compile_cache = cache
     return step
+
+
+def compiled(m: torch.nn.Module) -> torch.nn.Module:
+    """``m`` compiled as the training step compiles it (static shapes: what CUDA graph capture needs)."""
+    backend = testhooks.compile_backend()
+    if backend is not None:
+        return torch.compile(m, dynamic=False, backend=backend)
+    return torch.compile(m, dynamic=False, options=inductor_options() or None)
 
 
 def inductor_options() -> dict[str, bool]:

@@ -31,6 +31,7 @@ from streamnmt.config import TrainJob
 from streamnmt.engine import STATS
 from streamnmt.engine.losses import StepLoss
 from streamnmt.errors import NonFiniteLoss
+from streamnmt.training import compile_child
 from streamnmt.training.async_bleu import Deferred
 from streamnmt.training.averaging import average_at_end
 from streamnmt.training.build import Run, build_run, resume_job
@@ -69,6 +70,7 @@ class Trainer:
         self.kept_s = 0.0  # the reserve's sum at this step (_check_budget)
         self.signalled = False  # a first signal arrived (a second Ctrl-C aborts)
         self.pending_losses: list[StepLoss] = []  # drained by a stop mid-epoch, for the end's means
+        self.switch_s = 0.0  # --compile background: seconds of switching to the compiled step (set-up)
 
     @classmethod
     def from_checkpoint(cls, path: str, log: Callable[[str], None] = print, device: str | None = None,
@@ -94,6 +96,7 @@ class Trainer:
         temporary file goes at the next start)."""
         with contextlib.suppress(Exception):
             self.evaluator.abort()
+        compile_child.stop(self.run)
         try:
             self.checkpointer.close()
         except Exception as e:  # noqa: BLE001 - the run's own error is the one raised
@@ -118,7 +121,8 @@ class Trainer:
                 row = self.run_epoch(self.epoch) or row
             self._finish()
             loop_s = self.clock() - loop_start
-            times["training"] = loop_s - times["evaluation"] - times["checkpoints"]
+            times["training"] = loop_s - times["evaluation"] - times["checkpoints"] - self.switch_s
+            times["set-up"] += self.switch_s
             end_start = self.clock()
             # rank 0: ema.pt staged, then written beside the last last.pt; _close_logs waits for both
             ema = self.checkpoints.export_ema(self.record()) if self.dist.main else None
@@ -230,6 +234,9 @@ class Trainer:
             self.epoch, self.epoch_pos = epoch + 1, 0       # of an earlier version): nothing left to train
             return {}
         self.model.train()
+        # --compile background: the compiled step takes over here once its child is done (traced and
+        # captured in training mode); its seconds count as set-up
+        self.switch_s += compile_child.take_over_when_done(self.run, self.global_step)
         self.train_loader.set_epoch(epoch)  # keeps a resumed mid-epoch position
         STATS.reset()
         nvml = NvmlSampler(self.device).start()  # GPU utilisation sampled in a thread; no device sync
@@ -394,6 +401,7 @@ class Trainer:
         """The end of the run, however it ends: every loss logged, the last step evaluated (not after
         a signal: the job is being stopped) and saved, and every write on disk."""
         losses, evals = self.pending_losses, self.evaluations
+        compile_child.stop(self.run)  # still compiling: the end needs the GPU and cores more
         # one rank's signal; rank 0 may still be waiting for a write alone
         signalled = self.dist.agree(self.signalled, "dist.stop", long_wait=True) if self.dist.active else self.signalled
         self.signalled = signalled  # any rank's: what the last line says

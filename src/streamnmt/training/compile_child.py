@@ -1,0 +1,241 @@
+"""``--compile background``: the step compiled in a child process while the run trains uncompiled.
+
+A cold torch.compile of the training step takes tens of seconds (Dynamo's trace, AOTAutograd,
+Inductor's lowering and the Triton kernels' builds), and a run that compiles in its own process
+trains nothing meanwhile: on a fresh machine that is most of a long run's set-up (docs/PERFORMANCE.md,
+the 10-minute rows' set-up). Instead, once the engine is prepared (uncompiled), :func:`start` runs
+this module as a child process (a fresh interpreter: TorchDynamo and Inductor are not thread-safe,
+so not a thread) that builds the same model, compiles its step for each training batch shape and
+runs one step of each, which fills the persistent compile cache (:mod:`.compile_cache`: the
+directories the parent staged, which the child inherits, and the key's manifest, saved by the
+child). The trainer polls :class:`BackgroundCompile` between epochs; when the child is done it
+compiles its own step from the warm cache (seconds), captures it again and trains on compiled
+(:meth:`streamnmt.training.trainer.Trainer.run_epoch`). A child that fails or times out costs one
+line: the run goes on uncompiled.
+
+What the compile's artefacts depend on is what the child is given: the model's shape and
+attention kernels, the batch shapes (packed or not), the mixed precision, label smoothing and
+Inductor's options (:func:`streamnmt.training.step.inductor_options`, read in both processes).
+The weights' values do not matter, so the child's model is freshly initialised. One process only
+(a torchrun run compiles in its own processes, ``--compile on``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+TIMEOUT_S = 900.0  # a cold compile of one shape takes under a minute on a GPU; a loaded CPU takes longer
+TAIL_CHARS = 300  # of the child's output, in the failure line
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    """How the child ended: ``ok``, its wall seconds, and where not ok the reason (one line)."""
+
+    ok: bool
+    seconds: float
+    why: str = ""
+
+
+class BackgroundCompile:
+    """The child compiling the step; :meth:`poll` never blocks."""
+
+    def __init__(self, proc: subprocess.Popen, out: Path, spec: Path, timeout_s: float = TIMEOUT_S):
+        self.proc, self.out, self.spec, self.timeout_s = proc, out, spec, timeout_s
+        self.t0 = time.monotonic()
+        self.done: Done | None = None
+
+    def poll(self) -> Done | None:
+        """None while the child runs; else how it ended (a child past its timeout is stopped). A
+        failed child's output file stays, for the line that names it."""
+        if self.done is not None:
+            return self.done
+        rc = self.proc.poll()
+        seconds = time.monotonic() - self.t0
+        if rc is None:
+            if seconds < self.timeout_s:
+                return None
+            self.stop()
+            self.done = Done(False, seconds, f"no result after {self.timeout_s:.0f} s")
+        elif rc == 0:
+            self._cleanup(keep_out=False)
+            self.done = Done(True, seconds)
+        else:
+            self._cleanup(keep_out=True)
+            self.done = Done(False, seconds, f"exit code {rc}: {self._tail()}")
+        return self.done
+
+    def _tail(self) -> str:
+        try:
+            text = self.out.read_text(encoding="utf-8", errors="replace").strip()
+        except OSError:
+            return "no output"
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        last = lines[-1] if lines else "no output"
+        return (last[:TAIL_CHARS] + f" (its output: {self.out})") if last else str(self.out)
+
+    def stop(self) -> None:
+        """End the child (the run ended before it did); its cache entries written so far stay."""
+        if self.done is not None:
+            return
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._cleanup(keep_out=False)
+
+    def _cleanup(self, keep_out: bool) -> None:
+        self.spec.unlink(missing_ok=True)
+        if not keep_out:
+            self.out.unlink(missing_ok=True)
+
+
+def start(*, shape: Any, attention: str, amp: str, label_smoothing: float, clip: float, device: Any,
+          batch_shapes: Sequence[Sequence[int]], packed: bool, seed: int, deterministic: bool,
+          facts: dict[str, Any] | None, cache_root: str | None, log: Callable[[str], None]) -> BackgroundCompile:
+    """Start the child for a step of ``shape`` (a :class:`streamnmt.models.transformer.ModelShape`)
+    with ``attention`` kernels on ``device``; ``facts`` and ``cache_root``: the compile cache's key
+    and folder (:class:`streamnmt.training.compile_cache.CompileCache`), so that the child saves the
+    key's manifest (None: the directories alone). The child inherits the environment, where the
+    cache directories point."""
+    spec = {"shape": dataclasses.asdict(shape), "attention": attention, "amp": amp,
+            "label_smoothing": label_smoothing, "clip": clip, "device": str(device),
+            "batch_shapes": [list(s) for s in batch_shapes], "packed": packed, "seed": seed,
+            "deterministic": deterministic, "facts": facts, "cache_root": cache_root}
+    fd, spec_path = tempfile.mkstemp(prefix="streamnmt-compile-", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(spec, f, default=str)
+    fd, out_path = tempfile.mkstemp(prefix="streamnmt-compile-", suffix=".log")
+    with os.fdopen(fd, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "streamnmt.training.compile_child", spec_path],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=_child_env())
+    log(f"engine: compiling the step in a child process (pid {proc.pid}) while training starts uncompiled; "
+        f"the compiled step takes over at the first epoch end after it is done")
+    handle = BackgroundCompile(proc, Path(out_path), Path(spec_path))
+    atexit.register(handle.stop)  # a run that ends (or fails) before the child does takes it along
+    return handle
+
+
+def take_over_when_done(run: Any, global_step: int) -> float:
+    """Between epochs (the engine drained, no step in flight): once ``run``'s child is done, its step
+    runs compiled from here, compiled from the cache the child filled and captured again; a child
+    that failed, or a capture that fails, leaves it uncompiled, with one line. Returns the seconds
+    the switch took (0 while the child runs, or where there is none)."""
+    child = getattr(run, "background_compile", None)
+    done = child.poll() if child is not None else None
+    if done is None:
+        return 0.0
+    run.background_compile = None
+    if not done.ok:
+        run.log(f"engine: the step's compile in the background failed ({done.why}); training goes on uncompiled")
+        return 0.0
+    t0 = time.monotonic()
+    step, strategy = run.train_step, run.strategy
+    step.use_compiled(len(run.train_loader.shapes()))
+    why = strategy.prepare(step, run.examples(), again=True)
+    if why is not None:
+        step.use_uncompiled()
+    seconds = time.monotonic() - t0
+    here = (f"compiled here from its cache and captured in {seconds:.1f} s" if "recapture_s" in strategy.report
+            else "compiled here from its cache at each batch shape's next step")
+    run.log(f"engine: the compiled step's capture failed ({why}); training goes on uncompiled" if why else
+            f"engine: compiled step from step {global_step + 1} on (compiled beside training in "
+            f"{done.seconds:.0f} s; {here})")
+    return seconds
+
+
+def stop(run: Any) -> None:
+    """The run ends: its child, if still compiling, is stopped (the end needs the GPU and the cores)."""
+    child, run.background_compile = getattr(run, "background_compile", None), None
+    if child is not None:
+        child.stop()
+
+
+def _child_env() -> dict[str, str]:
+    """This process's environment, with the package importable where it runs from a source tree,
+    and Inductor's parallel kernel builds held to the cores the training loop and its loader
+    workers leave (:data:`streamnmt.setupclock.LEFT_CORES`) unless the user set their number."""
+    from streamnmt.setupclock import LEFT_CORES, usable_cores
+
+    env = dict(os.environ)
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, usable_cores() - LEFT_CORES)))
+    src = str(Path(__file__).resolve().parents[2])
+    paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
+    if src not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([src, *paths])
+    return env
+
+
+def compile_step(spec: dict[str, Any], log: Callable[[str], None] = print) -> None:
+    """The child's work: the step of ``spec``'s model compiled and run once per batch shape; the
+    compile cache's manifest saved."""
+    from streamnmt import testhooks
+
+    if testhooks.compile_child_fails():
+        raise RuntimeError("compile child failure injected by STREAMNMT_TEST_COMPILE_CHILD_FAILS")
+    import torch
+
+    from streamnmt.engine.base import move
+    from streamnmt.models.transformer import ModelShape, Transformer
+    from streamnmt.syncstats import host_sync
+    from streamnmt.training import compile_cache
+    from streamnmt.training.step import example_batch, make_step
+
+    device = torch.device(spec["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if spec["deterministic"]:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    torch.manual_seed(spec["seed"])
+    shape = ModelShape(**spec["shape"])
+    with torch.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        model = Transformer(shape)
+    model.to(device)
+    model.set_attention(spec["attention"])
+    model.train()
+    if spec["facts"] is not None:  # the parent's key: the manifest says the artefacts are there
+        root = Path(spec["cache_root"]) if spec["cache_root"] else None
+        compile_cache.stage(compile_cache.CompileCache(spec["facts"], root, since="the child's start"), log)
+    step = make_step(model, device, d_model=shape.d_model, amp=spec["amp"], clip=spec["clip"],
+                     label_smoothing=spec["label_smoothing"], compile=True, shapes=len(spec["batch_shapes"]))
+    for i, bs in enumerate(spec["batch_shapes"]):
+        batch = move(example_batch(tuple(bs), shape, spec["seed"] + i, packed=spec["packed"]), device)
+        loss = step.forward(batch)  # the first call of a shape compiles its forward, its backward below
+        step.backward(loss)
+        step.optimizer_step()
+    if device.type == "cuda":
+        # Needed: the compiled kernels' first launches must have run (Triton builds at first launch)
+        # before the cache is saved and the parent is told the compile is done.
+        host_sync("compile_child.done", lambda: torch.cuda.synchronize(device))
+    step.compile_cache.save(log)
+    log(f"compiled {len(spec['batch_shapes'])} batch shape(s)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m streamnmt.training.compile_child SPEC.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(args[0]).read_text(encoding="utf-8"))
+    try:
+        compile_step(spec)
+    except Exception as e:  # noqa: BLE001 - the parent reads the last line and trains on uncompiled
+        print(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

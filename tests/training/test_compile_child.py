@@ -1,0 +1,101 @@
+"""``--compile background`` (CPU): a child process compiles the step while the run trains uncompiled;
+the step switches to compiled between epochs once the child is done, a failed child leaves it
+uncompiled with one line, and a run that ends first takes the child along
+(streamnmt.training.compile_child). TorchDynamo traces with the ``eager`` backend here (the test
+hook ``STREAMNMT_TEST_COMPILE_BACKEND``): the switch, not Inductor's code, is under test; the GPU
+test in tests/test_compile_gpu.py compiles for real in graph mode."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from streamnmt import testhooks
+from streamnmt.config import build_job
+from streamnmt.engine.config import EngineConfig
+from streamnmt.training import compile_cache as cc
+from streamnmt.training.recipe import resolve_compile, resolve_job
+from streamnmt.training.runs import read_csv
+from streamnmt.training.step import LossModel
+from tests.test_recipe import home, make_trainer  # noqa: F401  (home: each test's STREAMNMT_HOME)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(home, tmp_path, monkeypatch):  # noqa: F811  (after the shared home fixture)
+    """A compile cache of this test's own (a warm one would compile in the run's process instead),
+    and the cache variables the run sets restored after it."""
+    monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path / "home"))
+    for var in (cc.INDUCTOR_ENV, cc.TRITON_ENV):
+        monkeypatch.delenv(var, raising=False)
+    yield
+    cc.stage(None, None)
+    torch._dynamo.reset()
+
+
+def _finite_steps(run_dir) -> list[float]:
+    rows = read_csv(run_dir / "steps.csv")
+    assert rows and all(math.isfinite(float(r["loss"])) for r in rows)
+    return [float(r["loss"]) for r in rows]
+
+
+def test_the_step_switches_to_compiled_once_the_child_is_done(tmp_path, monkeypatch):
+    monkeypatch.setenv(testhooks.COMPILE_BACKEND, "eager")
+    lines: list[str] = []
+    t = make_trainer(tmp_path, "--compile", "background", "--epochs", "3", "--name", "bg", lines=lines)
+    assert t.job.engine.compile == "background" and "engine: compile in the background" in lines
+    assert isinstance(t.train_step.model, LossModel)  # training starts uncompiled
+    child = t.run.background_compile
+    assert child is not None and child.proc.wait(timeout=240) == 0  # done before the first epoch starts
+    t.train()
+    switched = [ln for ln in lines if ln.startswith("engine: compiled step from step 1 on")]
+    assert len(switched) == 1, lines
+    assert isinstance(t.train_step.model, torch._dynamo.eval_frame.OptimizedModule)
+    assert t.train_step.model._orig_mod is t.train_step._uncompiled  # the same weights, compiled
+    assert len(_finite_steps(tmp_path / "bg")) == t.global_step  # every step trained and logged
+    # the child saved the key's manifest: the next run of this step finds the cache warm
+    assert list((tmp_path / "home" / "compile" / "keys").glob("*/" + cc.MANIFEST))
+    assert t.run.background_compile is None
+
+
+def test_a_failed_child_leaves_the_step_uncompiled_with_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv(testhooks.COMPILE_CHILD_FAILS, "1")
+    lines: list[str] = []
+    t = make_trainer(tmp_path, "--compile", "background", "--epochs", "2", "--name", "fail", lines=lines)
+    assert t.run.background_compile.proc.wait(timeout=120) == 1
+    t.train()
+    failed = [ln for ln in lines if "compile in the background failed" in ln]
+    assert len(failed) == 1 and "injected by STREAMNMT_TEST_COMPILE_CHILD_FAILS" in failed[0]
+    assert failed[0].endswith("training goes on uncompiled")
+    assert isinstance(t.train_step.model, LossModel)
+    assert len(_finite_steps(tmp_path / "fail")) == t.global_step
+
+
+def test_a_run_that_ends_before_the_child_stops_it(tmp_path):
+    # Inductor's real compile of the step takes far longer than this one-epoch run
+    t = make_trainer(tmp_path, "--compile", "background", "--epochs", "1", "--name", "short")
+    child = t.run.background_compile
+    t.train()
+    assert child.proc.poll() is not None  # ended by the run's end, not left running
+    assert isinstance(t.train_step.model, LossModel)
+    assert not child.spec.exists()
+
+
+def test_background_compiles_in_the_process_where_the_cache_is_warm_or_ranks_are_several(tmp_path):
+    assert EngineConfig(compile="background").compile == "background"
+    job = resolve_job(build_job({"device": "cpu", "model": "tiny", "builtin_size": 200, "max_len": 16,
+                                 "bleu_samples": 0, "compile": "background"}), CPU, 1, lambda s: None)
+    from streamnmt.data import prepare_data
+    bundle = prepare_data(job.data, log=lambda s: None)
+    lines: list[str] = []
+    assert resolve_compile(job, bundle.train, CPU, 2, lines.append).engine.compile == "on"
+    assert "several processes" in lines[-1]
+    cold = resolve_compile(job, bundle.train, CPU, 1, lines.append)
+    assert cold.engine.compile == "background" and lines[-1] == "engine: compile in the background"
+    cc.take_staged().save(None)  # as the child leaves it
+    warm = resolve_compile(dataclasses.replace(job), bundle.train, CPU, 1, lines.append)
+    assert warm.engine.compile == "on" and "the compile cache is warm" in lines[-1]

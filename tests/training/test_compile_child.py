@@ -99,3 +99,28 @@ def test_background_compiles_in_the_process_where_the_cache_is_warm_or_ranks_are
     cc.take_staged().save(None)  # as the child leaves it
     warm = resolve_compile(dataclasses.replace(job), bundle.train, CPU, 1, lines.append)
     assert warm.engine.compile == "on" and "the compile cache is warm" in lines[-1]
+
+
+def test_a_child_done_too_near_the_time_limit_is_not_switched_to():
+    from types import SimpleNamespace
+
+    from streamnmt.training import compile_child
+
+    class Budget:
+        def __init__(self, limit_s, elapsed_s):
+            self.limit_s, self._elapsed = limit_s, elapsed_s
+
+        def elapsed(self):
+            return self._elapsed
+
+    assert compile_child.worth_switching(Budget(None, 0.0), 1) is None  # no limit: always
+    assert compile_child.worth_switching(Budget(600.0, 400.0), 1) is None  # 200 s left save ~39 s
+    assert compile_child.worth_switching(Budget(600.0, 560.0), 1) == pytest.approx(40.0)  # ~8 s < 2 x 7 s
+    assert compile_child.worth_switching(Budget(600.0, 400.0), 4) == pytest.approx(200.0)  # four shapes
+    lines: list[str] = []
+    done = SimpleNamespace(poll=lambda: compile_child.Done(True, 50.0))
+    step = SimpleNamespace(use_compiled=lambda shapes: pytest.fail("switched too late"))
+    run = SimpleNamespace(background_compile=done, budget=Budget(600.0, 570.0), log=lines.append,
+                          train_loader=SimpleNamespace(shapes=lambda: [(8, 16, 16)]), train_step=step)
+    assert compile_child.take_over_when_done(run, 100) == 0.0
+    assert run.background_compile is None and len(lines) == 1 and "too late" in lines[0]

@@ -140,6 +140,11 @@ def take_over_when_done(run: Any, global_step: int) -> float:
     if not done.ok:
         run.log(f"engine: the step's compile in the background failed ({done.why}); training goes on uncompiled")
         return 0.0
+    left = worth_switching(run.budget, len(run.train_loader.shapes()))
+    if left is not None:
+        run.log(f"engine: the step's compile in the background is done, {left:.0f} s before the time limit: too "
+                f"late to win the switch back; training ends uncompiled")
+        return 0.0
     t0 = time.monotonic()
     step, strategy = run.train_step, run.strategy
     step.use_compiled(len(run.train_loader.shapes()))
@@ -153,6 +158,18 @@ def take_over_when_done(run: Any, global_step: int) -> float:
             f"engine: compiled step from step {global_step + 1} on (compiled beside training in "
             f"{done.seconds:.0f} s; {here})")
     return seconds
+
+
+def worth_switching(budget: Any, shapes: int) -> float | None:
+    """None where the switch pays: no time limit, or the time left saves (at ``--compile auto``'s
+    estimated saving, :mod:`streamnmt.engine.auto`) at least twice the warm compile of ``shapes``
+    batch shapes; else the seconds left."""
+    from streamnmt.engine.auto import COMPILE_S_PER_SHAPE_WARM, COMPILE_SAVING
+
+    if budget is None or budget.limit_s is None:
+        return None
+    left = budget.limit_s - budget.elapsed()
+    return None if left * COMPILE_SAVING >= 2 * COMPILE_S_PER_SHAPE_WARM * max(shapes, 1) else left
 
 
 def stop(run: Any) -> None:

@@ -200,7 +200,7 @@ def init(backend: str, device: str | None, timeout_s: int) -> Dist:
                               f"use --nproc {n} or fewer (one GPU per process)")
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
-    _die_with_launcher()
+    die_with_parent()  # torchrun
     import torch.distributed as dist
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
@@ -292,8 +292,9 @@ def first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
     return rank, failures[rank]
 
 
-def _die_with_launcher() -> None:
-    """This rank ends when torchrun dies, even by SIGKILL (no orphan keeps training)."""
+def die_with_parent() -> None:
+    """This process ends when the one that started it dies, even by SIGKILL (no orphan rank keeps
+    training after torchrun, no orphan compile child after its run): Linux's PR_SET_PDEATHSIG."""
     if sys.platform.startswith("linux"):
         import ctypes
         with contextlib.suppress(OSError, AttributeError):

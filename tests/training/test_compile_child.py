@@ -124,3 +124,62 @@ def test_a_child_done_too_near_the_time_limit_is_not_switched_to():
                           train_loader=SimpleNamespace(shapes=lambda: [(8, 16, 16)]), train_step=step)
     assert compile_child.take_over_when_done(run, 100) == 0.0
     assert run.background_compile is None and len(lines) == 1 and "too late" in lines[0]
+
+
+def _fake_run(child, lines, step=None, pending=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(background_compile=child, budget=None, log=lines.append,
+                           evaluator=SimpleNamespace(pending=pending),
+                           train_loader=SimpleNamespace(shapes=lambda: [(8, 16, 16)]), train_step=step,
+                           strategy=SimpleNamespace(report={}, prepare=lambda step, ex, again: None),
+                           examples=lambda: [])
+
+
+def test_no_switch_while_a_bleu_pass_runs_beside_training():
+    from types import SimpleNamespace
+
+    from streamnmt.training import compile_child
+
+    done = SimpleNamespace(poll=lambda: compile_child.Done(True, 30.0))
+    step = SimpleNamespace(use_compiled=lambda shapes: pytest.fail("switched beside a BLEU pass"))
+    lines: list[str] = []
+    run = _fake_run(done, lines, step, pending=(None, None, SimpleNamespace(done=False)))
+    assert compile_child.take_over_when_done(run, 10) == 0.0
+    assert run.background_compile is done and not lines  # kept for a later epoch end
+
+
+def test_a_switch_that_raises_leaves_the_step_uncompiled():
+    from types import SimpleNamespace
+
+    from streamnmt.training import compile_child
+
+    undone: list[bool] = []
+
+    def boom(shapes):
+        raise ValueError("no compiler here")
+
+    step = SimpleNamespace(use_compiled=boom, use_uncompiled=lambda: undone.append(True))
+    lines: list[str] = []
+    run = _fake_run(SimpleNamespace(poll=lambda: compile_child.Done(True, 30.0)), lines, step)
+    compile_child.take_over_when_done(run, 10)
+    assert undone == [True] and len(lines) == 1
+    assert "ValueError: no compiler here" in lines[0] and lines[0].endswith("training goes on uncompiled")
+
+
+def test_the_childs_seconds_are_its_own_not_the_polls(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from streamnmt.training import compile_child
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    out, spec = tmp_path / "out.log", tmp_path / "spec.json"
+    child = compile_child.BackgroundCompile(proc, out, spec)
+    child.t0_wall = time.time() - 100.0  # started 100 s ago; the child finished 40 s after its start
+    out.write_text(f"compiled 1 batch shape(s)\n{compile_child.FINISHED} {child.t0_wall + 40.0:.3f}\n")
+    done = child.poll()
+    assert done.ok and done.seconds == pytest.approx(40.0, abs=0.01)
+    assert not out.exists()

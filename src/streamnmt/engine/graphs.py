@@ -198,7 +198,7 @@ class GraphStrategy(Strategy):
             t0 = time.perf_counter()
             try:
                 self._capture_all(step, list(examples))
-            except (RuntimeError, NotImplementedError) as e:
+            except Exception as e:  # noqa: BLE001 - a compile's error too: the graphs in use stay
                 # Needed: the failed capture's work must be finished before the old graphs replay again.
                 host_sync("graph.recapture", lambda: torch.cuda.synchronize(self.device))
                 self.graphs, self.ema_graphs, self.opt_graph, self.opt_graph_ema, self._deferred, self.report = old

@@ -231,7 +231,7 @@ class _RunBuilder:
             torch.manual_seed(job.run.seed + 1_000_003 * self.dist.rank)
         self.train_step = make_step(self.model, self.device, d_model=m.d_model, lr=job.optim.lr,
                                  warmup=job.optim.warmup, amp=job.optim.amp, clip=job.optim.clip_grad,
-                                 label_smoothing=m.label_smoothing, compile=job.engine.compile == "on",
+                                 label_smoothing=m.label_smoothing, compile=self._compiles_here(),
                                  shapes=len({*batch_shapes(self.data.train, job.data),  # validation's too
                                              *batch_shapes(self.data.dev, job.data, train=False)}), ema=job.run.ema or 0.0,
                                  ema_every=job.run.ema_every,
@@ -314,6 +314,12 @@ class _RunBuilder:
         self.train_step.compile_ready(self.log)  # --compile: artefacts saved; "engine: ready in X s" (cache warm/cold)
         if self.job.engine.compile == "background" and not self.dist.active:
             self.run.background_compile = self._start_compile_child()
+
+    def _compiles_here(self) -> bool:
+        """The step compiles in this process: --compile on, or a resumed --compile background run
+        under torchrun (a new one is made "on" by resolve_compile; no rank starts a child)."""
+        c = self.job.engine.compile
+        return c == "on" or (c == "background" and self.dist.active)
 
     def _start_compile_child(self) -> Any:
         """--compile background: the child that compiles the step while the run trains uncompiled (its

@@ -27,6 +27,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,6 +39,7 @@ from typing import Any
 
 TIMEOUT_S = 900.0  # a cold compile of one shape takes under a minute on a GPU; a loaded CPU takes longer
 TAIL_CHARS = 300  # of the child's output, in the failure line
+FINISHED = "finished at"  # the child's last line: its wall-clock time (time.time()) when done
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +56,7 @@ class BackgroundCompile:
 
     def __init__(self, proc: subprocess.Popen, out: Path, spec: Path, timeout_s: float = TIMEOUT_S):
         self.proc, self.out, self.spec, self.timeout_s = proc, out, spec, timeout_s
-        self.t0 = time.monotonic()
+        self.t0, self.t0_wall = time.monotonic(), time.time()
         self.done: Done | None = None
 
     def poll(self) -> Done | None:
@@ -69,12 +72,21 @@ class BackgroundCompile:
             self.stop()
             self.done = Done(False, seconds, f"no result after {self.timeout_s:.0f} s")
         elif rc == 0:
+            finished = self._finished_at()  # the child's own end, not when this process polled
             self._cleanup(keep_out=False)
-            self.done = Done(True, seconds)
+            self.done = Done(True, finished - self.t0_wall if finished is not None else seconds)
         else:
             self._cleanup(keep_out=True)
             self.done = Done(False, seconds, f"exit code {rc}: {self._tail()}")
         return self.done
+
+    def _finished_at(self) -> float | None:
+        try:
+            found = re.findall(rf"^{FINISHED} ([\d.]+)$", self.out.read_text(encoding="utf-8", errors="replace"),
+                               flags=re.M)
+        except OSError:
+            return None
+        return float(found[-1]) if found else None
 
     def _tail(self) -> str:
         try:
@@ -111,7 +123,7 @@ def start(*, shape: Any, attention: str, amp: str, label_smoothing: float, clip:
     spec = {"shape": dataclasses.asdict(shape), "attention": attention, "amp": amp,
             "label_smoothing": label_smoothing, "clip": clip, "device": str(device),
             "batch_shapes": [list(s) for s in batch_shapes], "packed": packed, "seed": seed,
-            "deterministic": deterministic, "facts": facts, "cache_root": cache_root}
+            "deterministic": deterministic, "facts": facts, "cache_root": cache_root, "parent": os.getpid()}
     fd, spec_path = tempfile.mkstemp(prefix="streamnmt-compile-", suffix=".json")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(spec, f, default=str)
@@ -127,14 +139,16 @@ def start(*, shape: Any, attention: str, amp: str, label_smoothing: float, clip:
     return handle
 
 
-def take_over_when_done(run: Any, global_step: int) -> float:
+def take_over_when_done(run: Any, global_step: int, clock: Callable[[], float] = time.monotonic) -> float:
     """Between epochs (the engine drained, no step in flight): once ``run``'s child is done, its step
     runs compiled from here, compiled from the cache the child filled and captured again; a child
-    that failed, or a capture that fails, leaves it uncompiled, with one line. Returns the seconds
-    the switch took (0 while the child runs, or where there is none)."""
+    that failed, or a switch that fails, leaves it uncompiled, with one line. Not while a BLEU pass
+    runs beside training (a capture beside another thread's GPU work is unsafe): at a later epoch
+    end. Returns the seconds the switch took by ``clock`` (0 where nothing switched)."""
     child = getattr(run, "background_compile", None)
     done = child.poll() if child is not None else None
-    if done is None:
+    pending = getattr(getattr(run, "evaluator", None), "pending", None) if done is not None else None
+    if done is None or (done.ok and pending is not None and not pending[2].done):
         return 0.0
     run.background_compile = None
     if not done.ok:
@@ -145,16 +159,19 @@ def take_over_when_done(run: Any, global_step: int) -> float:
         run.log(f"engine: the step's compile in the background is done, {left:.0f} s before the time limit: too "
                 f"late to win the switch back; training ends uncompiled")
         return 0.0
-    t0 = time.monotonic()
+    t0 = clock()
     step, strategy = run.train_step, run.strategy
-    step.use_compiled(len(run.train_loader.shapes()))
-    why = strategy.prepare(step, run.examples(), again=True)
+    try:
+        step.use_compiled(len(run.train_loader.shapes()))
+        why = strategy.prepare(step, run.examples(), again=True)
+    except Exception as e:  # noqa: BLE001 - whatever compiling raised: the run goes on as it was
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
     if why is not None:
         step.use_uncompiled()
-    seconds = time.monotonic() - t0
+    seconds = clock() - t0
     here = (f"compiled here from its cache and captured in {seconds:.1f} s" if "recapture_s" in strategy.report
             else "compiled here from its cache at each batch shape's next step")
-    run.log(f"engine: the compiled step's capture failed ({why}); training goes on uncompiled" if why else
+    run.log(f"engine: the switch to the compiled step failed ({why}); training goes on uncompiled" if why else
             f"engine: compiled step from step {global_step + 1} on (compiled beside training in "
             f"{done.seconds:.0f} s; {here})")
     return seconds
@@ -210,7 +227,8 @@ def compile_step(spec: dict[str, Any], log: Callable[[str], None] = print) -> No
     from streamnmt.training.step import example_batch, make_step
 
     device = torch.device(spec["device"])
-    if device.type == "cuda":
+    if device.type == "cuda":  # the parent's device ("cuda" names the current one, as in the parent)
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
     if spec["deterministic"]:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -238,6 +256,7 @@ def compile_step(spec: dict[str, Any], log: Callable[[str], None] = print) -> No
         host_sync("compile_child.done", lambda: torch.cuda.synchronize(device))
     step.compile_cache.save(log)
     log(f"compiled {len(spec['batch_shapes'])} batch shape(s)")
+    log(f"{FINISHED} {time.time():.3f}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -245,7 +264,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m streamnmt.training.compile_child SPEC.json", file=sys.stderr)
         return 2
-    spec = json.loads(Path(args[0]).read_text(encoding="utf-8"))
+    from streamnmt.dist import die_with_parent
+
+    die_with_parent()  # a run killed outright takes its child along (atexit does not run then)
+    # Ctrl-C reaches the whole process group: the run stops the child itself, with no traceback here
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    path = Path(args[0])
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    path.unlink(missing_ok=True)
+    if spec.get("parent") not in (None, os.getppid()):  # the run died before the line above took hold
+        return 3
     try:
         compile_step(spec)
     except Exception as e:  # noqa: BLE001 - the parent reads the last line and trains on uncompiled

@@ -101,7 +101,7 @@ def test_background_compiles_in_the_process_where_the_cache_is_warm_or_ranks_are
     assert warm.engine.compile == "on" and "the compile cache is warm" in lines[-1]
 
 
-def test_a_child_done_too_near_the_time_limit_is_not_switched_to():
+def test_a_child_done_too_near_the_runs_end_is_not_switched_to():
     from types import SimpleNamespace
 
     from streamnmt.training import compile_child
@@ -113,10 +113,18 @@ def test_a_child_done_too_near_the_time_limit_is_not_switched_to():
         def elapsed(self):
             return self._elapsed
 
-    assert compile_child.worth_switching(Budget(None, 0.0), 1) is None  # no limit: always
-    assert compile_child.worth_switching(Budget(600.0, 400.0), 1) is None  # 200 s left save ~39 s
-    assert compile_child.worth_switching(Budget(600.0, 560.0), 1) == pytest.approx(40.0)  # ~8 s < 2 x 7 s
-    assert compile_child.worth_switching(Budget(600.0, 400.0), 4) == pytest.approx(200.0)  # four shapes
+    assert compile_child.worth_switching(None, 1) is None  # the end unknown: always
+    assert compile_child.worth_switching(200.0, 1) is None  # 200 s left save ~39 s
+    assert compile_child.worth_switching(40.0, 1) == pytest.approx(40.0)  # ~8 s < 2 x 7 s
+    assert compile_child.worth_switching(200.0, 4) == pytest.approx(200.0)  # four shapes
+    # the time left: to the time limit, or to the step count's end at the step time so far, the sooner
+    job = SimpleNamespace(run=SimpleNamespace(max_steps=1000, epochs=10**9),
+                          engine=SimpleNamespace(accum_steps=1))
+    counted = SimpleNamespace(budget=Budget(None, 0.0), job=job, train_loader=[0] * 50)
+    assert compile_child.time_left(counted, 900, 0.5) == pytest.approx(50.0)
+    assert compile_child.time_left(counted, 900, None) is None  # no step time yet
+    counted.budget = Budget(600.0, 580.0)
+    assert compile_child.time_left(counted, 900, 0.5) == pytest.approx(20.0)
     lines: list[str] = []
     done = SimpleNamespace(poll=lambda: compile_child.Done(True, 50.0))
     step = SimpleNamespace(use_compiled=lambda shapes: pytest.fail("switched too late"))

@@ -139,12 +139,15 @@ def start(*, shape: Any, attention: str, amp: str, label_smoothing: float, clip:
     return handle
 
 
-def take_over_when_done(run: Any, global_step: int, clock: Callable[[], float] = time.monotonic) -> float:
+def take_over_when_done(run: Any, global_step: int, clock: Callable[[], float] = time.monotonic,
+                        step_s: float | None = None) -> float:
     """Between epochs (the engine drained, no step in flight): once ``run``'s child is done, its step
     runs compiled from here, compiled from the cache the child filled and captured again; a child
     that failed, or a switch that fails, leaves it uncompiled, with one line. Not while a BLEU pass
     runs beside training (a capture beside another thread's GPU work is unsafe): at a later epoch
-    end. Returns the seconds the switch took by ``clock`` (0 where nothing switched)."""
+    end. ``step_s``: the uncompiled step's mean seconds so far (what a run that ends at a step count
+    has left is counted in). Returns the seconds the switch took by ``clock`` (0 where nothing
+    switched)."""
     child = getattr(run, "background_compile", None)
     done = child.poll() if child is not None else None
     pending = getattr(getattr(run, "evaluator", None), "pending", None) if done is not None else None
@@ -154,9 +157,9 @@ def take_over_when_done(run: Any, global_step: int, clock: Callable[[], float] =
     if not done.ok:
         run.log(f"engine: the step's compile in the background failed ({done.why}); training goes on uncompiled")
         return 0.0
-    left = worth_switching(run.budget, len(run.train_loader.shapes()))
+    left = worth_switching(time_left(run, global_step, step_s), len(run.train_loader.shapes()))
     if left is not None:
-        run.log(f"engine: the step's compile in the background is done, {left:.0f} s before the time limit: too "
+        run.log(f"engine: the step's compile in the background is done ~{left:.0f} s before the run's end: too "
                 f"late to win the switch back; training ends uncompiled")
         return 0.0
     t0 = clock()
@@ -177,16 +180,30 @@ def take_over_when_done(run: Any, global_step: int, clock: Callable[[], float] =
     return seconds
 
 
-def worth_switching(budget: Any, shapes: int) -> float | None:
-    """None where the switch pays: no time limit, or the time left saves (at ``--compile auto``'s
-    estimated saving, :mod:`streamnmt.engine.auto`) at least twice the warm compile of ``shapes``
-    batch shapes; else the seconds left."""
+def time_left(run: Any, global_step: int, step_s: float | None) -> float | None:
+    """Seconds the run has left: to ``--time-limit``, or to the step its ``--epochs``/``--max-steps``
+    end it at, at ``step_s`` a step, the sooner; None where neither is known (a run until its plateau)."""
+    from streamnmt.training.cooldown import steps_of_run
+
+    budget = getattr(run, "budget", None)
+    lefts = [budget.limit_s - budget.elapsed()] if budget is not None and budget.limit_s is not None else []
+    job = getattr(run, "job", None)
+    if job is not None and step_s:
+        end = steps_of_run(job.run.max_steps, job.run.epochs, len(run.train_loader), job.engine.accum_steps)
+        if end is not None:
+            lefts.append((end - global_step) * step_s)
+    return min(lefts) if lefts else None
+
+
+def worth_switching(left_s: float | None, shapes: int) -> float | None:
+    """None where the switch pays: nothing known of the run's end, or the ``left_s`` seconds left save
+    (at ``--compile auto``'s estimated saving, :mod:`streamnmt.engine.auto`) at least twice the warm
+    compile of ``shapes`` batch shapes; else the seconds left."""
     from streamnmt.engine.auto import COMPILE_S_PER_SHAPE_WARM, COMPILE_SAVING
 
-    if budget is None or budget.limit_s is None:
+    if left_s is None:
         return None
-    left = budget.limit_s - budget.elapsed()
-    return None if left * COMPILE_SAVING >= 2 * COMPILE_S_PER_SHAPE_WARM * max(shapes, 1) else left
+    return None if left_s * COMPILE_SAVING >= 2 * COMPILE_S_PER_SHAPE_WARM * max(shapes, 1) else left_s
 
 
 def stop(run: Any) -> None:

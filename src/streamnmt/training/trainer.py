@@ -236,7 +236,8 @@ class Trainer:
         self.model.train()
         # --compile background: the compiled step takes over here once its child is done (traced and
         # captured in training mode); its seconds count as set-up
-        self.switch_s += compile_child.take_over_when_done(self.run, self.global_step, self.clock)
+        step_s = self._loop_s / self._loop_steps if self._loop_steps else None  # uncompiled so far
+        self.switch_s += compile_child.take_over_when_done(self.run, self.global_step, self.clock, step_s)
         self.train_loader.set_epoch(epoch)  # keeps a resumed mid-epoch position
         STATS.reset()
         nvml = NvmlSampler(self.device).start()  # GPU utilisation sampled in a thread; no device sync

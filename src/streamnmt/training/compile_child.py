@@ -37,7 +37,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-TIMEOUT_S = 900.0  # a cold compile of one shape takes under a minute on a GPU; a loaded CPU takes longer
+# many times a cold compile's set-up on a GPU (docs/PERFORMANCE.md, "What compiling buys"): a child
+# still running then is stuck, or on a CPU that training keeps busy
+TIMEOUT_S = 900.0
 TAIL_CHARS = 300  # of the child's output, in the failure line
 FINISHED = "finished at"  # the child's last line: its wall-clock time (time.time()) when done
 

@@ -112,11 +112,12 @@ def test_background_compile_takes_over_in_graph_mode(tmp_path):
     """``--compile background``: a child compiles the step (Inductor, cold) while graph mode trains
     uncompiled; between epochs the run compiles from the cache the child filled, captures again and
     trains compiled: its gradients reach the weights, and compiling from the warm cache takes less
-    time than the child's cold compile."""
+    time than the child's cold compile. 150 s: the switch must leave over 72 s to win back (the
+    switch pays only where the time left saves twice the warm compile, compile_child.worth_switching)."""
     import re
 
     res = run_cli(["--device", "cuda", "--model", "tiny", "--builtin-size", "4000", "--bleu-samples", "0",
-                   "--max-len", "32", "--max-tokens", "1024", "--epochs", "100000", "--time-limit", "90s",
+                   "--max-len", "32", "--max-tokens", "1024", "--epochs", "100000", "--time-limit", "150s",
                    "--sync-strategy", "graph", "--compile", "background", "--project", str(tmp_path),
                    "--name", "bg"], str(tmp_path / "home"))
     assert res.returncode == 0, res.stderr[-2000:]

@@ -126,6 +126,7 @@ def test_background_compile_takes_over_in_graph_mode(tmp_path):
     m = re.search(r"compiled step from step (\d+) on \(compiled beside training in (\d+) s; compiled here "
                   r"from its cache and captured in ([\d.]+) s\)", out)
     assert m is not None, out[-3000:]
+    assert "missed the cache" not in out, out[-3000:]  # the child's compile served the run's
     first, child_s, here_s = int(m.group(1)), float(m.group(2)), float(m.group(3))
     assert here_s < child_s, m.group(0)
     rows = [r for r in read_csv(tmp_path / "bg" / "steps.csv") if int(r["step"]) >= first]

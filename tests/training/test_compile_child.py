@@ -191,3 +191,19 @@ def test_the_childs_seconds_are_its_own_not_the_polls(tmp_path):
     done = child.poll()
     assert done.ok and done.seconds == pytest.approx(40.0, abs=0.01)
     assert not out.exists()
+
+
+def test_the_switch_line_says_where_the_childs_cache_did_not_serve(monkeypatch):
+    from types import SimpleNamespace
+
+    from streamnmt.training import compile_child
+
+    misses = iter([5, 7])  # before and after the switch: two graphs compiled cold here
+    monkeypatch.setattr(compile_child, "_cache_misses", lambda: next(misses))
+    step = SimpleNamespace(use_compiled=lambda shapes: None)
+    lines: list[str] = []
+    run = _fake_run(SimpleNamespace(poll=lambda: compile_child.Done(True, 30.0)), lines, step)
+    run.strategy.report["recapture_s"] = 1.0
+    compile_child.take_over_when_done(run, 10)
+    assert len(lines) == 1 and lines[0].startswith("engine: compiled step from step 11 on")
+    assert "captured in" in lines[0] and lines[0].endswith("; 2 graph(s) missed the cache and compiled here cold)")

@@ -166,6 +166,7 @@ def take_over_when_done(run: Any, global_step: int, clock: Callable[[], float] =
         return 0.0
     t0 = clock()
     step, strategy = run.train_step, run.strategy
+    missed = _cache_misses()
     try:
         step.use_compiled(len(run.train_loader.shapes()))
         why = strategy.prepare(step, run.examples(), again=True)
@@ -174,8 +175,11 @@ def take_over_when_done(run: Any, global_step: int, clock: Callable[[], float] =
     if why is not None:
         step.use_uncompiled()
     seconds = clock() - t0
+    missed = _cache_misses() - missed  # graph mode compiled in its warm-up: the child's entries should serve
     here = (f"compiled here from its cache and captured in {seconds:.1f} s" if "recapture_s" in strategy.report
             else "compiled here from its cache at each batch shape's next step")
+    if missed:
+        here += f"; {missed} graph(s) missed the cache and compiled here cold"
     run.log(f"engine: the switch to the compiled step failed ({why}); training goes on uncompiled" if why else
             f"engine: compiled step from step {global_step + 1} on (compiled beside training in "
             f"{done.seconds:.0f} s; {here})")
@@ -195,6 +199,12 @@ def time_left(run: Any, global_step: int, step_s: float | None) -> float | None:
         if end is not None:
             lefts.append((end - global_step) * step_s)
     return min(lefts) if lefts else None
+
+
+def _cache_misses() -> int:
+    """Inductor's FX graph cache misses in this process so far (its counters; 0 before TorchDynamo)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["inductor"]["fxgraph_cache_miss"]) if utils is not None else 0
 
 
 def worth_switching(left_s: float | None, shapes: int) -> float | None:

@@ -1,15 +1,15 @@
 """``--compile background``: the step compiled in a child process while the run trains uncompiled.
 
-A cold torch.compile of the training step takes tens of seconds (Dynamo's trace, AOTAutograd,
-Inductor's lowering and the Triton kernels' builds), and a run that compiles in its own process
-trains nothing meanwhile: on a fresh machine that is most of a long run's set-up (docs/PERFORMANCE.md,
-the 10-minute rows' set-up). Instead, once the engine is prepared (uncompiled), :func:`start` runs
+A cold torch.compile of the training step (Dynamo's trace, AOTAutograd, Inductor's lowering and the
+Triton kernels' builds) is most of a long run's set-up on a fresh machine, and a run that compiles in
+its own process trains nothing meanwhile (how long: docs/PERFORMANCE.md, "What compiling buys").
+Instead, once the engine is prepared (uncompiled), :func:`start` runs
 this module as a child process (a fresh interpreter: TorchDynamo and Inductor are not thread-safe,
 so not a thread) that builds the same model, compiles its step for each training batch shape and
 runs one step of each, which fills the persistent compile cache (:mod:`.compile_cache`: the
 directories the parent staged, which the child inherits, and the key's manifest, saved by the
 child). The trainer polls :class:`BackgroundCompile` between epochs; when the child is done it
-compiles its own step from the warm cache (seconds), captures it again and trains on compiled
+compiles its own step from the warm cache, captures it again and trains on compiled
 (:meth:`streamnmt.training.trainer.Trainer.run_epoch`). A child that fails or times out costs one
 line: the run goes on uncompiled.
 

@@ -8,6 +8,16 @@ traceback.
 from __future__ import annotations
 
 
+def one_line(e: BaseException, typed: bool = False, limit: int = 160) -> str:
+    """``e``'s message in one line for a log line: its first line, cut at ``limit`` characters (the
+    exception's type where it has no message); ``typed``: ``Type: message``."""
+    text = str(e).strip()
+    first = text.splitlines()[0][:limit] if text else ""
+    if typed:
+        return f"{type(e).__name__}: {first}"
+    return first or type(e).__name__
+
+
 class ConfigError(ValueError):
     """A flag or config key has a value that is not allowed (exit code 2).
 

@@ -66,6 +66,7 @@ from streamnmt.engine.base import (StepFunction, StepInfo, Strategy, begin_micro
 from streamnmt.engine.config import EngineConfig
 from streamnmt.engine.losses import DeferredLosses
 from streamnmt.engine.strategies import FullPipeline
+from streamnmt.errors import one_line
 from streamnmt.syncstats import host_sync
 from streamnmt.fsutil import atomic_path
 from streamnmt import testhooks
@@ -98,11 +99,6 @@ def _optimizer_step(step: StepFunction, ema: bool) -> None:
 def _ema_due(step: StepFunction) -> bool:
     """The step's next update refreshes its average (host-side count; never a sync)."""
     return bool(getattr(step, "ema", None) is not None and step.ema.every > 1 and step.ema_due())
-
-
-def _first_line(e: BaseException) -> str:
-    """A capture error in one line."""
-    return str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
 
 
 def shape_key(batch: Any) -> tuple:
@@ -202,7 +198,7 @@ class GraphStrategy(Strategy):
                 # Needed: the failed capture's work must be finished before the old graphs replay again.
                 host_sync("graph.recapture", lambda: torch.cuda.synchronize(self.device))
                 self.graphs, self.ema_graphs, self.opt_graph, self.opt_graph_ema, self._deferred, self.report = old
-                return _first_line(e)
+                return one_line(e)
             self.report = {**self.report, "recapture_s": round(time.perf_counter() - t0, 2)}
             return None
         self.polling = _data_parallel(step)  # replayed collectives: host waits poll with a deadline
@@ -224,7 +220,7 @@ class GraphStrategy(Strategy):
             self._deferred.clear()
             # Needed: the failed capture's work must be finished before the fallback strategy starts.
             host_sync("graph.capture", lambda: torch.cuda.synchronize(self.device))
-            self._capture_failed(step, _first_line(e))
+            self._capture_failed(step, one_line(e))
             return
         shapes = {key if self.accum == 1 else key[0] for key in self.graphs}
         self.report = {"shapes": len(shapes), "capture_s": round(time.perf_counter() - t0, 2),

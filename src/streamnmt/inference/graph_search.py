@@ -49,6 +49,7 @@ from streamnmt.inference.decoding import SearchOptions, sync_interval
 from streamnmt.inference.search import DECODE_ATTENTION, SPAN, StaticSearch, check_search, output_limits, search_scored
 from streamnmt.inference.search import translate_ids as translate_ids_eager
 from streamnmt.inference.staticcache import StaticCache
+from streamnmt.errors import one_line
 from streamnmt.syncstats import host_sync
 from streamnmt.models.transformer import Transformer
 
@@ -186,8 +187,7 @@ class GraphDecoder:
             try:
                 self._capture(bucket, device)
             except (RuntimeError, NotImplementedError) as e:
-                msg = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-                self.log(f"decode: CUDA graph capture failed ({msg}); decoding this batch shape eagerly")
+                self.log(f"decode: CUDA graph capture failed ({one_line(e)}); decoding this batch shape eagerly")
                 self.failed.add(key)
                 # Needed: the failed capture's work must be finished before eager decoding starts.
                 host_sync("decode.capture", lambda: torch.cuda.synchronize(device))

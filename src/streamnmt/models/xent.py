@@ -28,6 +28,7 @@ import sys
 
 import torch
 
+from streamnmt.errors import one_line
 from streamnmt.models import xent_triton
 
 CHUNK_ELEMENTS = 2 ** 25  # logits per chunk (rows x vocabulary): 128 MB in fp32, ~1k rows at 32k
@@ -59,7 +60,7 @@ def _fused_rows(z: torch.Tensor, y: torch.Tensor, smoothing: float, ignore_index
     except Exception as e:  # noqa: BLE001 -- a Triton build error has no common base class
         if z.is_cuda and torch.cuda.is_current_stream_capturing():
             raise
-        _FUSED["failed"] = msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
+        _FUSED["failed"] = msg = one_line(e, typed=True)
         print(f"loss: the fused cross-entropy kernel is unavailable ({msg}); using the torch path", file=sys.stderr)
         return None
 

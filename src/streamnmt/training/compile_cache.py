@@ -346,8 +346,7 @@ def for_step(model: Any) -> CompileCache:
     """The compile cache of a step about to compile ``model``: the one resolve_compile staged, its
     vocabulary sizes checked against the model's (the key then follows the model); where none was
     staged (a resumed run, the bench) or it was staged for another model, the directories alone."""
-    global _staged
-    cache, _staged = _staged, None
+    cache = take_staged()
     shape = getattr(model, "shape", None)
     if cache is not None and cache.facts is not None and shape is not None:
         want = model_facts(shape, cache.facts["model"].get("max_len"))

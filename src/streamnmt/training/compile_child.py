@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from streamnmt.errors import one_line
+
 # many times a cold compile's set-up on a GPU (docs/PERFORMANCE.md, "What compiling buys"): a child
 # still running then is stuck, or on a CPU that training keeps busy
 TIMEOUT_S = 900.0
@@ -85,7 +87,7 @@ class BackgroundCompile:
     def _finished_at(self) -> float | None:
         try:
             found = re.findall(rf"^{FINISHED} ([\d.]+)$", self.out.read_text(encoding="utf-8", errors="replace"),
-                               flags=re.M)
+                               flags=re.MULTILINE)
         except OSError:
             return None
         return float(found[-1]) if found else None
@@ -171,7 +173,7 @@ def take_over_when_done(run: Any, global_step: int, clock: Callable[[], float] =
         step.use_compiled(len(run.train_loader.shapes()))
         why = strategy.prepare(step, run.examples(), again=True)
     except Exception as e:  # noqa: BLE001 - whatever compiling raised: the run goes on as it was
-        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
+        why = one_line(e, typed=True)
     if why is not None:
         step.use_uncompiled()
     seconds = clock() - t0
@@ -306,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         compile_step(spec)
     except Exception as e:  # noqa: BLE001 - the parent reads the last line and trains on uncompiled
-        print(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}", flush=True)
+        print(one_line(e, typed=True, limit=TAIL_CHARS), flush=True)
         return 1
     return 0
 

@@ -8,15 +8,16 @@ the plot draws each evaluation faintly and, solid, the best whole pass so far: w
 best.pt holds at that moment. Rows without ``wall_s`` (a run resumed from a checkpoint older than
 that column: its earlier seconds are unknown) are left out, and the line says how many.
 
-Usage: python3 scripts/plot_time_to_bleu.py RUN_DIR[=LABEL] ... [--out ttb.png] [--target BLEU] [--at MIN,...]
+Usage: python3 scripts/plot_time_to_bleu.py RUN_DIR[=LABEL] ... [--out ttb.png] [--target BLEU] [--at MIN,...] [--steps]
 Prints one line per run (evaluations, best BLEU and when, time to --target, the best so far at each
---at minute) and writes the plot.
+--at minute and, with --steps, the step reached there) and writes the plot.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,15 @@ class Curve:
         """The best whole pass evaluated at or before ``seconds`` of wall clock."""
         seen = [b for b, w in zip(self.best_so_far(), self.wall_s) if w <= seconds and b is not None]
         return seen[-1] if seen else None
+
+    def step_at(self, seconds: float) -> float | None:
+        """The training step at ``seconds`` of wall clock, interpolated between the evaluations around
+        it (None outside them): how far each run had trained by the same wall clock."""
+        pts = [(w, float(s)) for w, s in zip(self.wall_s, self.step) if s.isdigit()]
+        for (w0, s0), (w1, s1) in itertools.pairwise(pts):
+            if w0 <= seconds <= w1:
+                return s0 if w1 == w0 else s0 + (s1 - s0) * (seconds - w0) / (w1 - w0)
+        return None
 
     def time_to(self, target: float) -> float | None:
         """wall_s of the first whole pass at or above ``target``, or None."""
@@ -91,10 +101,11 @@ def read_curve(spec: str) -> Curve:
         raise InputError(f"{evals}: {e}") from None
 
 
-def summary(curves: list[Curve], target: float | None, at_min: list[float] = ()) -> str:
+def summary(curves: list[Curve], target: float | None, at_min: list[float] = (), steps: bool = False) -> str:
     head = f"{'run':<24} {'evals':>5} {'last s':>8} {'best BLEU':>9} {'at s':>8}"
     head += f" {'to ' + format(target, 'g'):>11}" if target is not None else ""
     head += "".join(f" {'best@' + format(m, 'g') + 'm':>9}" for m in at_min)
+    head += "".join(f" {'step@' + format(m, 'g') + 'm':>9}" for m in at_min) if steps else ""
     lines = [head]
     for c in curves:
         best = c.best()
@@ -106,6 +117,9 @@ def summary(curves: list[Curve], target: float | None, at_min: list[float] = ())
         for m in at_min:
             b = c.best_at(60 * m)
             line += f" {'-' if b is None else format(b, '.2f'):>9}"
+        for m in at_min if steps else ():
+            s = c.step_at(60 * m)
+            line += f" {'-' if s is None else format(round(s), ','):>9}"
         if c.untimed:
             line += f"  ({c.untimed} evaluation(s) without wall_s left out)"
         lines.append(line)
@@ -150,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="time_to_bleu.png", help="the plot (PNG)")
     p.add_argument("--target", type=float, default=None, help="a dev BLEU: print when each run first reached it")
     p.add_argument("--at", default="", metavar="MIN,...", help="minutes of wall clock: print each run's best so far there")
+    p.add_argument("--steps", action="store_true",
+                   help="with --at: also print each run's training step at those minutes (interpolated)")
     p.add_argument("--ylim", type=float, default=None, help="lowest dev BLEU drawn (default: all)")
     args = p.parse_args(argv)
     try:
@@ -162,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         print(f"plot_time_to_bleu: error: {e}", file=sys.stderr)
         return 2
-    print(summary(curves, args.target, at_min))
+    print(summary(curves, args.target, at_min, args.steps))
     plot(curves, Path(args.out), args.target, args.ylim)
     print(f"plot: {args.out}")
     return 0

@@ -8,6 +8,7 @@ region. This compares the compiled run with the same run uncompiled."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -129,6 +130,13 @@ def test_background_compile_takes_over_in_graph_mode(tmp_path):
     assert "missed the cache" not in out, out[-3000:]  # the child's compile served the run's
     first, child_s, here_s = int(m.group(1)), float(m.group(2)), float(m.group(3))
     assert here_s < child_s, m.group(0)
-    rows = [r for r in read_csv(tmp_path / "bg" / "steps.csv") if int(r["step"]) >= first]
-    assert len(rows) > 100
-    assert all(float(r["grad_norm"]) > 0.1 and float(r["loss"]) == float(r["loss"]) for r in rows)
+    rows = read_csv(tmp_path / "bg" / "steps.csv")
+    before = [float(r["loss"]) for r in rows if int(r["step"]) < first][-100:]
+    after = [r for r in rows if int(r["step"]) >= first]
+    assert len(before) == 100 and len(after) > 100
+    # The tiny model converges within the run: its gradient norm falls under 0.1 before the switch
+    # too, so the check is that every compiled step has a finite, non-zero gradient and that the
+    # loss goes on falling (a compiled step whose gradients missed the optimiser would stall it).
+    assert all(0 < float(r["grad_norm"]) < float("inf") and math.isfinite(float(r["loss"])) for r in after)
+    last = [float(r["loss"]) for r in after[-100:]]
+    assert sum(last) / 100 < sum(before) / 100, (sum(before) / 100, sum(last) / 100)

@@ -80,3 +80,14 @@ def test_best_so_far_skips_cut_passes_and_at_prints_it_per_minute(tmp_path, caps
     assert head.split()[-3:] == ["best@0.25m", "best@1m", "best@3m"] and line.split()[-3:] == ["-", "20.00", "41.00"]
     assert ttb.main([str(run), "--out", str(tmp_path / "q.png"), "--at", "1,x"]) == 2
     assert "--at" in capsys.readouterr().err and not (tmp_path / "q.png").exists()
+
+
+def test_steps_at_interpolates_between_evaluations(tmp_path, capsys):
+    # write_run's steps are 10, 20, 30 at 30, 60, 120 s of wall clock
+    run = write_run(tmp_path / "a", [(30.0, 20.0, 500), (60.0, 45.0, 500), (120.0, 41.0, 500)])
+    c = ttb.read_curve(str(run))
+    assert c.step_at(45.0) == 15.0 and c.step_at(90.0) == 25.0 and c.step_at(120.0) == 30.0
+    assert c.step_at(10.0) is None and c.step_at(121.0) is None  # outside the evaluations: unknown
+    assert ttb.main([str(run), "--out", str(tmp_path / "p.png"), "--at", "0.75,1.5,3", "--steps"]) == 0
+    head, line = capsys.readouterr().out.splitlines()[:2]
+    assert head.split()[-3:] == ["step@0.75m", "step@1.5m", "step@3m"] and line.split()[-3:] == ["15", "25", "-"]

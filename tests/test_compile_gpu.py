@@ -134,9 +134,9 @@ def test_background_compile_takes_over_in_graph_mode(tmp_path):
     before = [float(r["loss"]) for r in rows if int(r["step"]) < first][-100:]
     after = [r for r in rows if int(r["step"]) >= first]
     assert len(before) == 100 and len(after) > 100
-    # The tiny model converges within the run: its gradient norm falls under 0.1 before the switch
-    # too, so the check is that every compiled step has a finite, non-zero gradient and that the
-    # loss goes on falling (a compiled step whose gradients missed the optimiser would stall it).
+    # The tiny model converges within the run, so its gradient norm falls under any fixed threshold
+    # (a 0.1 floor failed on an H200): the check is that every compiled step has a finite, non-zero
+    # gradient and that the loss goes on falling (gradients that missed the optimiser would stall it).
     assert all(0 < float(r["grad_norm"]) < float("inf") and math.isfinite(float(r["loss"])) for r in after)
     last = [float(r["loss"]) for r in after[-100:]]
     assert sum(last) / 100 < sum(before) / 100, (sum(before) / 100, sum(last) / 100)

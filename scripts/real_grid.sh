@@ -2,8 +2,9 @@
 # Recipes on a real corpus (scripts/make_real_corpus.py): each variant trained for the same wall-clock
 # budget, one run per GPU at a time, then its best.pt scored on the test split; a table last (test
 # BLEU, the best dev BLEU with its wall-clock second and step, the median target tokens/s of the epoch
-# lines, the set-up seconds, the training share of the wall clock and the tokenizers' pieces: the
-# columns docs/PERFORMANCE.md's real-text tables carry).
+# lines, the set-up seconds, the training share of the wall clock, the tokenizers' pieces and how the
+# step was compiled (off, a cold or warm compile cache, or background): the columns
+# docs/PERFORMANCE.md's real-text tables carry).
 #
 # Usage: OUT=dir scripts/real_grid.sh CORPUS LANG TIME VARIANT...
 #   CORPUS   a folder with train/dev/test JSON ({"en": ..., LANG: ...} records)
@@ -62,15 +63,15 @@ for ((i = 0; i < ${#V[@]}; i += gpus)); do  # one wave: a run on every GPU
 done
 
 {
-printf "%-14s %8s %10s %6s %8s %8s %7s %6s %12s\n" run test_BLEU best_dev at_s at_step tok/s setup_s train pieces
+printf "%-14s %8s %10s %6s %8s %8s %7s %6s %12s %9s\n" run test_BLEU best_dev at_s at_step tok/s setup_s train pieces compile
 for v in "${V[@]}"; do
   name=${v%%:*}
   bleu=$(grep -oE "^BLEU = [0-9.]+" "$LOGS/grid_${name}_test.txt" 2>/dev/null | awk '{print $3}')
-  # best dev BLEU of a whole pass (at wall s, step), tokens/s, set-up, training share, pieces: grid_row.py
+  # best dev BLEU of a whole pass (at wall s, step), tokens/s, set-up, training share, pieces, compile: grid_row.py
   row=$(python3 "$(dirname "$0")/grid_row.py" "$root/$name/evals.csv" "$LOGS/grid_$name.log" 2>/dev/null)
-  read -r dev at_s at_step tok setup train pieces <<< "${row:-- - - - - - -}"
-  printf "%-14s %8s %10s %6s %8s %8s %7s %6s %12s\n" "$name" "${bleu:-failed}" "$dev" "$at_s" "$at_step" "$tok" \
-    "$setup" "$train" "$pieces"
+  read -r dev at_s at_step tok setup train pieces compiled <<< "${row:-- - - - - - - -}"
+  printf "%-14s %8s %10s %6s %8s %8s %7s %6s %12s %9s\n" "$name" "${bleu:-failed}" "$dev" "$at_s" "$at_step" "$tok" \
+    "$setup" "$train" "$pieces" "$compiled"
   cp "$root/$name/evals.csv" "$LOGS/grid_${name}_evals.csv" 2>/dev/null
 done
 } | tee -a "$OUT/grid_table.txt"

@@ -6,6 +6,8 @@ import csv
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "grid_row.py"
 spec = importlib.util.spec_from_file_location("grid_row", SCRIPT)
 grid_row = importlib.util.module_from_spec(spec)
@@ -42,11 +44,31 @@ def test_the_best_whole_pass_and_the_log_columns(tmp_path, capsys):
                                                  (400, 71.0, "58.00", 500, "average")])
     (tmp_path / "run.log").write_text(LOG)
     assert grid_row.main([str(evals), str(tmp_path / "run.log")]) == 0
-    assert capsys.readouterr().out.split() == ["55.07", "62", "368", "534k", "21.2", "95%", "4000/3900"]
+    assert capsys.readouterr().out.split() == ["55.07", "62", "368", "534k", "21.2", "95%", "4000/3900", "-"]
 
 
 def test_tokenizers_not_trained_are_marked_found_and_missing_files_give_dashes(tmp_path, capsys):
     found = LOG.replace("data: trained source tokenizer and target tokenizer", "data: source tokenizer:")
-    assert grid_row.from_log(found)[-1] == "4000/3900,found"
+    assert grid_row.from_log(found)[-2] == "4000/3900,found"
     assert grid_row.main([str(tmp_path / "none.csv"), str(tmp_path / "none.log")]) == 0
-    assert capsys.readouterr().out.split() == ["-"] * 7
+    assert capsys.readouterr().out.split() == ["-"] * 8
+
+
+@pytest.mark.parametrize("lines, state", [
+    ("engine: compile off (auto: a run of ~2 min would save ~23 s, < 2x the ~34 s of compiling 1 batch shape(s))",
+     "off"),
+    # the auto line names the cache state even where the rule then says off: off wins
+    ("engine: compile off (auto: a run of ~2 min would save ~23 s; compile cache cold)", "off"),
+    (("engine: compile on (auto: a run of ~10 min saves ~116 s; compile cache cold)\n"
+     "engine: ready in 26.7 s after the data (compile cache cold: /h/compile/inductor, key e7c0)"), "cold"),
+    (("engine: compile on (as requested)\n"
+     "engine: ready in 7.9 s after the data (compile cache warm: /h/compile/inductor, key e7c0)"), "warm"),
+    (("engine: compile in the background\n"
+     "engine: compiled step from step 6257 on (compiled beside training in 55 s; compiled here from its cache "
+     "and captured in 10.7 s)"), "bg@6257"),
+    ("engine: compile in the background", "bg"),
+    ("engine: strategy graph (auto: CUDA is present)", "-"),
+])
+def test_the_compile_column_names_how_the_step_was_compiled(lines, state):
+    assert grid_row.compile_state(lines) == state
+    assert grid_row.from_log(LOG + lines)[-1] == state

@@ -72,7 +72,21 @@ def test_gpu_defaults_are_a_device_sized_budget_with_its_warmup(monkeypatch):
 def test_cpu_defaults_stay_small():
     resolve, lines = _resolver("cpu")
     data, optim = resolve(DataConfig(), OptimConfig(), ModelConfig().resolve("small"))
-    assert data.max_tokens == 0 and data.batch_size == 32 and optim.warmup == 400 and lines == []
+    assert data.max_tokens == 0 and data.batch_size == 64 and optim.warmup == 400
+    assert lines == ["recipe: --batch-size 64 (auto: sentences a batch on the CPU)"]
+    lines.clear()  # given, or not counted in sentences: kept and not said
+    data, _ = resolve(DataConfig(batch_size=32), OptimConfig(), ModelConfig().resolve("small"))
+    assert data.batch_size == 32 and lines == []
+    data, _ = resolve(DataConfig(max_tokens=512), OptimConfig(warmup=100), ModelConfig().resolve("small"))
+    assert data.batch_size == 64 and lines == []
+
+
+def test_sentence_batches_on_a_gpu_keep_the_seed_trainers_32(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: types.SimpleNamespace(total_memory=24 * 2 ** 30))
+    resolve, lines = _resolver("cuda:0")
+    data, _ = resolve(DataConfig(max_tokens=0), OptimConfig(), ModelConfig().resolve("base"))
+    assert data.batch_size == 32 and not any("--batch-size" in line for line in lines)
+    assert DataConfig().sentences == 32 and DataConfig(batch_size=8).sentences == 8  # unresolved: the GPU's
 
 
 @pytest.mark.gpu

@@ -23,6 +23,12 @@ CORPUS_VOCAB = 32000
 LEAN_VOCAB = 4000
 LEAN_MIN_PAIRS = 20_000
 RICH_FORMS = 1.3
+# Sentences per batch where --batch-size is not given (batches by sentences: --max-tokens 0, the CPU
+# default): SENTENCE_BATCH, the seed trainer's, on a GPU; CPU_SENTENCE_BATCH on the CPU, where the
+# built-in corpus's run reached a lower validation loss in less time with it than with 32 or 128
+# (docs/PERFORMANCE.md, "CPU: the bare `streamnmt train`").
+SENTENCE_BATCH = 32
+CPU_SENTENCE_BATCH = 64
 # Model presets sized for a GPU: the larger built-in corpus, the paper's warm-up. Declared here, below
 # streamnmt.config, because the tokenizers' child (torch-free, in data/) guesses the corpus's size too.
 GPU_PRESETS = ("base", "big", "iwslt")
@@ -76,7 +82,8 @@ class DataConfig:
                                       f"{CORPUS_VOCAB}")
     tgt_vocab: int | None = opt(None, "target SentencePiece vocabulary size when training one (capped for "
                                       "small corpora); default: as --src-vocab's")
-    batch_size: int = opt(32, "sentences per batch (when --max-tokens is 0)")
+    batch_size: int | None = opt(None, "sentences per batch (when --max-tokens is 0); default: "
+                                       f"{CPU_SENTENCE_BATCH} on the CPU, {SENTENCE_BATCH} on a GPU")
     max_tokens: int | None = opt(None, "token budget per batch (padded tokens, the longer side); 0 = batch by "
                                        "sentences; default: on a GPU a budget sized for it (see "
                                        "streamnmt.config.recipe_max_tokens), on CPU 0")
@@ -103,7 +110,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         check(self.src_vocab is None or self.src_vocab >= 16, "src_vocab", f"must be at least 16; got {self.src_vocab}")
         check(self.tgt_vocab is None or self.tgt_vocab >= 16, "tgt_vocab", f"must be at least 16; got {self.tgt_vocab}")
-        check(self.batch_size > 0, "batch_size", f"must be a positive integer; got {self.batch_size}")
+        check(self.batch_size is None or self.batch_size > 0, "batch_size",
+              f"must be a positive integer; got {self.batch_size}")
         check(self.max_tokens is None or self.max_tokens >= 0, "max_tokens",
               f"must be 0 (off) or a positive integer; got {self.max_tokens}")
         check(self.max_len >= 4, "max_len", f"must be at least 4; got {self.max_len}")
@@ -128,6 +136,11 @@ class DataConfig:
     def packs(self) -> bool:
         """Whether training batches are packed (``pack`` resolved)."""
         return self.pack if self.pack is not None else bool(self.max_tokens)
+
+    @property
+    def sentences(self) -> int:
+        """Sentences per batch (``batch_size`` resolved: the run's recipe sets it by device)."""
+        return self.batch_size or SENTENCE_BATCH
 
     @property
     def builtin_pairs(self) -> int:

@@ -161,11 +161,11 @@ def make_sampler(corpus: TokenizedCorpus, cfg: DataConfig, *, train: bool, seed:
     if train and cfg.packs:
         shape = pack_shape(corpus.src_lengths, corpus.tgt_lengths, max_len=cfg.max_len, max_tokens=cfg.max_tokens,
                            width=cfg.pack_width,
-                           batch_size=cfg.batch_size, pad_multiple=cfg.pad_multiple)
+                           batch_size=cfg.sentences, pad_multiple=cfg.pad_multiple)
         return PackSampler(corpus.src_lengths, corpus.tgt_lengths, shape, shuffle=True, seed=seed, accum=accum,
                            world=world, rank=rank)
     buckets = bucket_lengths(corpus.src_lengths, corpus.tgt_lengths, cfg.pad_multiple)
-    return BucketSampler(buckets, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens or 0,
+    return BucketSampler(buckets, batch_size=cfg.sentences, max_tokens=cfg.max_tokens or 0,
                          shuffle=train, seed=seed, accum=accum, world=world, rank=rank)
 
 

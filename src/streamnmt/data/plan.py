@@ -30,4 +30,4 @@ def _sampler(corpus: TokenizedCorpus, cfg: DataConfig, train: bool):
 
         return make_sampler(corpus, cfg, train=True, seed=0)
     return BucketSampler(bucket_lengths(corpus.src_lengths, corpus.tgt_lengths, cfg.pad_multiple),
-                         batch_size=cfg.batch_size, max_tokens=cfg.max_tokens or 0, shuffle=False)
+                         batch_size=cfg.sentences, max_tokens=cfg.max_tokens or 0, shuffle=False)

@@ -256,7 +256,7 @@ class _RunBuilder:
                                         rank=d.rank)
         if d.active and (empty := self.train_loader.sampler.empty_rank()) is not None:
             raise ConfigError(f"--nproc: {d.world} processes leave rank {empty} without a single training pair "
-                              f"({len(self.data.train)} pairs, batches of {job.data.batch_size} x --accum-steps {k}"
+                              f"({len(self.data.train)} pairs, batches of {job.data.sentences} x --accum-steps {k}"
                               f" per rank); use fewer processes or a smaller --batch-size")
         # Validation packed like training (where it packs): one batch shape, the training's, so the
         # first evaluation meets no new matrix shapes and validation replays one graph.

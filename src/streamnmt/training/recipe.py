@@ -41,7 +41,7 @@ from streamnmt.config import (
     recipe_warmup,
 )
 from streamnmt.data import TokenizedCorpus, batch_plan
-from streamnmt.data.config import SMALL_CORPUS_PAIRS, DataConfig, small_corpus
+from streamnmt.data.config import CPU_SENTENCE_BATCH, SENTENCE_BATCH, SMALL_CORPUS_PAIRS, DataConfig, small_corpus
 from streamnmt.dist import Dist
 from streamnmt.engine.auto import choose_compile, choose_strategy, graph_step_s
 from streamnmt.errors import ConfigError, InputError
@@ -151,8 +151,10 @@ def resolve_ema(run: RunConfig) -> RunConfig:
 
 def resolve_recipe(data: DataConfig, optim: OptimConfig, model: ModelConfig, accum: int, device: torch.device,
                    world: int, log: Callable[[str], None]) -> tuple[DataConfig, OptimConfig]:
-    """The default token budget (on a GPU) and the warm-up that follows the tokens per update
-    (rules and reference in streamnmt.config); one start line says what was chosen and why."""
+    """The default token budget (on a GPU), the sentences per batch where batches are counted in
+    sentences (the CPU's default) and the warm-up that follows the tokens per update (rules and
+    reference in streamnmt.config and streamnmt.data.config); one start line says what was chosen
+    and why."""
     notes, d_model = [], model.d_model
     if data.max_tokens is None:
         gib = device_memory_gib(device)
@@ -167,6 +169,11 @@ def resolve_recipe(data: DataConfig, optim: OptimConfig, model: ModelConfig, acc
         else:
             tokens = 0  # CPU: small batches of --batch-size sentences keep a CPU run short
         data = dataclasses.replace(data, max_tokens=tokens)
+    if data.batch_size is None:
+        cpu = device.type != "cuda"
+        data = dataclasses.replace(data, batch_size=CPU_SENTENCE_BATCH if cpu else SENTENCE_BATCH)
+        if cpu and not data.max_tokens:
+            notes.append(f"--batch-size {data.batch_size} (auto: sentences a batch on the CPU)")
     if optim.warmup is None:
         if data.max_tokens:
             per_update = data.max_tokens * accum * world

@@ -43,7 +43,7 @@ from streamnmt.training.evaluator import Evaluator
 from streamnmt.training.loop_evaluation import LoopEvaluation
 from streamnmt.training.metrics import RunMetrics
 from streamnmt.training.recipe import resolve_compile_for_ranks, resolve_corpus, resolve_job_for_ranks
-from streamnmt.training.reporting import overlong_note, running
+from streamnmt.training.reporting import overlong_note, running, warmup_note
 from streamnmt.training.runs import increment_path
 from streamnmt.training.step import example_batch, import_in_background, make_step
 from streamnmt.training.stopping import TimeBudget, command_start
@@ -390,6 +390,9 @@ class _RunBuilder:
         log(f"data: {len(self.train_loader)} batches per epoch in {shapes}; "
             f"padding {100 * (1 - self.train_loader.num_tokens()['tgt_fill']):.1f} % of the target positions; "
             + overlong_note(self.data.stats.get("train", {}), job.data))
+        if (note := warmup_note(job.optim.warmup, steps_of_run(job.run.max_steps, job.run.epochs,
+                                                                 len(self.train_loader), k))) is not None:
+            log(note)
         log(self.run.evaluator.start_line())
         log(setup_line(self))
 

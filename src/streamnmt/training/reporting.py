@@ -64,6 +64,19 @@ def overlong_note(stats: dict[str, int], data) -> str:
     return f"{stats.get('truncated', 0)} training pairs over --max-len {data.max_len} truncated (--overlong truncate)"
 
 
+def warmup_note(warmup: int, end_step: int | None) -> str | None:
+    """A warning line where the run's step count (``end_step``: --max-steps or its epochs' steps; None:
+    a time limit or the plateau ends it) stops before the Noam warm-up does: the learning rate never
+    reaches its peak, so the run trains at a fraction of its rate throughout (a small --max-tokens on
+    a CPU: the warm-up follows the tokens per update, docs/PERFORMANCE.md, "CPU: the bare `streamnmt
+    train`")."""
+    if end_step is None or warmup <= end_step:
+        return None
+    return (f"warning: the warm-up (--warmup {warmup} steps) is longer than the run ({end_step} steps): the learning "
+            f"rate never reaches its peak ({100 * end_step / warmup:.0f} % of it at the end); give a shorter "
+            "--warmup or a longer run")
+
+
 def progress(total: int, desc: str, quiet: bool = False):
     """The epoch's progress bar on stderr (off on ranks other than 0)."""
     from tqdm import tqdm

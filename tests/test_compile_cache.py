@@ -218,7 +218,8 @@ def test_make_step_keys_the_artefacts_by_the_model_it_is_given(monkeypatch):
 
 
 RUN = ["train", "--device", "cpu", "--model", "tiny", "--epochs", "1", "--max-steps", "2", "--bleu-samples", "0",
-       "--workers", "0", "--batch-size", "16", "--max-len", "16", "--compile", "on"]
+       "--workers", "0", "--batch-size", "16", "--max-len", "16", "--compile", "on",
+       "--warmup", "2"]  # inside the two steps: no warm-up warning among the lines the test reads
 
 
 def test_second_run_starts_warm(tmp_path, capsys, monkeypatch):

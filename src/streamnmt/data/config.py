@@ -25,7 +25,7 @@ LEAN_MIN_PAIRS = 20_000
 RICH_FORMS = 1.3
 # Sentences per batch where --batch-size is not given (batches by sentences: --max-tokens 0, the CPU
 # default): SENTENCE_BATCH, the seed trainer's, on a GPU; CPU_SENTENCE_BATCH on the CPU, where the
-# built-in corpus's run reached a lower validation loss in less time with it than with 32 or 128
+# built-in corpus's run reached a lower validation loss in less time with it than with half or twice as many
 # (docs/PERFORMANCE.md, "CPU: the bare `streamnmt train`").
 SENTENCE_BATCH = 32
 CPU_SENTENCE_BATCH = 64

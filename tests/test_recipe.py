@@ -382,16 +382,18 @@ def test_tensorboard_missing_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
 
 # -- defaults, help, start line ------------------------------------------------------------------
 
-def test_label_smoothing_defaults_to_0_1_and_0_is_allowed():
-    assert ModelConfig().label_smoothing == 0.1
+def test_label_smoothing_is_left_to_the_corpus_rule_and_0_is_allowed():
+    assert ModelConfig().label_smoothing is None  # streamnmt.config.corpus_label_smoothing chooses it
     assert ModelConfig(label_smoothing=0.0).label_smoothing == 0.0
+    with pytest.raises(Exception, match="label_smoothing"):
+        ModelConfig(label_smoothing=1.0)
 
 
 def test_help_shows_no_none_defaults():
     text = build_parser()._subparsers._group_actions[0].choices["translate"].format_help()
     assert "(required)" in text and "(default: None)" not in " ".join(text.split())
     train = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())
-    assert "(default: None)" not in train and "(default: 0.1)" in train
+    assert "(default: None)" not in train and "(default: 1.0)" in train
 
 
 @pytest.mark.parametrize("cuda, own, flags, epochs, patience, says", [

@@ -44,6 +44,14 @@ DEFAULT_DROPOUT = 0.1
 # with at least this, as fairseq's IWSLT recipe does; the real-text grid measured it with the halved
 # vocabulary (docs/PERFORMANCE.md, "The recipe on real text"). --dropout overrides it.
 SMALL_CORPUS_DROPOUT = 0.3
+# The corpus rule's label smoothing: a --data corpus under SMALL_CORPUS_PAIRS training pairs whose target
+# is written without spaces between words (at least UNSPACED_SHARE of its letters Chinese or Japanese:
+# streamnmt.data.writing) trains with UNSPACED_LABEL_SMOOTHING; every other corpus, the built-in one
+# included, with the Transformer recipe's DEFAULT_LABEL_SMOOTHING. Chosen on Japanese and checked on the
+# held-out Chinese corpus (docs/PERFORMANCE.md, "The recipe on real text"). --label-smoothing overrides it.
+DEFAULT_LABEL_SMOOTHING = 0.1
+UNSPACED_LABEL_SMOOTHING = 0.2
+UNSPACED_SHARE = 0.5
 
 
 @dataclass(kw_only=True)
@@ -66,8 +74,12 @@ class ModelConfig:
                                         "Marian's Transformer defaults; runs before this setting used --dropout)")
     activation_dropout: float = opt(0.0, "dropout probability of the feed-forward's hidden activations (0, as "
                                          "fairseq's and Marian's defaults; runs before this setting used --dropout)")
-    label_smoothing: float = opt(0.1, "label smoothing of the cross-entropy (the Transformer recipe's 0.1; "
-                                      "0 = plain cross-entropy)")
+    # None until the corpus rule resolves it (streamnmt.training.recipe.resolve_corpus); config.yaml
+    # records the number taken.
+    label_smoothing: float | None = opt(None, "label smoothing of the cross-entropy, 0 = plain cross-entropy "
+                                              f"(default: {UNSPACED_LABEL_SMOOTHING} for a --data corpus under "
+                                              "1,000,000 training pairs whose target is Chinese or Japanese "
+                                              f"text, else {DEFAULT_LABEL_SMOOTHING}, the Transformer recipe's)")
     tie_embeddings: str = opt("none", "tie embeddings: decoder = the target embedding is the output projection; "
                                       "all = the source embedding too (needs --shared-vocab)",
                               choices=("none", "decoder", "all"))
@@ -86,7 +98,7 @@ class ModelConfig:
         for key in ("dropout", "attention_dropout", "activation_dropout"):
             v = getattr(self, key)
             check((v is None and key == "dropout") or 0.0 <= v < 1.0, key, f"must be in [0, 1); got {v}")
-        check(0.0 <= self.label_smoothing < 1.0, "label_smoothing",
+        check(self.label_smoothing is None or 0.0 <= self.label_smoothing < 1.0, "label_smoothing",
               f"must be in [0, 1); got {self.label_smoothing}")
         check_choice(self.tie_embeddings, "tie_embeddings", ("none", "decoder", "all"))
         if self.d_model and self.n_heads:
@@ -112,6 +124,14 @@ def corpus_dropout(preset: str, pairs: int | None) -> float:
     the built-in corpus, which keeps the preset's)."""
     base = preset_dropout(preset)
     return max(base, SMALL_CORPUS_DROPOUT) if small_corpus(pairs) else base
+
+
+def corpus_label_smoothing(pairs: int | None, unspaced: float | None) -> float:
+    """The label smoothing when --label-smoothing is not given, for a --data corpus of ``pairs``
+    training pairs (None: the built-in corpus) whose target's letters are ``unspaced`` Chinese or
+    Japanese (a share; None: not counted)."""
+    chinese_or_japanese = unspaced is not None and unspaced >= UNSPACED_SHARE
+    return UNSPACED_LABEL_SMOOTHING if small_corpus(pairs) and chinese_or_japanese else DEFAULT_LABEL_SMOOTHING
 
 
 @dataclass(kw_only=True)

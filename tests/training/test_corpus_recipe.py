@@ -1,5 +1,5 @@
-"""The corpus rule (CPU): the dropout and the tokenizers' vocabulary chosen from the training corpus's
-size where the flags leave them unset, said in one start line, and recorded in config.yaml."""
+"""The corpus rule (CPU): the dropout, the label smoothing and the tokenizers' vocabulary chosen from the
+training corpus where the flags leave them unset, said in one start line, and recorded in config.yaml."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from streamnmt.config import SMALL_CORPUS_DROPOUT, TrainJob, build_job, corpus_dropout, preset_dropout
+from streamnmt.config import (DEFAULT_LABEL_SMOOTHING, SMALL_CORPUS_DROPOUT, UNSPACED_LABEL_SMOOTHING, UNSPACED_SHARE,
+                              TrainJob, build_job, corpus_dropout, corpus_label_smoothing, preset_dropout)
 from streamnmt.data.config import (CORPUS_VOCAB, LEAN_MIN_PAIRS, LEAN_VOCAB, RICH_FORMS, SMALL_CORPUS_PAIRS,
                                    SMALL_CORPUS_VOCAB, DataConfig, auto_vocab)
 from streamnmt.data.prepare import prepare_data
 from streamnmt.data.tokenizer_training import word_form_ratio
+from streamnmt.data.writing import unspaced_letter, unspaced_share
 from streamnmt.training.recipe import resolve_corpus
 from tests.data.conftest import HANZI, WORDS, write_corpus, write_split
 
@@ -39,9 +41,15 @@ def test_data_config_leaves_the_vocabulary_to_the_rule_and_still_checks_a_given_
         DataConfig(src_vocab=8)
 
 
-def _bundle(pairs: int | None, auto: dict[str, int], kept: int = 4, tokens: int = 30):
-    train = type("Train", (), {"__len__": lambda self: kept, "num_tokens": lambda self: (tokens, tokens)})()
-    tok = SimpleNamespace(vocab_size=777)
+PIECES = ["<pad>", "<s>", "</s>", "<unk>", "▁the", "▁cat", "猫", "看見", "の", "，", "42"]
+
+
+def _bundle(pairs: int | None, auto: dict[str, int], kept: int = 4, tokens: int = 30, target: tuple[int, ...] = (4, 5)):
+    """prepare_data's bundle as resolve_corpus reads it; ``target``: the ids the training targets repeat
+    (PIECES: 4-5 English, 6-8 Chinese or Japanese, 9-10 no letter)."""
+    train = type("Train", (), {"__len__": lambda self: kept, "num_tokens": lambda self: (tokens, tokens),
+                               "tgt_tokens": np.array(target * 50, dtype=np.int32)})()
+    tok = SimpleNamespace(vocab_size=777, piece=PIECES.__getitem__)
     return SimpleNamespace(train_pairs=pairs, auto_vocab=auto, train=train, src_tok=tok, tgt_tok=tok)
 
 
@@ -58,6 +66,8 @@ def test_resolve_corpus_chooses_the_dropout_unless_given_and_says_so():
     assert job.data.src_vocab == job.data.tgt_vocab == 777  # the tokenizers' own sizes, as every rank has them
     assert len(lines) == 1 and "40,000 training pairs" in lines[0] and "7.5 target tokens a pair" in lines[0]
     assert "--dropout 0.3 (auto)" in lines[0] and "source tokenizer of 16000 pieces asked (auto); target tokenizer of 16000" in lines[0]
+    assert job.model.label_smoothing == DEFAULT_LABEL_SMOOTHING  # an English-lettered target
+    assert f"--label-smoothing {DEFAULT_LABEL_SMOOTHING:g} (auto: 0% of the target's letters Chinese or Japanese)" in lines[0]
 
     lines.clear()
     given = resolve_corpus(_job(dropout=0.1), _bundle(40000, {}), dropout_given=True, log=lines.append)
@@ -72,8 +82,46 @@ def test_resolve_corpus_chooses_the_dropout_unless_given_and_says_so():
 
 def test_the_builtin_corpus_gets_no_corpus_line_and_keeps_the_presets_dropout():
     lines: list[str] = []
-    job = resolve_corpus(_job(), _bundle(None, {}), dropout_given=False, log=lines.append)
+    job = resolve_corpus(_job(), _bundle(None, {}, target=(6, 7)), dropout_given=False, log=lines.append)
     assert job.model.dropout == preset_dropout("base") and lines == []
+    assert job.model.label_smoothing == DEFAULT_LABEL_SMOOTHING  # Chinese, but the built-in corpus's recipe
+
+
+@pytest.mark.parametrize("pairs, share, smoothing", [
+    (40000, UNSPACED_SHARE, UNSPACED_LABEL_SMOOTHING), (40000, 1.0, UNSPACED_LABEL_SMOOTHING),
+    (SMALL_CORPUS_PAIRS - 1, 0.9, UNSPACED_LABEL_SMOOTHING),
+    (40000, UNSPACED_SHARE - 0.01, DEFAULT_LABEL_SMOOTHING),  # a target-tagged corpus with some Japanese
+    (40000, 0.0, DEFAULT_LABEL_SMOOTHING), (40000, None, DEFAULT_LABEL_SMOOTHING),  # no letter counted
+    (SMALL_CORPUS_PAIRS, 1.0, DEFAULT_LABEL_SMOOTHING), (None, 1.0, DEFAULT_LABEL_SMOOTHING)])  # large, built-in
+def test_label_smoothing_rises_only_for_a_small_corpus_of_chinese_or_japanese_targets(pairs, share, smoothing):
+    assert corpus_label_smoothing(pairs, share) == smoothing
+
+
+def test_resolve_corpus_chooses_the_label_smoothing_from_the_targets_script_unless_given():
+    lines: list[str] = []
+    job = resolve_corpus(_job(), _bundle(40000, {}, target=(6, 7, 8, 9)), dropout_given=False, log=lines.append)
+    assert job.model.label_smoothing == UNSPACED_LABEL_SMOOTHING
+    assert "--label-smoothing 0.2 (auto: 100% of the target's letters Chinese or Japanese)" in lines[0]
+    assert "--dropout, --label-smoothing, --src-vocab and --tgt-vocab override it" in lines[0]
+
+    lines.clear()
+    given = resolve_corpus(_job(label_smoothing=0.1), _bundle(40000, {}, target=(6, 7)), dropout_given=False,
+                           log=lines.append)
+    assert given.model.label_smoothing == 0.1 and "--label-smoothing 0.1;" in lines[0]
+    lines.clear()
+    large = resolve_corpus(_job(), _bundle(2_000_000, {}, target=(6, 7)), dropout_given=False, log=lines.append)
+    assert large.model.label_smoothing == DEFAULT_LABEL_SMOOTHING and "--label-smoothing 0.1 (auto);" in lines[0]
+
+
+def test_unspaced_share_weighs_letters_by_their_count_over_a_sample_spread_across_the_split():
+    piece = PIECES.__getitem__
+    # "▁the" 3 letters x 2, "猫" 1, "看見" 2: 3 of 9 letters; "，" and "42" are no letters
+    assert unspaced_share(np.array([4, 4, 6, 7, 9, 10]), piece) == pytest.approx(3 / 9)
+    assert unspaced_share(np.array([9, 10, 9]), piece) is None and unspaced_share(np.array([], int), piece) is None
+    halves = np.array([4] * 5000 + [8] * 15000)  # one language's pairs listed after another's
+    assert unspaced_share(halves, piece, sample=100) == pytest.approx(unspaced_share(halves, piece), abs=0.05)
+    assert unspaced_share(halves, piece) == pytest.approx(15000 / (15000 + 3 * 5000))
+    assert unspaced_letter("の") and unspaced_letter("猫") and not unspaced_letter("é") and not unspaced_letter("한")
 
 
 def test_prepare_asks_the_rules_size_where_no_flag_gives_one(tmp_path):
@@ -105,6 +153,7 @@ def test_a_data_run_trains_and_records_the_rules_choice_and_a_flag_overrides_it(
         assert main([*flags, "--name", name, *extra]) == 0
         config = yaml.safe_load((tmp_path / "runs" / name / "config.yaml").read_text())
         assert config["model"]["dropout"] == dropout
+        assert config["model"]["label_smoothing"] == UNSPACED_LABEL_SMOOTHING  # the test corpus's target is Chinese
         assert isinstance(config["data"]["src_vocab"], int) and config["data"]["src_vocab"] <= SMALL_CORPUS_VOCAB
     out = capsys.readouterr().out
     assert out.count("recipe: a corpus of 120 training pairs") == 2 and "--dropout 0.05;" in out

@@ -35,12 +35,14 @@ from streamnmt.config import (
     best_metric,
     builtin_size_for,
     corpus_dropout,
+    corpus_label_smoothing,
     job_from_dict,
     recipe_budget,
     recipe_max_tokens,
     recipe_warmup,
 )
 from streamnmt.data import TokenizedCorpus, batch_plan
+from streamnmt.data.writing import unspaced_share
 from streamnmt.data.config import CPU_SENTENCE_BATCH, SENTENCE_BATCH, SMALL_CORPUS_PAIRS, DataConfig, small_corpus
 from streamnmt.dist import Dist
 from streamnmt.engine.auto import choose_compile, choose_strategy, graph_step_s
@@ -89,19 +91,26 @@ def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[
 
 def resolve_corpus(job: TrainJob, data: Any, dropout_given: bool, log: Callable[[str], None]) -> TrainJob:
     """The settings chosen from the training corpus (``data``, prepare_data's bundle) once it is read:
-    the dropout where --dropout was not given, and where --src-vocab/--tgt-vocab were not, the sizes
-    of the tokenizers it runs with (what config.yaml records, the same on every rank). One start line
-    says the corpus it saw and what it chose; the rule is streamnmt.config.corpus_dropout and
-    streamnmt.data.config.auto_vocab, chosen on the real-text grid (docs/PERFORMANCE.md, "The recipe
-    on real text")."""
+    the dropout where --dropout was not given, the label smoothing where --label-smoothing was not, and
+    where --src-vocab/--tgt-vocab were not, the sizes of the tokenizers it runs with (what config.yaml
+    records, the same on every rank). One start line says the corpus it saw and what it chose; the rule
+    is streamnmt.config.corpus_dropout and corpus_label_smoothing and streamnmt.data.config.auto_vocab,
+    chosen on the real-text grid (docs/PERFORMANCE.md, "The recipe on real text")."""
     pairs, model, d = data.train_pairs, job.model, job.data
     d = dataclasses.replace(d, src_vocab=d.src_vocab or data.src_tok.vocab_size,
                             tgt_vocab=d.tgt_vocab or data.tgt_tok.vocab_size)
     if not dropout_given:
         model = dataclasses.replace(model, dropout=corpus_dropout(model.model, pairs))
+    smoothing_given, unspaced = model.label_smoothing is not None, None
+    if not smoothing_given:
+        if small_corpus(pairs):  # the only corpora the rule tells apart by their script
+            unspaced = unspaced_share(data.train.tgt_tokens, data.tgt_tok.piece)
+        model = dataclasses.replace(model, label_smoothing=corpus_label_smoothing(pairs, unspaced))
     if pairs is not None:
         small = small_corpus(pairs)
         chose = [f"--dropout {model.dropout:g}" + ("" if dropout_given else " (auto)")]
+        script = "" if unspaced is None else f": {unspaced:.0%} of the target's letters Chinese or Japanese"
+        chose.append(f"--label-smoothing {model.label_smoothing:g}" + ("" if smoothing_given else f" (auto{script})"))
         chose += [f"{side} tokenizer of {size} pieces asked (auto)" for side, size in data.auto_vocab.items()]
         if not data.auto_vocab:
             chose.append(f"the tokenizers given or found ({data.src_tok.vocab_size} source and "
@@ -110,7 +119,7 @@ def resolve_corpus(job: TrainJob, data: Any, dropout_given: bool, log: Callable[
         mean = f", {tgt_tokens / kept:.1f} target tokens a pair" if kept else ""
         log(f"recipe: a corpus of {pairs:,} training pairs{mean} ({'under' if small else 'at least'} "
             f"{SMALL_CORPUS_PAIRS:,}: the {'small' if small else 'large'}-corpus recipe): {'; '.join(chose)}; "
-            "--dropout, --src-vocab and --tgt-vocab override it")
+            "--dropout, --label-smoothing, --src-vocab and --tgt-vocab override it")
     return dataclasses.replace(job, model=model, data=d)
 
 

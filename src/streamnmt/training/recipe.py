@@ -42,8 +42,8 @@ from streamnmt.config import (
     recipe_warmup,
 )
 from streamnmt.data import TokenizedCorpus, batch_plan
-from streamnmt.data.writing import unspaced_share
 from streamnmt.data.config import CPU_SENTENCE_BATCH, SENTENCE_BATCH, SMALL_CORPUS_PAIRS, DataConfig, small_corpus
+from streamnmt.data.writing import unspaced_share
 from streamnmt.dist import Dist
 from streamnmt.engine.auto import choose_compile, choose_strategy, graph_step_s
 from streamnmt.errors import ConfigError, InputError

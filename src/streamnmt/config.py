@@ -165,10 +165,10 @@ WARMUP_TOKENS = 6144 * 800     # tokens the warm-up spans, whatever the batch
 WARMUP_RANGE = (100, 4000)
 
 
-# The budget with the best time to BLEU (base model, docs/PERFORMANCE.md "Token budgets by time
-# to BLEU"): 4096 tokens reached the best dev BLEU first of 4096-32768 on a 40k-pair
-# corpus in 2 minutes and on 1M pairs in 20: larger batches train more tokens per second, but fewer
-# updates. The default budget is this or what the GPU's memory holds, the smaller.
+# The budget with the best time to BLEU (base model): the smallest budget measured reached the best
+# dev BLEU first, on a small and on a large corpus (docs/PERFORMANCE.md, "Token budgets by time to
+# BLEU", has the budgets, corpora and run lengths): larger batches train more tokens per second, but
+# fewer updates. The default budget is this or what the GPU's memory holds, the smaller.
 TIME_TO_BLEU_TOKENS = 4096
 
 # The weights' moving average every run keeps and evaluates by default (--ema, --eval-ema): it

@@ -16,8 +16,9 @@ import pytest
 from streamnmt.config import build_job
 from streamnmt.data import config as data_config
 from streamnmt.data import synthetic, tokenizer_child, tokenizer_training
-from streamnmt.data.config import SMALL_CORPUS_VOCAB, DataConfig, builtin_dir
+from streamnmt.data.config import SMALL_CORPUS_VOCAB, DataConfig, builtin_dir, source_vocab
 from streamnmt.data.prepare import prepare_data
+from streamnmt.data.tokenizer import vocab_cap
 from streamnmt.errors import InputError
 
 from .conftest import write_corpus
@@ -81,7 +82,7 @@ def test_a_child_writes_the_models_sizes_and_lines_prepare_would(tmp_path, monke
     (poison / "torch.py").write_text("raise ImportError('the tokenizers child imported torch')\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(poison), os.environ.get("PYTHONPATH")])))
     for name in ("a", "b"):
-        write_corpus(tmp_path / name, n_train=300)
+        targets = [t for _, t in write_corpus(tmp_path / name, n_train=300)["train"]]
     job = build_job({"data": str(tmp_path / "a"), "max_len": 24, "shared_vocab": shared})
     assert tokenizer_child.start_for(job)
 
@@ -95,7 +96,8 @@ def test_a_child_writes_the_models_sizes_and_lines_prepare_would(tmp_path, monke
     for model in models:
         assert (tmp_path / "a" / "tokenizer" / model).read_bytes() == (tmp_path / "b" / "tokenizer" / model).read_bytes()
     assert sorted(taken[0].trained) == sorted(str(tmp_path / "a" / "tokenizer" / m) for m in models)
-    auto = {"shared": SMALL_CORPUS_VOCAB} if shared else {"source": SMALL_CORPUS_VOCAB, "target": SMALL_CORPUS_VOCAB}
+    source = source_vocab(SMALL_CORPUS_VOCAB, vocab_cap(targets, SMALL_CORPUS_VOCAB, cjk=True))
+    auto = {"shared": SMALL_CORPUS_VOCAB} if shared else {"source": source, "target": SMALL_CORPUS_VOCAB}
     assert a.auto_vocab == b.auto_vocab == auto and a.train_pairs == b.train_pairs == 300
     assert _same(by_child, tmp_path / "a") == _same(here, tmp_path / "b")
     assert any(line.startswith("data: trained ") for line in by_child)
@@ -158,13 +160,14 @@ def test_no_child_for_tokenizers_given_or_found_weights_or_torchrun(tmp_path, mo
 
 
 def test_a_failed_or_foreign_child_is_set_aside_and_prepare_trains_here(tmp_path):
-    write_corpus(tmp_path / "c", n_train=120)
+    targets = [t for _, t in write_corpus(tmp_path / "c", n_train=120)["train"]]
+    source = source_vocab(SMALL_CORPUS_VOCAB, vocab_cap(targets, SMALL_CORPUS_VOCAB, cjk=True))
     cfg = DataConfig(data=str(tmp_path / "c"), max_len=24)
     crashed = FakeChild(code=1, last="MemoryError")
     tokenizer_child.start(cfg, 1, lambda argv: crashed)
     lines: list[str] = []
     bundle = prepare_data(cfg, log=lines.append)
-    assert crashed.stopped and bundle.auto_vocab == {"source": SMALL_CORPUS_VOCAB, "target": SMALL_CORPUS_VOCAB}
+    assert crashed.stopped and bundle.auto_vocab == {"source": source, "target": SMALL_CORPUS_VOCAB}
     assert "child process failed (exit 1: MemoryError" in lines[0] and lines[0].endswith("training them here")
     assert any(line.startswith("data: trained source tokenizer and target tokenizer") for line in lines)
 

@@ -13,8 +13,9 @@ import pytest
 from streamnmt.config import (DEFAULT_LABEL_SMOOTHING, SMALL_CORPUS_DROPOUT, UNSPACED_LABEL_SMOOTHING, UNSPACED_SHARE,
                               TrainJob, build_job, corpus_dropout, corpus_label_smoothing, preset_dropout)
 from streamnmt.data.config import (CORPUS_VOCAB, LEAN_MIN_PAIRS, LEAN_VOCAB, RICH_FORMS, SMALL_CORPUS_PAIRS,
-                                   SMALL_CORPUS_VOCAB, DataConfig, auto_vocab)
+                                   SMALL_CORPUS_VOCAB, SOURCE_PER_TARGET, DataConfig, auto_vocab, source_vocab)
 from streamnmt.data.prepare import prepare_data
+from streamnmt.data.tokenizer import vocab_cap
 from streamnmt.data.tokenizer_training import word_form_ratio
 from streamnmt.data.writing import unspaced_letter, unspaced_share
 from streamnmt.training.recipe import resolve_corpus
@@ -143,7 +144,9 @@ def test_a_data_run_trains_and_records_the_rules_choice_and_a_flag_overrides_it(
     from streamnmt.data import tokenizer_child
 
     monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path / "home"))
-    write_corpus(tmp_path / "c", n_train=120)
+    targets = [t for _, t in write_corpus(tmp_path / "c", n_train=120)["train"]]
+    source = source_vocab(SMALL_CORPUS_VOCAB, vocab_cap(targets, SMALL_CORPUS_VOCAB, cjk=True))
+    assert source < SMALL_CORPUS_VOCAB  # a Chinese target of a few dozen characters: the source is capped
     taken: list = []  # the first run's tokenizers are trained in the child process the command starts
     take = tokenizer_child.take
     monkeypatch.setattr(tokenizer_child, "take", lambda cfg, log: taken.append(take(cfg, log)) or taken[-1])
@@ -159,8 +162,9 @@ def test_a_data_run_trains_and_records_the_rules_choice_and_a_flag_overrides_it(
     assert out.count("recipe: a corpus of 120 training pairs") == 2 and "--dropout 0.05;" in out
     assert taken[0] is not None and taken[1:] == [None]  # the second run found them: no child
     assert out.count("data: trained source tokenizer and target tokenizer on 120 sampled pairs") == 1
-    assert (f"source tokenizer of {SMALL_CORPUS_VOCAB} pieces asked (auto); target tokenizer of "
+    assert (f"source tokenizer of {source} pieces asked (auto); target tokenizer of "
             f"{SMALL_CORPUS_VOCAB} pieces asked (auto)") in out
+    assert f"data: the source tokenizer asks {source} pieces, not {SMALL_CORPUS_VOCAB}" in out
 
 
 def test_a_shared_tokenizer_takes_the_rules_size_unless_either_side_gives_one(tmp_path):
@@ -219,8 +223,42 @@ def test_prepare_asks_the_lean_vocabulary_for_a_target_with_few_word_forms(tmp_p
     _inflecting_corpus(tmp_path / "c", suffixes)
     lines: list[str] = []
     bundle = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24), log=lines.append)
-    assert bundle.auto_vocab == {"source": vocab, "target": vocab}
+    assert bundle.auto_vocab["target"] == vocab  # the source's: at most 1.5x the target's cap (a tiny corpus)
+    targets = _targets(tmp_path / "c")  # under the key "ch": capped as Chinese text is
+    assert bundle.auto_vocab["source"] == source_vocab(vocab, vocab_cap(targets, vocab, cjk=True))
     (line,) = [ln for ln in lines if "word forms" in ln]
     assert f"{vocab} pieces where no size is given" in line
     shared = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24, shared_vocab=True), log=lines.append)
     assert shared.auto_vocab == {"shared": SMALL_CORPUS_VOCAB}  # one tokenizer of both sides: not counted
+
+
+def _targets(directory) -> list[str]:
+    import json
+
+    return [r["ch"] for r in json.loads((directory / "train.json").read_text())]
+
+
+@pytest.mark.parametrize("asked, target, source", [
+    (SMALL_CORPUS_VOCAB, 5100, round(SOURCE_PER_TARGET * 5100)),  # a Japanese target's cap: the source lowered
+    (SMALL_CORPUS_VOCAB, 8084, round(SOURCE_PER_TARGET * 8084)),
+    (SMALL_CORPUS_VOCAB, SMALL_CORPUS_VOCAB, SMALL_CORPUS_VOCAB),  # a spaced target as large: unchanged
+    (LEAN_VOCAB, LEAN_VOCAB, LEAN_VOCAB), (SMALL_CORPUS_VOCAB, 11642, SMALL_CORPUS_VOCAB)])
+def test_the_source_asks_at_most_a_multiple_of_the_targets_pieces(asked, target, source):
+    assert source_vocab(asked, target) == source
+
+
+def test_prepare_caps_the_source_at_the_targets_pieces_unless_a_size_is_given(tmp_path):
+    targets = [t for _, t in write_corpus(tmp_path / "c", n_train=300)["train"]]
+    cap = vocab_cap(targets, SMALL_CORPUS_VOCAB, cjk=True)  # 4 pieces a character: a few dozen characters
+    lines: list[str] = []
+    bundle = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24), log=lines.append)
+    assert bundle.auto_vocab == {"source": round(SOURCE_PER_TARGET * cap), "target": SMALL_CORPUS_VOCAB}
+    assert any(f"at most {SOURCE_PER_TARGET}x the target's {cap}" in line for line in lines)
+    # the target found on disk, the source trained again: capped by the model found
+    (tmp_path / "c" / "tokenizer" / "src.model").unlink()
+    again = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24), log=lambda _: None)
+    assert again.auto_vocab == {"source": round(SOURCE_PER_TARGET * bundle.tgt_tok.vocab_size)}
+    for given in ({"src_vocab": 500}, {"tgt_vocab": 120}):  # either size given: the rule's sizes, uncapped
+        write_corpus(tmp_path / str(given), n_train=300)
+        bundle = prepare_data(DataConfig(data=str(tmp_path / str(given)), max_len=24, **given), log=lambda _: None)
+        assert SMALL_CORPUS_VOCAB in bundle.auto_vocab.values() and len(bundle.auto_vocab) == 1

@@ -23,6 +23,14 @@ CORPUS_VOCAB = 32000
 LEAN_VOCAB = 4000
 LEAN_MIN_PAIRS = 20_000
 RICH_FORMS = 1.3
+# Within the small-corpus recipe, where neither --src-vocab nor --tgt-vocab is given, the source's
+# tokenizer asks at most SOURCE_PER_TARGET times the target's pieces. A target written without spaces
+# is capped low (tokenizer.vocab_cap: a few pieces per character), and an English source at the full
+# size beside it keeps nearly whole words that the corpus sees too few times to learn; on Japanese the
+# capped source scored above the defaults on every seed, on Chinese within noise of them. Every spaced
+# target measured has at least its source's pieces, so there it changes nothing (docs/PERFORMANCE.md,
+# "The recipe on real text": the source capped at 1.5x the target's pieces).
+SOURCE_PER_TARGET = 1.5
 # Sentences per batch where --batch-size is not given (batches by sentences: --max-tokens 0, the CPU
 # default): SENTENCE_BATCH, the seed trainer's, on a GPU; CPU_SENTENCE_BATCH on the CPU, where the
 # built-in corpus's run reached a lower validation loss in less time with it than with half or twice as many
@@ -54,6 +62,12 @@ def auto_vocab(pairs: int | None, forms: float | None = None) -> int:
     return LEAN_VOCAB if lean_target(pairs, forms) else SMALL_CORPUS_VOCAB
 
 
+def source_vocab(asked: int, target_pieces: int) -> int:
+    """The source's pieces asked by the small-corpus rule: ``asked`` (:func:`auto_vocab`'s), at most
+    SOURCE_PER_TARGET times the ``target_pieces`` of the target's tokenizer."""
+    return min(asked, round(SOURCE_PER_TARGET * target_pieces))
+
+
 def lean_target(pairs: int | None, forms: float | None) -> bool:
     """A corpus the lean vocabulary (LEAN_VOCAB a side) fits: at least LEAN_MIN_PAIRS pairs, a target with under
     RICH_FORMS times the source's word forms."""
@@ -78,8 +92,9 @@ class DataConfig:
     src_vocab: int | None = opt(None, "source SentencePiece vocabulary size when training one (capped for "
                                       f"small corpora); default: {SMALL_CORPUS_VOCAB} for a --data corpus under "
                                       f"{SMALL_CORPUS_PAIRS:,} training pairs ({LEAN_VOCAB} from {LEAN_MIN_PAIRS:,} "
-                                      "pairs where the target has few more word forms than the source), else "
-                                      f"{CORPUS_VOCAB}")
+                                      "pairs where the target has few more word forms than the source; "
+                                      f"where --tgt-vocab is not given either, at most {SOURCE_PER_TARGET}x the "
+                                      f"target's pieces), else {CORPUS_VOCAB}")
     tgt_vocab: int | None = opt(None, "target SentencePiece vocabulary size when training one (capped for "
                                       "small corpora); default: as --src-vocab's")
     batch_size: int | None = opt(None, "sentences per batch (when --max-tokens is 0); default: "

@@ -120,16 +120,23 @@ class Tokenizer:
         self.__init__(state["path"])
 
 
+def is_cjk(lang: str) -> bool:
+    """``lang`` (a language key) names a language written without spaces between words."""
+    return lang.lower() in CJK
+
+
 def train_tokenizer(sentences: Sequence[str], target: Path, vocab_size: int, lang: str, *,
-                    threads: int = 0, log: Callable[[str], None] = print, name: str = "") -> Tokenizer:
+                    threads: int = 0, log: Callable[[str], None] = print, name: str = "",
+                    cap: int | None = None) -> Tokenizer:
     """Train a unigram SentencePiece model on ``sentences`` and write it atomically to ``target``.
 
-    ``vocab_size`` is capped at :func:`vocab_cap` and passed as a soft limit
-    (``hard_vocab_limit=False``): a small corpus gets a smaller vocabulary, reported in one log line.
+    ``vocab_size`` is capped at :func:`vocab_cap` (``cap``: that cap, where the caller has counted it
+    already) and passed as a soft limit (``hard_vocab_limit=False``): a small corpus gets a smaller
+    vocabulary, reported in one log line.
     """
-    cjk = lang.lower() in CJK
-    return _train(sentences, target, vocab_size, vocab_cap(sentences, vocab_size, cjk), cjk,
-                  threads=threads, log=log, name=name)
+    cjk = is_cjk(lang)
+    cap = vocab_cap(sentences, vocab_size, cjk) if cap is None else cap
+    return _train(sentences, target, vocab_size, cap, cjk, threads=threads, log=log, name=name)
 
 
 def train_shared_tokenizer(src: Sequence[str], tgt: Sequence[str], target: Path, vocab_size: int,

@@ -5,8 +5,8 @@
 :func:`to_train` those of them not there yet. :func:`train` trains those: a seeded sample of the
 training split read in one streaming pass, dev and test read through once (a bad record stops the
 run before a model is written), the sizes asked (the corpus rule's
-:func:`~streamnmt.data.config.auto_vocab` where --src-vocab/--tgt-vocab are not given), the two sides
-at once on SentencePiece's threads.
+:func:`~streamnmt.data.config.auto_vocab` where --src-vocab/--tgt-vocab are not given, the source's
+within :func:`source_within_target`), the two sides at once on SentencePiece's threads.
 
 No torch here, nor numpy: :mod:`streamnmt.data.tokenizer_child` runs this very code in a child
 process started at the command's start, ``prepare_data`` in-process where no child did.
@@ -22,9 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamnmt.data.config import LEAN_MIN_PAIRS, RICH_FORMS, DataConfig, auto_vocab, lean_target, small_corpus
+from streamnmt.data.config import (LEAN_MIN_PAIRS, RICH_FORMS, SOURCE_PER_TARGET, DataConfig, auto_vocab,
+                                   lean_target, small_corpus, source_vocab)
 from streamnmt.data.readers import ReadStats, SplitSource, iter_pairs
-from streamnmt.data.tokenizer import Tokenizer, cpu_threads, train_shared_tokenizer, train_tokenizer
+from streamnmt.data.tokenizer import (Tokenizer, cpu_threads, is_cjk, train_shared_tokenizer, train_tokenizer,
+                                      vocab_cap)
 
 Log = Callable[[str], None]
 
@@ -111,7 +113,11 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
                 f"({'the lean vocabulary' if lean_target(counted, forms) else 'not the lean vocabulary'}: "
                 f"it needs under {RICH_FORMS}x and at least {LEAN_MIN_PAIRS:,} pairs)")
     rule = auto_vocab(counted, forms)
-    auto = {side.role: rule for side in missing if side.size is None}
+    asked = {side.role: side.size or rule for side in missing}
+    caps: dict[str, int] = {}
+    if missing[0].role != "shared" and small_corpus(counted) and cfg.src_vocab is None and cfg.tgt_vocab is None:
+        caps = source_within_target(cfg, directory, samples[1], asked, log)
+    auto = {side.role: asked[side.role] for side in missing if side.size is None}
     threads = threads or spm_threads(len(missing))
     if missing[0].role == "shared":
         (side,) = missing
@@ -123,13 +129,36 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     texts = {"source": samples[0], "target": samples[1]}
     langs = {"source": cfg.src_lang, "target": cfg.tgt_lang}
     with ThreadPoolExecutor(len(missing)) as pool:  # SentencePiece trains outside the GIL
-        jobs = {side.role: pool.submit(train_tokenizer, texts[side.role], side.path, side.size or rule,
-                                       langs[side.role], threads=threads, log=log, name=side.name)
+        jobs = {side.role: pool.submit(train_tokenizer, texts[side.role], side.path, asked[side.role],
+                                       langs[side.role], threads=threads, log=log, name=side.name,
+                                       cap=caps.get(side.role))
                 for side in missing}
         toks = {role: job.result() for role, job in jobs.items()}
     log(f"data: trained {' and '.join(side.name for side in missing)} on {len(samples[0])} sampled "
         f"pairs in {time.perf_counter() - t0:.1f}s -> {directory / 'tokenizer'}")
     return Trained(toks, auto, pairs)
+
+
+def source_within_target(cfg: DataConfig, directory: Path, target_sample: list[str], asked: dict[str, int],
+                         log: Log) -> dict[str, int]:
+    """Lower ``asked["source"]`` (the sizes asked, by role, of the models about to be trained; in place)
+    to :func:`~streamnmt.data.config.source_vocab` of the target's pieces: the target's
+    :func:`~streamnmt.data.tokenizer.vocab_cap` on ``target_sample`` where it is trained now (returned,
+    by role, for its training to reuse), else the size of the target model found. Nothing where the
+    source is not trained now."""
+    if "source" not in asked:
+        return {}
+    caps = {}
+    if "target" in asked:
+        caps["target"] = pieces = vocab_cap(target_sample, asked["target"], is_cjk(cfg.tgt_lang))
+    else:
+        pieces = Tokenizer(sides(cfg, directory)[1].path).vocab_size
+    source = source_vocab(asked["source"], pieces)
+    if source < asked["source"]:
+        log(f"data: the source tokenizer asks {source} pieces, not {asked['source']}: at most "
+            f"{SOURCE_PER_TARGET}x the target's {pieces} (the small-corpus rule; --src-vocab overrides it)")
+        asked["source"] = source
+    return caps
 
 
 FORM_WINDOW = 50_000  # words of each side counted: enough for a stable count, a 10k-pair corpus holds more

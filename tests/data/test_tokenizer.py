@@ -79,6 +79,17 @@ def test_vocabulary_is_capped_for_a_small_corpus(tmp_path: Path) -> None:
     assert len([x for x in lines if "capped at" in x and "32000" in x]) == 1
 
 
+@pytest.mark.parametrize("lang", ["zh_CN", "zh-TW", "ZH", "ja_JP"])
+def test_a_region_or_script_suffix_keeps_the_settings_of_text_without_spaces(tmp_path: Path, lang) -> None:
+    from streamnmt.data.tokenizer import is_cjk, vocab_cap
+
+    assert is_cjk(lang) and not is_cjk("en_GB") and not is_cjk("de") and not is_cjk("mul")
+    targets = [t for _, t in make_pairs(300)]
+    tok = train_tokenizer(targets, tmp_path / "m.model", 32000, lang, log=lambda _: None)
+    assert tok.vocab_size <= vocab_cap(targets, 32000, cjk=True)  # a few pieces per character
+    assert all(tok.decode(tok.encode(t)) == t for t in targets[:100])  # full-width punctuation kept
+
+
 def test_requested_vocabulary_is_an_upper_bound(tmp_path: Path) -> None:
     pairs = make_pairs(200)
     tok = train_tokenizer([t for _, t in pairs], tmp_path / "m.model", 60, "ch", log=lambda _: None)

@@ -30,7 +30,7 @@ from streamnmt.models.specials import BOS, EOS, PAD, UNK
 # Languages written without spaces between words: SentencePiece keeps rare characters out of the
 # vocabulary (they become UNK) and the text is not NFKC-folded, so that decoded output keeps the
 # full-width punctuation of the references BLEU compares it with.
-CJK = {"ch", "zh", "zh-cn", "zh-tw", "cn", "ja", "jp", "ko", "kr"}
+CJK = {"ch", "zh", "cn", "ja", "jp", "ko", "kr"}  # language parts: zh_CN, zh-TW and ja_JP count too
 SPM_SEED = 0  # SentencePiece's random generator (sentence shuffling, sampling) before each training
 
 
@@ -121,8 +121,9 @@ class Tokenizer:
 
 
 def is_cjk(lang: str) -> bool:
-    """``lang`` (a language key) names a language written without spaces between words."""
-    return lang.lower() in CJK
+    """``lang`` (a language key: ``zh``, ``zh_CN``, ``zh-TW``, ``ja_JP`` alike) names a language of
+    :data:`CJK`."""
+    return lang.lower().replace("-", "_").split("_")[0] in CJK
 
 
 def train_tokenizer(sentences: Sequence[str], target: Path, vocab_size: int, lang: str, *,
@@ -148,7 +149,7 @@ def train_shared_tokenizer(src: Sequence[str], tgt: Sequence[str], target: Path,
     spaces, the CJK settings apply (no NFKC folding, character coverage 0.9995), so that the
     target's full-width punctuation survives as it does with a target-only model.
     """
-    src_cjk, tgt_cjk = src_lang.lower() in CJK, tgt_lang.lower() in CJK
+    src_cjk, tgt_cjk = is_cjk(src_lang), is_cjk(tgt_lang)
     cap = min(vocab_size, vocab_cap(src, vocab_size, src_cjk) + vocab_cap(tgt, vocab_size, tgt_cjk))
     return _train([*src, *tgt], target, vocab_size, cap, src_cjk or tgt_cjk, threads=threads, log=log,
                   name="shared tokenizer")

@@ -162,8 +162,8 @@ def test_a_data_run_trains_and_records_the_rules_choice_and_a_flag_overrides_it(
     assert out.count("recipe: a corpus of 120 training pairs") == 2 and "--dropout 0.05;" in out
     assert taken[0] is not None and taken[1:] == [None]  # the second run found them: no child
     assert out.count("data: trained source tokenizer and target tokenizer on 120 sampled pairs") == 1
-    assert (f"source tokenizer of {source} pieces asked (auto); target tokenizer of "
-            f"{SMALL_CORPUS_VOCAB} pieces asked (auto)") in out
+    assert (f"source tokenizer of {source} pieces asked (auto: at most {SOURCE_PER_TARGET}x the target's "
+            f"pieces); target tokenizer of {SMALL_CORPUS_VOCAB} pieces asked (auto)") in out
     assert f"data: the source tokenizer asks {source} pieces, not {SMALL_CORPUS_VOCAB}" in out
 
 

@@ -42,7 +42,8 @@ from streamnmt.config import (
     recipe_warmup,
 )
 from streamnmt.data import TokenizedCorpus, batch_plan
-from streamnmt.data.config import CPU_SENTENCE_BATCH, SENTENCE_BATCH, SMALL_CORPUS_PAIRS, DataConfig, small_corpus
+from streamnmt.data.config import (CPU_SENTENCE_BATCH, SENTENCE_BATCH, SMALL_CORPUS_PAIRS, SOURCE_PER_TARGET, DataConfig,
+                                   small_corpus)
 from streamnmt.data.writing import unspaced_share
 from streamnmt.dist import Dist
 from streamnmt.engine.auto import choose_compile, choose_strategy, graph_step_s
@@ -111,7 +112,8 @@ def resolve_corpus(job: TrainJob, data: Any, dropout_given: bool, log: Callable[
         chose = [f"--dropout {model.dropout:g}" + ("" if dropout_given else " (auto)")]
         script = "" if unspaced is None else f": {unspaced:.0%} of the target's letters Chinese or Japanese"
         chose.append(f"--label-smoothing {model.label_smoothing:g}" + ("" if smoothing_given else f" (auto{script})"))
-        chose += [f"{side} tokenizer of {size} pieces asked (auto)" for side, size in data.auto_vocab.items()]
+        chose += [f"{side} tokenizer of {size} pieces asked (auto{_why_fewer(side, data.auto_vocab)})"
+                  for side, size in data.auto_vocab.items()]
         if not data.auto_vocab:
             chose.append(f"the tokenizers given or found ({data.src_tok.vocab_size} source and "
                          f"{data.tgt_tok.vocab_size} target pieces)")
@@ -121,6 +123,13 @@ def resolve_corpus(job: TrainJob, data: Any, dropout_given: bool, log: Callable[
             f"{SMALL_CORPUS_PAIRS:,}: the {'small' if small else 'large'}-corpus recipe): {'; '.join(chose)}; "
             "--dropout, --label-smoothing, --src-vocab and --tgt-vocab override it")
     return dataclasses.replace(job, model=model, data=d)
+
+
+def _why_fewer(side: str, auto: dict[str, int]) -> str:
+    """Why the rule asked the source fewer pieces than the target, where it did: the rule asks both the
+    same size but for the source's cap (streamnmt.data.tokenizer_training.source_within_target)."""
+    lowered = side == "source" and "target" in auto and auto["source"] < auto["target"]
+    return f": at most {SOURCE_PER_TARGET}x the target's pieces" if lowered else ""
 
 
 def resolve_end(run: RunConfig, cuda: bool, own_corpus: bool, log: Callable[[str], None]) -> RunConfig:

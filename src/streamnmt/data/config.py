@@ -29,7 +29,7 @@ RICH_FORMS = 1.3
 # size beside it keeps nearly whole words that the corpus sees too few times to learn; on Japanese the
 # capped source scored above the defaults on every seed, on Chinese within noise of them. Every spaced
 # target measured has at least its source's pieces, so there it changes nothing (docs/PERFORMANCE.md,
-# "The recipe on real text": the source capped at 1.5x the target's pieces).
+# "The recipe on real text", the block on the source's cap, has the runs).
 SOURCE_PER_TARGET = 1.5
 # Sentences per batch where --batch-size is not given (batches by sentences: --max-tokens 0, the CPU
 # default): SENTENCE_BATCH, the seed trainer's, on a GPU; CPU_SENTENCE_BATCH on the CPU, where the

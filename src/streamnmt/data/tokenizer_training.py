@@ -114,9 +114,9 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
                 f"it needs under {RICH_FORMS}x and at least {LEAN_MIN_PAIRS:,} pairs)")
     rule = auto_vocab(counted, forms)
     asked = {side.role: side.size or rule for side in missing}
-    caps: dict[str, int] = {}
-    if missing[0].role != "shared" and small_corpus(counted) and cfg.src_vocab is None and cfg.tgt_vocab is None:
-        caps = source_within_target(cfg, directory, samples[1], asked, log)
+    caps: dict[str, int] = {}  # the target's vocab_cap, where the source's cap counted it already
+    if "source" in asked and small_corpus(counted) and cfg.src_vocab is None and cfg.tgt_vocab is None:
+        asked["source"], caps = source_within_target(cfg, directory, samples[1], asked, log)
     auto = {side.role: asked[side.role] for side in missing if side.size is None}
     threads = threads or spm_threads(len(missing))
     if missing[0].role == "shared":
@@ -140,14 +140,12 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
 
 
 def source_within_target(cfg: DataConfig, directory: Path, target_sample: list[str], asked: dict[str, int],
-                         log: Log) -> dict[str, int]:
-    """Lower ``asked["source"]`` (the sizes asked, by role, of the models about to be trained; in place)
-    to :func:`~streamnmt.data.config.source_vocab` of the target's pieces: the target's
-    :func:`~streamnmt.data.tokenizer.vocab_cap` on ``target_sample`` where it is trained now (returned,
-    by role, for its training to reuse), else the size of the target model found. Nothing where the
-    source is not trained now."""
-    if "source" not in asked:
-        return {}
+                         log: Log) -> tuple[int, dict[str, int]]:
+    """The source's size (``asked``: the sizes asked, by role, of the separate models about to be
+    trained, the source's among them) within :func:`~streamnmt.data.config.source_vocab` of the
+    target's pieces: the target's :func:`~streamnmt.data.tokenizer.vocab_cap` on ``target_sample``
+    where it is trained now (returned too, by role, for its training to reuse), else the size of the
+    target model found."""
     caps = {}
     if "target" in asked:
         caps["target"] = pieces = vocab_cap(target_sample, asked["target"], is_cjk(cfg.tgt_lang))
@@ -157,8 +155,7 @@ def source_within_target(cfg: DataConfig, directory: Path, target_sample: list[s
     if source < asked["source"]:
         log(f"data: the source tokenizer asks {source} pieces, not {asked['source']}: at most "
             f"{SOURCE_PER_TARGET}x the target's {pieces} (the small-corpus rule; --src-vocab overrides it)")
-        asked["source"] = source
-    return caps
+    return source, caps
 
 
 FORM_WINDOW = 50_000  # words of each side counted: enough for a stable count, a 10k-pair corpus holds more

@@ -96,8 +96,10 @@ def launch(what: list[str] | Callable[[], int], home: str, env: dict | None, wai
 
 
 # A --data copy of the built-in corpus trains as the built-in corpus does: the corpus rule would raise the
-# label smoothing for its Chinese target (streamnmt.config.corpus_label_smoothing), a built-in run keeps 0.1.
-AS_BUILTIN = ["--label-smoothing", "0.1"]
+# label smoothing for its Chinese target (streamnmt.config.corpus_label_smoothing) and train fewer pieces per
+# character of it (streamnmt.data.config.SMALL_CORPUS_PIECES_PER_CHARACTER); a built-in run keeps 0.1 and
+# asks 32,000 pieces a side (streamnmt.data.config.CORPUS_VOCAB).
+AS_BUILTIN = ["--label-smoothing", "0.1", "--src-vocab", "32000", "--tgt-vocab", "32000"]
 
 
 def common(tmp: Path, strategy: str = "full") -> list[str]:
@@ -360,7 +362,8 @@ def test_fresh_corpus_is_prepared_once(fresh_corpus_run, tmp_path):
     # Seeded SentencePiece: a one-process preparation of the same corpus trains the same models.
     corpus = tmp_path / "corpus"
     synthetic.write_builtin(corpus, 500, seed=0)
-    bundle = prepare_data(DataConfig(data=str(corpus), max_len=32), log=lambda _: None)
+    bundle = prepare_data(DataConfig(data=str(corpus), max_len=32, src_vocab=32000, tgt_vocab=32000),
+                          log=lambda _: None)  # the sizes AS_BUILTIN gives the runs
     assert bundle.src_tok.sha256 == file_sha256(fresh / "tokenizer" / "src.model")
     assert bundle.tgt_tok.sha256 == file_sha256(fresh / "tokenizer" / "tgt.model")
 

@@ -16,7 +16,7 @@ import pytest
 from streamnmt.config import build_job
 from streamnmt.data import config as data_config
 from streamnmt.data import synthetic, tokenizer_child, tokenizer_training
-from streamnmt.data.config import SMALL_CORPUS_VOCAB, DataConfig, builtin_dir, source_vocab
+from streamnmt.data.config import SMALL_CORPUS_PIECES_PER_CHARACTER, SMALL_CORPUS_VOCAB, DataConfig, builtin_dir, source_vocab
 from streamnmt.data.prepare import prepare_data
 from streamnmt.data.tokenizer import vocab_cap
 from streamnmt.errors import InputError
@@ -96,7 +96,7 @@ def test_a_child_writes_the_models_sizes_and_lines_prepare_would(tmp_path, monke
     for model in models:
         assert (tmp_path / "a" / "tokenizer" / model).read_bytes() == (tmp_path / "b" / "tokenizer" / model).read_bytes()
     assert sorted(taken[0].trained) == sorted(str(tmp_path / "a" / "tokenizer" / m) for m in models)
-    source = source_vocab(SMALL_CORPUS_VOCAB, vocab_cap(targets, SMALL_CORPUS_VOCAB, cjk=True))
+    source = source_vocab(SMALL_CORPUS_VOCAB, vocab_cap(targets, SMALL_CORPUS_VOCAB, True, SMALL_CORPUS_PIECES_PER_CHARACTER))
     auto = {"shared": SMALL_CORPUS_VOCAB} if shared else {"source": source, "target": SMALL_CORPUS_VOCAB}
     assert a.auto_vocab == b.auto_vocab == auto and a.train_pairs == b.train_pairs == 300
     assert _same(by_child, tmp_path / "a") == _same(here, tmp_path / "b")
@@ -161,7 +161,7 @@ def test_no_child_for_tokenizers_given_or_found_weights_or_torchrun(tmp_path, mo
 
 def test_a_failed_or_foreign_child_is_set_aside_and_prepare_trains_here(tmp_path):
     targets = [t for _, t in write_corpus(tmp_path / "c", n_train=120)["train"]]
-    source = source_vocab(SMALL_CORPUS_VOCAB, vocab_cap(targets, SMALL_CORPUS_VOCAB, cjk=True))
+    source = source_vocab(SMALL_CORPUS_VOCAB, vocab_cap(targets, SMALL_CORPUS_VOCAB, True, SMALL_CORPUS_PIECES_PER_CHARACTER))
     cfg = DataConfig(data=str(tmp_path / "c"), max_len=24)
     crashed = FakeChild(code=1, last="MemoryError")
     tokenizer_child.start(cfg, 1, lambda argv: crashed)

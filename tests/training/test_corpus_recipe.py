@@ -13,7 +13,8 @@ import pytest
 from streamnmt.config import (DEFAULT_LABEL_SMOOTHING, SMALL_CORPUS_DROPOUT, UNSPACED_LABEL_SMOOTHING, UNSPACED_SHARE,
                               TrainJob, build_job, corpus_dropout, corpus_label_smoothing, preset_dropout)
 from streamnmt.data.config import (CORPUS_VOCAB, LEAN_MIN_PAIRS, LEAN_VOCAB, RICH_FORMS, SMALL_CORPUS_PAIRS,
-                                   SMALL_CORPUS_VOCAB, SOURCE_PER_TARGET, DataConfig, auto_vocab, source_vocab)
+                                   SMALL_CORPUS_PIECES_PER_CHARACTER, SMALL_CORPUS_VOCAB, SOURCE_PER_TARGET,
+                                   DataConfig, auto_vocab, source_vocab)
 from streamnmt.data.prepare import prepare_data
 from streamnmt.data.tokenizer import vocab_cap
 from streamnmt.data.tokenizer_training import word_form_ratio
@@ -66,7 +67,8 @@ def test_resolve_corpus_chooses_the_dropout_unless_given_and_says_so():
     assert job.model.dropout == SMALL_CORPUS_DROPOUT
     assert job.data.src_vocab == job.data.tgt_vocab == 777  # the tokenizers' own sizes, as every rank has them
     assert len(lines) == 1 and "40,000 training pairs" in lines[0] and "7.5 target tokens a pair" in lines[0]
-    assert "--dropout 0.3 (auto)" in lines[0] and "source tokenizer of 16000 pieces asked (auto); target tokenizer of 16000" in lines[0]
+    assert "--dropout 0.3 (auto)" in lines[0] and ("source tokenizer of 16000 pieces asked (auto), 777 trained; target tokenizer of "
+                                                      "16000 pieces asked (auto), 777 trained;") in lines[0]
     assert job.model.label_smoothing == DEFAULT_LABEL_SMOOTHING  # an English-lettered target
     assert f"--label-smoothing {DEFAULT_LABEL_SMOOTHING:g} (auto: 0% of the target's letters Chinese or Japanese)" in lines[0]
 
@@ -145,7 +147,7 @@ def test_a_data_run_trains_and_records_the_rules_choice_and_a_flag_overrides_it(
 
     monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path / "home"))
     targets = [t for _, t in write_corpus(tmp_path / "c", n_train=120)["train"]]
-    source = source_vocab(SMALL_CORPUS_VOCAB, vocab_cap(targets, SMALL_CORPUS_VOCAB, cjk=True))
+    source = source_vocab(SMALL_CORPUS_VOCAB, vocab_cap(targets, SMALL_CORPUS_VOCAB, True, SMALL_CORPUS_PIECES_PER_CHARACTER))
     assert source < SMALL_CORPUS_VOCAB  # a Chinese target of a few dozen characters: the source is capped
     taken: list = []  # the first run's tokenizers are trained in the child process the command starts
     take = tokenizer_child.take
@@ -162,9 +164,14 @@ def test_a_data_run_trains_and_records_the_rules_choice_and_a_flag_overrides_it(
     assert out.count("recipe: a corpus of 120 training pairs") == 2 and "--dropout 0.05;" in out
     assert taken[0] is not None and taken[1:] == [None]  # the second run found them: no child
     assert out.count("data: trained source tokenizer and target tokenizer on 120 sampled pairs") == 1
+    src, tgt = config["data"]["src_vocab"], config["data"]["tgt_vocab"]  # the sizes trained (within the caps)
+    assert tgt <= vocab_cap(targets, SMALL_CORPUS_VOCAB, True, SMALL_CORPUS_PIECES_PER_CHARACTER)
     assert (f"source tokenizer of {source} pieces asked (auto: at most {SOURCE_PER_TARGET}x the target's "
-            f"pieces); target tokenizer of {SMALL_CORPUS_VOCAB} pieces asked (auto)") in out
+            f"pieces){f', {src} trained' if src < source else ''}; target tokenizer of {SMALL_CORPUS_VOCAB} "
+            f"pieces asked (auto), {tgt} trained;") in out
     assert f"data: the source tokenizer asks {source} pieces, not {SMALL_CORPUS_VOCAB}" in out
+    assert (f"vocabulary capped at {tgt} pieces (asked for {SMALL_CORPUS_VOCAB}): at most "
+            f"{SMALL_CORPUS_PIECES_PER_CHARACTER} per distinct character of a target without spaces") in out
 
 
 def test_a_shared_tokenizer_takes_the_rules_size_unless_either_side_gives_one(tmp_path):
@@ -225,7 +232,7 @@ def test_prepare_asks_the_lean_vocabulary_for_a_target_with_few_word_forms(tmp_p
     bundle = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24), log=lines.append)
     assert bundle.auto_vocab["target"] == vocab  # the source's: at most 1.5x the target's cap (a tiny corpus)
     targets = _targets(tmp_path / "c")  # under the key "ch": capped as Chinese text is
-    assert bundle.auto_vocab["source"] == source_vocab(vocab, vocab_cap(targets, vocab, cjk=True))
+    assert bundle.auto_vocab["source"] == source_vocab(vocab, vocab_cap(targets, vocab, True, SMALL_CORPUS_PIECES_PER_CHARACTER))
     (line,) = [ln for ln in lines if "word forms" in ln]
     assert f"{vocab} pieces where no size is given" in line
     shared = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24, shared_vocab=True), log=lines.append)
@@ -247,9 +254,24 @@ def test_the_source_asks_at_most_a_multiple_of_the_targets_pieces(asked, target,
     assert source_vocab(asked, target) == source
 
 
+@pytest.mark.parametrize("lang, given, cap", [
+    ("ch", None, 2 * 6 + 4),  # the rule's size: SMALL_CORPUS_PIECES_PER_CHARACTER per distinct character
+    ("zh_CN", None, 2 * 6 + 4), ("ch", 500, 4 * 6 + 4),  # --tgt-vocab given: the tokenizer's own cap
+    ("de", None, 4 + 7 + 4)])  # spaced: 4 distinct words, 7 characters with the space, as before
+def test_a_target_without_spaces_keeps_fewer_pieces_per_character_unless_its_size_is_given(lang, given, cap):
+    from streamnmt.data.tokenizer_training import target_cap
+
+    assert SMALL_CORPUS_PIECES_PER_CHARACTER == 2  # the cases below count with it
+    sample = ["甲乙 丙", "丁戊 己", "甲乙 丙"] if lang == "de" else ["甲乙丙", "丁戊己甲"]  # 6 distinct characters
+    cfg = DataConfig(data="c", tgt_lang=lang, tgt_vocab=given)
+    got, why = target_cap(cfg, sample, given or SMALL_CORPUS_VOCAB)
+    assert got == cap and (f"at most {SMALL_CORPUS_PIECES_PER_CHARACTER} per distinct character" in why) == (
+        lang != "de" and given is None)
+
+
 def test_prepare_caps_the_source_at_the_targets_pieces_unless_a_size_is_given(tmp_path):
     targets = [t for _, t in write_corpus(tmp_path / "c", n_train=300)["train"]]
-    cap = vocab_cap(targets, SMALL_CORPUS_VOCAB, cjk=True)  # 4 pieces a character: a few dozen characters
+    cap = vocab_cap(targets, SMALL_CORPUS_VOCAB, True, SMALL_CORPUS_PIECES_PER_CHARACTER)  # a few dozen characters
     lines: list[str] = []
     bundle = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24), log=lines.append)
     assert bundle.auto_vocab == {"source": round(SOURCE_PER_TARGET * cap), "target": SMALL_CORPUS_VOCAB}

@@ -31,6 +31,13 @@ RICH_FORMS = 1.3
 # target measured has at least its source's pieces, so there it changes nothing (docs/PERFORMANCE.md,
 # "The recipe on real text", the block on the source's cap, has the runs).
 SOURCE_PER_TARGET = 1.5
+# Within the small-corpus recipe, a target written without spaces whose --tgt-vocab is not given keeps
+# at most SMALL_CORPUS_PIECES_PER_CHARACTER pieces per distinct character of its text, not the
+# tokenizer's PIECES_PER_CHARACTER: on Japanese (the grid) and on Chinese (held out) the halved
+# vocabulary scored above the defaults on every seed measured but one, and the source follows it
+# through SOURCE_PER_TARGET (docs/PERFORMANCE.md, "The recipe on real text", the block on the pieces
+# per character).
+SMALL_CORPUS_PIECES_PER_CHARACTER = 2
 # Sentences per batch where --batch-size is not given (batches by sentences: --max-tokens 0, the CPU
 # default): SENTENCE_BATCH, the seed trainer's, on a GPU; CPU_SENTENCE_BATCH on the CPU, where the
 # built-in corpus's run reached a lower validation loss in less time with it than with half or twice as many
@@ -96,7 +103,9 @@ class DataConfig:
                                       f"where --tgt-vocab is not given either, at most {SOURCE_PER_TARGET}x the "
                                       f"target's pieces), else {CORPUS_VOCAB}")
     tgt_vocab: int | None = opt(None, "target SentencePiece vocabulary size when training one (capped for "
-                                      "small corpora); default: as --src-vocab's")
+                                      "small corpora); default: as --src-vocab's, and for a target without "
+                                      f"spaces under {SMALL_CORPUS_PAIRS:,} pairs at most "
+                                      f"{SMALL_CORPUS_PIECES_PER_CHARACTER} pieces per distinct character")
     batch_size: int | None = opt(None, "sentences per batch (when --max-tokens is 0); default: "
                                        f"{CPU_SENTENCE_BATCH} on the CPU, {SENTENCE_BATCH} on a GPU")
     max_tokens: int | None = opt(None, "token budget per batch (padded tokens, the longer side); 0 = batch by "

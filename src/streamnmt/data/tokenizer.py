@@ -128,16 +128,16 @@ def is_cjk(lang: str) -> bool:
 
 def train_tokenizer(sentences: Sequence[str], target: Path, vocab_size: int, lang: str, *,
                     threads: int = 0, log: Callable[[str], None] = print, name: str = "",
-                    cap: int | None = None) -> Tokenizer:
+                    cap: int | None = None, cap_why: str = "") -> Tokenizer:
     """Train a unigram SentencePiece model on ``sentences`` and write it atomically to ``target``.
 
     ``vocab_size`` is capped at :func:`vocab_cap` (``cap``: that cap, where the caller has counted it
-    already) and passed as a soft limit (``hard_vocab_limit=False``): a small corpus gets a smaller
-    vocabulary, reported in one log line.
+    already; ``cap_why``: its reason, where not the corpus's size) and passed as a soft limit
+    (``hard_vocab_limit=False``): a small corpus gets a smaller vocabulary, reported in one log line.
     """
     cjk = is_cjk(lang)
     cap = vocab_cap(sentences, vocab_size, cjk) if cap is None else cap
-    return _train(sentences, target, vocab_size, cap, cjk, threads=threads, log=log, name=name)
+    return _train(sentences, target, vocab_size, cap, cjk, threads=threads, log=log, name=name, cap_why=cap_why)
 
 
 def train_shared_tokenizer(src: Sequence[str], tgt: Sequence[str], target: Path, vocab_size: int,
@@ -156,7 +156,7 @@ def train_shared_tokenizer(src: Sequence[str], tgt: Sequence[str], target: Path,
 
 
 def _train(sentences: Sequence[str], target: Path, vocab_size: int, cap: int, cjk: bool, *,
-           threads: int, log: Callable[[str], None], name: str) -> Tokenizer:
+           threads: int, log: Callable[[str], None], name: str, cap_why: str = "") -> Tokenizer:
     model = io.BytesIO()
     if hasattr(spm, "set_random_generator_seed"):  # sentencepiece >= 0.1.92
         spm.set_random_generator_seed(SPM_SEED)
@@ -181,18 +181,23 @@ def _train(sentences: Sequence[str], target: Path, vocab_size: int, cap: int, cj
     tok = Tokenizer(target)
     if tok.vocab_size < vocab_size:
         log(f"data: {name or target.name}: vocabulary capped at {tok.vocab_size} pieces (asked for "
-            f"{vocab_size}): the corpus is too small to use more")
+            f"{vocab_size}): {cap_why or 'the corpus is too small to use more'}")
     return tok
 
 
-def vocab_cap(sentences: Sequence[str], vocab_size: int, cjk: bool = False) -> int:
+# Pieces per distinct character of text without spaces: the ratio of the usual 32k vocabulary to the
+# 6-8k characters of real Chinese text (the small-corpus rule asks fewer: data.config).
+PIECES_PER_CHARACTER = 4
+
+
+def vocab_cap(sentences: Sequence[str], vocab_size: int, cjk: bool = False,
+              per_character: int = PIECES_PER_CHARACTER) -> int:
     """``vocab_size``, or less for a corpus too small to use it; never below its characters.
 
     Space-separated text: distinct words + distinct characters (+4 specials). A vocabulary that
     can hold every word whole gains nothing from more pieces; SentencePiece's unigram trainer,
     which prunes only down to the size asked for, would fill the rest with unused substrings.
-    Text without spaces (``cjk``): 4 pieces per distinct character, the ratio of the usual 32k
-    vocabulary to the 6-8k characters of real Chinese text.
+    Text without spaces (``cjk``): ``per_character`` pieces per distinct character.
     """
     words: set[str] = set()
     chars: set[str] = set()
@@ -200,10 +205,10 @@ def vocab_cap(sentences: Sequence[str], vocab_size: int, cjk: bool = False) -> i
         if not cjk:
             words.update(s.split())
         chars.update(s)
-        if k % 1024 == 1023 and _cap(words, chars, cjk) >= vocab_size:
+        if k % 1024 == 1023 and _cap(words, chars, cjk, per_character) >= vocab_size:
             return vocab_size
-    return min(vocab_size, _cap(words, chars, cjk))
+    return min(vocab_size, _cap(words, chars, cjk, per_character))
 
 
-def _cap(words: set[str], chars: set[str], cjk: bool) -> int:
-    return (4 * len(chars) if cjk else len(words) + len(chars)) + 4
+def _cap(words: set[str], chars: set[str], cjk: bool, per_character: int) -> int:
+    return (per_character * len(chars) if cjk else len(words) + len(chars)) + 4

@@ -5,8 +5,9 @@
 :func:`to_train` those of them not there yet. :func:`train` trains those: a seeded sample of the
 training split read in one streaming pass, dev and test read through once (a bad record stops the
 run before a model is written), the sizes asked (the corpus rule's
-:func:`~streamnmt.data.config.auto_vocab` where --src-vocab/--tgt-vocab are not given, the source's
-within :func:`source_within_target`), the two sides at once on SentencePiece's threads.
+:func:`~streamnmt.data.config.auto_vocab` where --src-vocab/--tgt-vocab are not given, a target without
+spaces within :func:`target_cap`, the source within :func:`source_within_target`), the two sides at
+once on SentencePiece's threads.
 
 No torch here, nor numpy: :mod:`streamnmt.data.tokenizer_child` runs this very code in a child
 process started at the command's start, ``prepare_data`` in-process where no child did.
@@ -22,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamnmt.data.config import (LEAN_MIN_PAIRS, RICH_FORMS, SOURCE_PER_TARGET, DataConfig, auto_vocab,
-                                   lean_target, small_corpus, source_vocab)
+from streamnmt.data.config import (LEAN_MIN_PAIRS, RICH_FORMS, SMALL_CORPUS_PIECES_PER_CHARACTER, SOURCE_PER_TARGET,
+                                   DataConfig, auto_vocab, lean_target, small_corpus, source_vocab)
 from streamnmt.data.readers import ReadStats, SplitSource, iter_pairs
 from streamnmt.data.tokenizer import (Tokenizer, cpu_threads, is_cjk, train_shared_tokenizer, train_tokenizer,
                                       vocab_cap)
@@ -114,9 +115,12 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
                 f"it needs under {RICH_FORMS}x and at least {LEAN_MIN_PAIRS:,} pairs)")
     rule = auto_vocab(counted, forms)
     asked = {side.role: side.size or rule for side in missing}
-    caps: dict[str, int] = {}  # the target's vocab_cap, where the source's cap counted it already
+    caps: dict[str, int] = {}  # the target's vocab_cap, counted here once for the rule and its training
+    cap_why = ""  # the target cap's reason where the rule, not the corpus's size, set it
+    if "target" in asked and small_corpus(counted):
+        caps["target"], cap_why = target_cap(cfg, samples[1], asked["target"])
     if "source" in asked and small_corpus(counted) and cfg.src_vocab is None and cfg.tgt_vocab is None:
-        asked["source"], caps = source_within_target(cfg, directory, samples[1], asked, log)
+        asked["source"] = source_within_target(cfg, directory, caps.get("target"), asked["source"], log)
     auto = {side.role: asked[side.role] for side in missing if side.size is None}
     threads = threads or spm_threads(len(missing))
     if missing[0].role == "shared":
@@ -131,7 +135,7 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     with ThreadPoolExecutor(len(missing)) as pool:  # SentencePiece trains outside the GIL
         jobs = {side.role: pool.submit(train_tokenizer, texts[side.role], side.path, asked[side.role],
                                        langs[side.role], threads=threads, log=log, name=side.name,
-                                       cap=caps.get(side.role))
+                                       cap=caps.get(side.role), cap_why=cap_why if side.role == "target" else "")
                 for side in missing}
         toks = {role: job.result() for role, job in jobs.items()}
     log(f"data: trained {' and '.join(side.name for side in missing)} on {len(samples[0])} sampled "
@@ -139,23 +143,28 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     return Trained(toks, auto, pairs)
 
 
-def source_within_target(cfg: DataConfig, directory: Path, target_sample: list[str], asked: dict[str, int],
-                         log: Log) -> tuple[int, dict[str, int]]:
-    """The source's size (``asked``: the sizes asked, by role, of the separate models about to be
-    trained, the source's among them) within :func:`~streamnmt.data.config.source_vocab` of the
-    target's pieces: the target's :func:`~streamnmt.data.tokenizer.vocab_cap` on ``target_sample``
-    where it is trained now (returned too, by role, for its training to reuse), else the size of the
-    target model found."""
-    caps = {}
-    if "target" in asked:
-        caps["target"] = pieces = vocab_cap(target_sample, asked["target"], is_cjk(cfg.tgt_lang))
-    else:
-        pieces = Tokenizer(sides(cfg, directory)[1].path).vocab_size
-    source = source_vocab(asked["source"], pieces)
-    if source < asked["source"]:
-        log(f"data: the source tokenizer asks {source} pieces, not {asked['source']}: at most "
+def target_cap(cfg: DataConfig, target_sample: list[str], asked: int) -> tuple[int, str]:
+    """The small-corpus target's :func:`~streamnmt.data.tokenizer.vocab_cap` on ``target_sample``
+    (``asked``: its size asked), and the cap's reason where the rule set it (the training's log line
+    says it): a target without spaces whose --tgt-vocab is not given keeps at most
+    :data:`~streamnmt.data.config.SMALL_CORPUS_PIECES_PER_CHARACTER` pieces per distinct character."""
+    if not is_cjk(cfg.tgt_lang) or cfg.tgt_vocab is not None:
+        return vocab_cap(target_sample, asked, is_cjk(cfg.tgt_lang)), ""
+    return (vocab_cap(target_sample, asked, True, SMALL_CORPUS_PIECES_PER_CHARACTER),
+            f"at most {SMALL_CORPUS_PIECES_PER_CHARACTER} per distinct character of a target without spaces "
+            "(the small-corpus rule; --tgt-vocab overrides it)")
+
+
+def source_within_target(cfg: DataConfig, directory: Path, target_pieces: int | None, asked: int, log: Log) -> int:
+    """The source's size (``asked``: the size the rule asked of it) within
+    :func:`~streamnmt.data.config.source_vocab` of the target's pieces: ``target_pieces`` (the cap of
+    the target trained now, :func:`target_cap`), or None: the size of the target model found."""
+    pieces = target_pieces or Tokenizer(sides(cfg, directory)[1].path).vocab_size
+    source = source_vocab(asked, pieces)
+    if source < asked:
+        log(f"data: the source tokenizer asks {source} pieces, not {asked}: at most "
             f"{SOURCE_PER_TARGET}x the target's {pieces} (the small-corpus rule; --src-vocab overrides it)")
-    return source, caps
+    return source
 
 
 FORM_WINDOW = 50_000  # words of each side counted: enough for a stable count, a 10k-pair corpus holds more

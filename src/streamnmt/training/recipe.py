@@ -112,7 +112,10 @@ def resolve_corpus(job: TrainJob, data: Any, dropout_given: bool, log: Callable[
         chose = [f"--dropout {model.dropout:g}" + ("" if dropout_given else " (auto)")]
         script = "" if unspaced is None else f": {unspaced:.0%} of the target's letters Chinese or Japanese"
         chose.append(f"--label-smoothing {model.label_smoothing:g}" + ("" if smoothing_given else f" (auto{script})"))
+        trained = {"source": data.src_tok.vocab_size, "target": data.tgt_tok.vocab_size,
+                   "shared": data.src_tok.vocab_size}  # under the size asked where a cap held it (a data: line says why)
         chose += [f"{side} tokenizer of {size} pieces asked (auto{_why_fewer(side, data.auto_vocab)})"
+                  + (f", {trained[side]} trained" if trained[side] < size else "")
                   for side, size in data.auto_vocab.items()]
         if not data.auto_vocab:
             chose.append(f"the tokenizers given or found ({data.src_tok.vocab_size} source and "

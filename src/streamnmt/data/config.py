@@ -31,7 +31,8 @@ RICH_FORMS = 1.3
 # target measured has at least its source's pieces, so there it changes nothing (docs/PERFORMANCE.md,
 # "The recipe on real text", the block on the source's cap, has the runs).
 SOURCE_PER_TARGET = 1.5
-# Within the small-corpus recipe, a target written without spaces whose --tgt-vocab is not given keeps
+# Within the small-corpus recipe, a target written without spaces whose --tgt-vocab is not given (and no
+# --shared-vocab: one tokenizer of both sides keeps the tokenizer's own cap) keeps
 # at most SMALL_CORPUS_PIECES_PER_CHARACTER pieces per distinct character of its text, not the
 # tokenizer's PIECES_PER_CHARACTER: on Japanese (the grid) and on Chinese (held out) the halved
 # vocabulary scored above the defaults on every seed measured but one, and the source follows it
@@ -103,9 +104,10 @@ class DataConfig:
                                       f"where --tgt-vocab is not given either, at most {SOURCE_PER_TARGET}x the "
                                       f"target's pieces), else {CORPUS_VOCAB}")
     tgt_vocab: int | None = opt(None, "target SentencePiece vocabulary size when training one (capped for "
-                                      "small corpora); default: as --src-vocab's, and for a target without "
-                                      f"spaces under {SMALL_CORPUS_PAIRS:,} pairs at most "
-                                      f"{SMALL_CORPUS_PIECES_PER_CHARACTER} pieces per distinct character")
+                                      "small corpora); default: as --src-vocab's, and for a --data corpus under "
+                                      f"{SMALL_CORPUS_PAIRS:,} pairs whose target is written without spaces (no "
+                                      f"--shared-vocab) at most {SMALL_CORPUS_PIECES_PER_CHARACTER} pieces per "
+                                      "distinct character")
     batch_size: int | None = opt(None, "sentences per batch (when --max-tokens is 0); default: "
                                        f"{CPU_SENTENCE_BATCH} on the CPU, {SENTENCE_BATCH} on a GPU")
     max_tokens: int | None = opt(None, "token budget per batch (padded tokens, the longer side); 0 = batch by "

@@ -148,11 +148,14 @@ def target_cap(cfg: DataConfig, target_sample: list[str], asked: int) -> tuple[i
     (``asked``: its size asked), and the cap's reason where the rule set it (the training's log line
     says it): a target without spaces whose --tgt-vocab is not given keeps at most
     :data:`~streamnmt.data.config.SMALL_CORPUS_PIECES_PER_CHARACTER` pieces per distinct character."""
-    if not is_cjk(cfg.tgt_lang) or cfg.tgt_vocab is not None:
-        return vocab_cap(target_sample, asked, is_cjk(cfg.tgt_lang)), ""
-    return (vocab_cap(target_sample, asked, True, SMALL_CORPUS_PIECES_PER_CHARACTER),
-            f"at most {SMALL_CORPUS_PIECES_PER_CHARACTER} per distinct character of a target without spaces "
-            "(the small-corpus rule; --tgt-vocab overrides it)")
+    cjk = is_cjk(cfg.tgt_lang)
+    if not cjk or cfg.tgt_vocab is not None:
+        return vocab_cap(target_sample, asked, cjk), ""
+    cap = vocab_cap(target_sample, asked, True, SMALL_CORPUS_PIECES_PER_CHARACTER)
+    if cap >= asked:  # characters enough to fill the size asked: the rule held nothing back
+        return cap, ""
+    return cap, (f"at most {SMALL_CORPUS_PIECES_PER_CHARACTER} per distinct character of a target without spaces "
+                 "(the small-corpus rule; --tgt-vocab overrides it)")
 
 
 def source_within_target(cfg: DataConfig, directory: Path, target_pieces: int | None, asked: int, log: Log) -> int:

@@ -90,6 +90,14 @@ def test_a_region_or_script_suffix_keeps_the_settings_of_text_without_spaces(tmp
     assert all(tok.decode(tok.encode(t)) == t for t in targets[:100])  # full-width punctuation kept
 
 
+@pytest.mark.parametrize("lang, unspaced", [("zh_CN", True), ("ja-JP", True), ("ch", True), ("ko_KR", False),
+                                             ("kr", False), ("de", False)])
+def test_korean_is_cjk_but_written_with_spaces(lang, unspaced) -> None:
+    from streamnmt.data.tokenizer import is_cjk, is_unspaced
+
+    assert is_unspaced(lang) == unspaced and is_cjk(lang) == (lang != "de")
+
+
 def test_requested_vocabulary_is_an_upper_bound(tmp_path: Path) -> None:
     pairs = make_pairs(200)
     tok = train_tokenizer([t for _, t in pairs], tmp_path / "m.model", 60, "ch", log=lambda _: None)

@@ -31,13 +31,12 @@ RICH_FORMS = 1.3
 # target measured has at least its source's pieces, so there it changes nothing (docs/PERFORMANCE.md,
 # "The recipe on real text", the block on the source's cap, has the runs).
 SOURCE_PER_TARGET = 1.5
-# Within the small-corpus recipe, a target written without spaces whose --tgt-vocab is not given (and no
-# --shared-vocab: one tokenizer of both sides keeps the tokenizer's own cap) keeps
-# at most SMALL_CORPUS_PIECES_PER_CHARACTER pieces per distinct character of its text, not the
-# tokenizer's PIECES_PER_CHARACTER: on Japanese (the grid) and on Chinese (held out) the halved
-# vocabulary scored above the defaults on every seed measured but one, and the source follows it
-# through SOURCE_PER_TARGET (docs/PERFORMANCE.md, "The recipe on real text", the block on the pieces
-# per character).
+# Within the small-corpus recipe, a target written without spaces (Chinese, Japanese: tokenizer.is_unspaced)
+# whose --tgt-vocab is not given (and no --shared-vocab: one tokenizer of both sides keeps the tokenizer's
+# own cap) keeps at most SMALL_CORPUS_PIECES_PER_CHARACTER pieces per distinct character of its text, not
+# the tokenizer's PIECES_PER_CHARACTER: on Japanese (the grid) and on Chinese (held out) the halved
+# vocabulary scored above the defaults on every seed measured but one, and the source follows it through
+# SOURCE_PER_TARGET (docs/PERFORMANCE.md, "The recipe on real text", the block on the pieces per character).
 SMALL_CORPUS_PIECES_PER_CHARACTER = 2
 # Sentences per batch where --batch-size is not given (batches by sentences: --max-tokens 0, the CPU
 # default): SENTENCE_BATCH, the seed trainer's, on a GPU; CPU_SENTENCE_BATCH on the CPU, where the

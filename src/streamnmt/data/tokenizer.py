@@ -31,6 +31,8 @@ from streamnmt.models.specials import BOS, EOS, PAD, UNK
 # vocabulary (they become UNK) and the text is not NFKC-folded, so that decoded output keeps the
 # full-width punctuation of the references BLEU compares it with.
 CJK = {"ch", "zh", "cn", "ja", "jp", "ko", "kr"}  # language parts: zh_CN, zh-TW and ja_JP count too
+# Korean spaces its words: its script takes CJK's settings, but not the rules for text without spaces
+SPACED_CJK = {"ko", "kr"}
 SPM_SEED = 0  # SentencePiece's random generator (sentence shuffling, sampling) before each training
 
 
@@ -123,7 +125,16 @@ class Tokenizer:
 def is_cjk(lang: str) -> bool:
     """``lang`` (a language key: ``zh``, ``zh_CN``, ``zh-TW``, ``ja_JP`` alike) names a language of
     :data:`CJK`."""
-    return lang.lower().replace("-", "_").split("_")[0] in CJK
+    return _language(lang) in CJK
+
+
+def is_unspaced(lang: str) -> bool:
+    """``lang`` names a language of :data:`CJK` written without spaces between words (not Korean)."""
+    return is_cjk(lang) and _language(lang) not in SPACED_CJK
+
+
+def _language(key: str) -> str:
+    return key.lower().replace("-", "_").split("_")[0]
 
 
 def train_tokenizer(sentences: Sequence[str], target: Path, vocab_size: int, lang: str, *,

@@ -26,8 +26,8 @@ from pathlib import Path
 from streamnmt.data.config import (LEAN_MIN_PAIRS, RICH_FORMS, SMALL_CORPUS_PIECES_PER_CHARACTER, SOURCE_PER_TARGET,
                                    DataConfig, auto_vocab, lean_target, small_corpus, source_vocab)
 from streamnmt.data.readers import ReadStats, SplitSource, iter_pairs
-from streamnmt.data.tokenizer import (Tokenizer, cpu_threads, is_cjk, train_shared_tokenizer, train_tokenizer,
-                                      vocab_cap)
+from streamnmt.data.tokenizer import (Tokenizer, cpu_threads, is_cjk, is_unspaced, train_shared_tokenizer,
+                                      train_tokenizer, vocab_cap)
 
 Log = Callable[[str], None]
 
@@ -146,10 +146,11 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
 def target_cap(cfg: DataConfig, target_sample: list[str], asked: int) -> tuple[int, str]:
     """The small-corpus target's :func:`~streamnmt.data.tokenizer.vocab_cap` on ``target_sample``
     (``asked``: its size asked), and the cap's reason where the rule set it (the training's log line
-    says it): a target without spaces whose --tgt-vocab is not given keeps at most
+    says it): a target without spaces (:func:`~streamnmt.data.tokenizer.is_unspaced`: Chinese, Japanese)
+    whose --tgt-vocab is not given keeps at most
     :data:`~streamnmt.data.config.SMALL_CORPUS_PIECES_PER_CHARACTER` pieces per distinct character."""
     cjk = is_cjk(cfg.tgt_lang)
-    if not cjk or cfg.tgt_vocab is not None:
+    if not is_unspaced(cfg.tgt_lang) or cfg.tgt_vocab is not None:
         return vocab_cap(target_sample, asked, cjk), ""
     cap = vocab_cap(target_sample, asked, True, SMALL_CORPUS_PIECES_PER_CHARACTER)
     if cap >= asked:  # characters enough to fill the size asked: the rule held nothing back

@@ -196,8 +196,9 @@ def _train(sentences: Sequence[str], target: Path, vocab_size: int, cap: int, cj
     return tok
 
 
-# Pieces per distinct character of text without spaces: the ratio of the usual 32k vocabulary to the
-# 6-8k characters of real Chinese text (the small-corpus rule asks fewer: data.config).
+# Pieces per distinct character of text without spaces: the WMT recipes' vocabulary over the characters
+# of real Chinese text (docs/PERFORMANCE.md, "The recipe on real text", the block on the pieces per
+# character); the small-corpus rule asks fewer (data.config).
 PIECES_PER_CHARACTER = 4
 
 

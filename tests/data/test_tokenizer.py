@@ -90,6 +90,17 @@ def test_a_region_or_script_suffix_keeps_the_settings_of_text_without_spaces(tmp
     assert all(tok.decode(tok.encode(t)) == t for t in targets[:100])  # full-width punctuation kept
 
 
+def test_one_piece_per_character_leaves_room_for_every_character_and_the_word_boundary(tmp_path: Path) -> None:
+    """The lowest cap (one piece per distinct character) still trains where every character is needed:
+    a handful of characters, each frequent, none outside SentencePiece's character coverage."""
+    from streamnmt.data.tokenizer import vocab_cap
+
+    targets = ["甲乙丙丁。", "丁丙乙甲！", "乙甲丁丙。"] * 60
+    cap = vocab_cap(targets, 32000, cjk=True, per_character=1)
+    tok = train_tokenizer(targets, tmp_path / "m.model", 32000, "zh", cap=cap, log=lambda _: None)
+    assert tok.vocab_size == cap and all(tok.decode(tok.encode(t)) == t for t in targets[:3])
+
+
 @pytest.mark.parametrize("lang, unspaced", [("zh_CN", True), ("ja-JP", True), ("ch", True), ("ko_KR", False),
                                              ("kr", False), ("de", False)])
 def test_korean_is_cjk_but_written_with_spaces(lang, unspaced) -> None:

@@ -254,15 +254,15 @@ def test_the_source_asks_at_most_a_multiple_of_the_targets_pieces(asked, target,
 
 
 @pytest.mark.parametrize("lang, given, cap", [
-    ("ch", None, 2 * 6 + 4),  # the rule's size: SMALL_CORPUS_PIECES_PER_CHARACTER per distinct character
-    ("zh_CN", None, 2 * 6 + 4), ("ch", 500, 4 * 6 + 4),  # --tgt-vocab given: the tokenizer's own cap
-    ("ko", None, 4 * 6 + 4),  # Korean spaces its words: the tokenizer's own cap for its script, not the rule's
+    ("ch", None, 1 * 7 + 4),  # the rule's size: SMALL_CORPUS_PIECES_PER_CHARACTER per distinct character
+    ("zh_CN", None, 1 * 7 + 4), ("ch", 500, 4 * 7 + 4),  # --tgt-vocab given: the tokenizer's own cap
+    ("ko", None, 4 * 7 + 4),  # Korean spaces its words: the tokenizer's own cap for its script, not the rule's
     ("de", None, 4 + 7 + 4)])  # spaced: 4 distinct words, 7 characters with the space, as before
 def test_a_target_without_spaces_keeps_fewer_pieces_per_character_unless_its_size_is_given(lang, given, cap):
     from streamnmt.data.tokenizer_training import target_cap
 
-    assert SMALL_CORPUS_PIECES_PER_CHARACTER == 2  # the cases below count with it
-    sample = ["甲乙 丙", "丁戊 己", "甲乙 丙"] if lang == "de" else ["甲乙丙", "丁戊己甲"]  # 6 distinct characters
+    assert SMALL_CORPUS_PIECES_PER_CHARACTER == 1  # the cases below count with it
+    sample = ["甲乙 丙", "丁戊 己", "甲乙 丙"] if lang == "de" else ["甲乙丙", "丁戊己甲"]  # 6 distinct characters, and the word-boundary mark
     cfg = DataConfig(data="c", tgt_lang=lang, tgt_vocab=given)
     got, why = target_cap(cfg, sample, given or SMALL_CORPUS_VOCAB)
     assert got == cap and (f"at most {SMALL_CORPUS_PIECES_PER_CHARACTER} per distinct character" in why) == (

@@ -34,10 +34,13 @@ SOURCE_PER_TARGET = 1.5
 # Within the small-corpus recipe, a target written without spaces (Chinese, Japanese: tokenizer.is_unspaced)
 # whose --tgt-vocab is not given (and no --shared-vocab: one tokenizer of both sides keeps the tokenizer's
 # own cap) keeps at most SMALL_CORPUS_PIECES_PER_CHARACTER pieces per distinct character of its text, not
-# the tokenizer's PIECES_PER_CHARACTER: on Japanese (the grid) and on Chinese (held out) the halved
-# vocabulary scored above the defaults on every seed measured but one, and the source follows it through
-# SOURCE_PER_TARGET (docs/PERFORMANCE.md, "The recipe on real text", the block on the pieces per character).
-SMALL_CORPUS_PIECES_PER_CHARACTER = 2
+# the tokenizer's PIECES_PER_CHARACTER: its characters and the few merges that the rarest characters
+# (outside SentencePiece's character coverage) leave room for. Halving the vocabulary twice from 4 per
+# character, each step scored above the step before on Japanese (the grid) and no lower on Chinese (held
+# out); one per character is the floor (fewer pieces would leave characters out). The source follows it
+# through SOURCE_PER_TARGET (docs/PERFORMANCE.md, "The recipe on real text", the blocks on the pieces per
+# character).
+SMALL_CORPUS_PIECES_PER_CHARACTER = 1
 # Sentences per batch where --batch-size is not given (batches by sentences: --max-tokens 0, the CPU
 # default): SENTENCE_BATCH, the seed trainer's, on a GPU; CPU_SENTENCE_BATCH on the CPU, where the
 # built-in corpus's run reached a lower validation loss in less time with it than with half or twice as many
@@ -105,7 +108,7 @@ class DataConfig:
     tgt_vocab: int | None = opt(None, "target SentencePiece vocabulary size when training one (capped for "
                                       "small corpora); default: as --src-vocab's, and for a --data corpus under "
                                       f"{SMALL_CORPUS_PAIRS:,} pairs whose target is written without spaces (no "
-                                      f"--shared-vocab) at most {SMALL_CORPUS_PIECES_PER_CHARACTER} pieces per "
+                                      f"--shared-vocab) at most {SMALL_CORPUS_PIECES_PER_CHARACTER} per "
                                       "distinct character")
     batch_size: int | None = opt(None, "sentences per batch (when --max-tokens is 0); default: "
                                        f"{CPU_SENTENCE_BATCH} on the CPU, {SENTENCE_BATCH} on a GPU")

@@ -212,7 +212,9 @@ def vocab_cap(sentences: Sequence[str], vocab_size: int, cjk: bool = False,
     Text without spaces (``cjk``): ``per_character`` pieces per distinct character.
     """
     words: set[str] = set()
-    chars: set[str] = set()
+    # the space counts as a character even in text without any: SentencePiece's word-boundary mark
+    # starts every sentence, and a cap of one piece per character must leave it a place
+    chars: set[str] = {" "}
     for k, s in enumerate(sentences):
         if not cjk:
             words.update(s.split())

@@ -83,6 +83,16 @@ def test_resolve_corpus_chooses_the_dropout_unless_given_and_says_so():
     assert "shared tokenizer of 32000 pieces asked" in lines[0]
 
 
+@pytest.mark.parametrize("source, why", [(round(SOURCE_PER_TARGET * 777), True), (SMALL_CORPUS_VOCAB, False)])
+def test_a_source_trained_beside_a_target_found_says_why_it_asked_fewer_pieces(source, why):
+    """The target's model on disk, the source trained now: the start line names the source's cap where
+    the rule set the source at SOURCE_PER_TARGET times the target's 777 pieces."""
+    lines: list[str] = []
+    resolve_corpus(_job(), _bundle(40000, {"source": source}), dropout_given=False, log=lines.append)
+    said = f"source tokenizer of {source} pieces asked (auto: at most {SOURCE_PER_TARGET}x the target's pieces)"
+    assert (said in lines[0]) == why and f"source tokenizer of {source} pieces asked (auto" in lines[0]
+
+
 def test_the_builtin_corpus_gets_no_corpus_line_and_keeps_the_presets_dropout():
     lines: list[str] = []
     job = resolve_corpus(_job(), _bundle(None, {}, target=(6, 7)), dropout_given=False, log=lines.append)

@@ -114,7 +114,7 @@ def resolve_corpus(job: TrainJob, data: Any, dropout_given: bool, log: Callable[
         chose.append(f"--label-smoothing {model.label_smoothing:g}" + ("" if smoothing_given else f" (auto{script})"))
         trained = {"source": data.src_tok.vocab_size, "target": data.tgt_tok.vocab_size,
                    "shared": data.src_tok.vocab_size}  # under the size asked where a cap held it (a data: line says why)
-        chose += [f"{side} tokenizer of {size} pieces asked (auto{_why_fewer(side, data.auto_vocab)})"
+        chose += [f"{side} tokenizer of {size} pieces asked (auto{_why_fewer(side, data.auto_vocab, data.tgt_tok.vocab_size)})"
                   + (f", {trained[side]} trained" if trained[side] < size else "")
                   for side, size in data.auto_vocab.items()]
         if not data.auto_vocab:
@@ -128,10 +128,17 @@ def resolve_corpus(job: TrainJob, data: Any, dropout_given: bool, log: Callable[
     return dataclasses.replace(job, model=model, data=d)
 
 
-def _why_fewer(side: str, auto: dict[str, int]) -> str:
-    """Why the rule asked the source fewer pieces than the target, where it did: the rule asks both the
-    same size but for the source's cap (streamnmt.data.tokenizer_training.source_within_target)."""
-    lowered = side == "source" and "target" in auto and auto["source"] < auto["target"]
+def _why_fewer(side: str, auto: dict[str, int], target_pieces: int) -> str:
+    """Why the rule asked the source fewer pieces, where it did (the source's cap,
+    streamnmt.data.tokenizer_training.source_within_target). With the target trained beside it, the rule
+    asked both the same size but for that cap; with the target found on disk (its ``target_pieces``), the
+    cap is SOURCE_PER_TARGET times those."""
+    if side != "source":
+        return ""
+    if "target" in auto:
+        lowered = auto["source"] < auto["target"]
+    else:
+        lowered = auto["source"] == round(SOURCE_PER_TARGET * target_pieces)
     return f": at most {SOURCE_PER_TARGET}x the target's pieces" if lowered else ""
 
 

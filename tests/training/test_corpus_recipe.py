@@ -46,13 +46,14 @@ def test_data_config_leaves_the_vocabulary_to_the_rule_and_still_checks_a_given_
 PIECES = ["<pad>", "<s>", "</s>", "<unk>", "▁the", "▁cat", "猫", "看見", "の", "，", "42"]
 
 
-def _bundle(pairs: int | None, auto: dict[str, int], kept: int = 4, tokens: int = 30, target: tuple[int, ...] = (4, 5)):
+def _bundle(pairs: int | None, auto: dict[str, int], kept: int = 4, tokens: int = 30, target: tuple[int, ...] = (4, 5),
+            why: dict[str, str] | None = None):
     """prepare_data's bundle as resolve_corpus reads it; ``target``: the ids the training targets repeat
     (PIECES: 4-5 English, 6-8 Chinese or Japanese, 9-10 no letter)."""
     train = type("Train", (), {"__len__": lambda self: kept, "num_tokens": lambda self: (tokens, tokens),
                                "tgt_tokens": np.array(target * 50, dtype=np.int32)})()
     tok = SimpleNamespace(vocab_size=777, piece=PIECES.__getitem__)
-    return SimpleNamespace(train_pairs=pairs, auto_vocab=auto, train=train, src_tok=tok, tgt_tok=tok)
+    return SimpleNamespace(train_pairs=pairs, auto_vocab=auto, auto_why=why or {}, train=train, src_tok=tok, tgt_tok=tok)
 
 
 def _job(**model) -> TrainJob:
@@ -83,14 +84,16 @@ def test_resolve_corpus_chooses_the_dropout_unless_given_and_says_so():
     assert "shared tokenizer of 32000 pieces asked" in lines[0]
 
 
-@pytest.mark.parametrize("source, why", [(round(SOURCE_PER_TARGET * 777), True), (SMALL_CORPUS_VOCAB, False)])
-def test_a_source_trained_beside_a_target_found_says_why_it_asked_fewer_pieces(source, why):
-    """The target's model on disk, the source trained now: the start line names the source's cap where
-    the rule set the source at SOURCE_PER_TARGET times the target's 777 pieces."""
+@pytest.mark.parametrize("pairs, why", [(40000, "at most 1.5x the target's pieces"), (2_000_000, "")])
+def test_the_start_line_gives_the_reason_the_tokenizers_training_recorded(pairs, why):
+    """The source's reason comes from its training (DataBundle.auto_why), never from its size: a large
+    corpus whose source size happens to be 1.5x the target's pieces (32000 beside 21333) gets none."""
     lines: list[str] = []
-    resolve_corpus(_job(), _bundle(40000, {"source": source}), dropout_given=False, log=lines.append)
-    said = f"source tokenizer of {source} pieces asked (auto: at most {SOURCE_PER_TARGET}x the target's pieces)"
-    assert (said in lines[0]) == why and f"source tokenizer of {source} pieces asked (auto" in lines[0]
+    bundle = _bundle(pairs, {"source": 32000}, why={"source": why} if why else None)
+    bundle.tgt_tok = SimpleNamespace(vocab_size=21333, piece=PIECES.__getitem__)
+    resolve_corpus(_job(), bundle, dropout_given=False, log=lines.append)
+    assert ("source tokenizer of 32000 pieces asked (auto: at most 1.5x the target's pieces)" in lines[0]) == bool(why)
+    assert "source tokenizer of 32000 pieces asked (auto" in lines[0]
 
 
 def test_the_builtin_corpus_gets_no_corpus_line_and_keeps_the_presets_dropout():
@@ -181,6 +184,28 @@ def test_a_data_run_trains_and_records_the_rules_choice_and_a_flag_overrides_it(
     assert f"data: the source tokenizer asks {source} pieces, not {SMALL_CORPUS_VOCAB}" in out
     assert (f"vocabulary capped at {tgt} pieces (asked for {SMALL_CORPUS_VOCAB}): at most "
             f"{SMALL_CORPUS_PIECES_PER_CHARACTER} per distinct character of a target without spaces") in out
+
+
+def test_the_source_never_asks_fewer_pieces_than_its_characters_need(tmp_path):
+    """A target of few characters beside a source of many (here 60 distinct letters, every one needed at
+    the source's full character coverage): 1.5x the target's pieces would be under what SentencePiece
+    needs for the source's characters, and its training would fail; the source asks that many instead."""
+    from streamnmt.data.tokenizer import min_pieces
+
+    rng = random.Random(0)
+    letters = [chr(c) for c in range(0x3b1, 0x3c9)] + [chr(c) for c in range(0x430, 0x450)]  # Greek, Cyrillic
+    pairs = [(" ".join("".join(rng.choices(letters, k=4)) for _ in range(5)), "".join(rng.choices("甲乙丙丁", k=6)))
+             for _ in range(200)]
+    for split, chunk in (("train", pairs[:160]), ("dev", pairs[160:180]), ("test", pairs[180:])):
+        write_split(tmp_path / "c", split, chunk, "json")
+    sources, targets = [p[0] for p in pairs[:160]], [p[1] for p in pairs[:160]]
+    fewest = min_pieces(sources)
+    assert round(SOURCE_PER_TARGET * vocab_cap(targets, SMALL_CORPUS_VOCAB, True, SMALL_CORPUS_PIECES_PER_CHARACTER)) < fewest
+    lines: list[str] = []
+    bundle = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=64), log=lines.append)
+    assert bundle.auto_vocab["source"] == fewest == bundle.src_tok.vocab_size
+    assert bundle.auto_why["source"] == f"at most {SOURCE_PER_TARGET}x the target's pieces, raised to the {fewest} its characters need"
+    assert any(f"raised to the {fewest} its characters need" in line for line in lines)
 
 
 def test_a_shared_tokenizer_takes_the_rules_size_unless_either_side_gives_one(tmp_path):
@@ -292,6 +317,7 @@ def test_prepare_caps_the_source_at_the_targets_pieces_unless_a_size_is_given(tm
     (tmp_path / "c" / "tokenizer" / "src.model").unlink()
     again = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24), log=lambda _: None)
     assert again.auto_vocab == {"source": round(SOURCE_PER_TARGET * bundle.tgt_tok.vocab_size)}
+    assert again.auto_why == bundle.auto_why == {"source": f"at most {SOURCE_PER_TARGET}x the target's pieces"}
     for given in ({"src_vocab": 500}, {"tgt_vocab": 120}):  # either size given: the rule's sizes, uncapped
         write_corpus(tmp_path / str(given), n_train=300)
         bundle = prepare_data(DataConfig(data=str(tmp_path / str(given)), max_len=24, **given), log=lambda _: None)

@@ -57,6 +57,7 @@ class DataBundle:
     # the sizes the corpus rule asked of tokenizers trained now (--src-vocab/--tgt-vocab not given):
     # "source", "target" or "shared" -> pieces
     auto_vocab: dict[str, int] = field(default_factory=dict)
+    auto_why: dict[str, str] = field(default_factory=dict)  # role -> why the rule asked it fewer pieces
     builtin: bool = False  # the built-in corpus (the corpus rule is for --data corpora)
 
     @property
@@ -109,7 +110,7 @@ def prepare_data(cfg: DataConfig, log: Log = print, build: bool = True) -> DataB
     if cfg.data is None:
         log(f"data: built-in corpus ({cfg.builtin_pairs} training pairs) in {directory}")
     sources = find_sources(directory, cfg.src_lang, cfg.tgt_lang)
-    src_tok, tgt_tok, auto = _tokenizers(cfg, directory, sources, log, build, early)
+    src_tok, tgt_tok, auto, why = _tokenizers(cfg, directory, sources, log, build, early)
     corpora: dict[str, TokenizedCorpus] = {}
     stats: dict[str, dict[str, int]] = {}
     keys: dict[str, str] = {}
@@ -124,18 +125,18 @@ def prepare_data(cfg: DataConfig, log: Log = print, build: bool = True) -> DataB
         f"{tgt_tok.vocab_size} target)")
     return DataBundle(train=corpora["train"], dev=corpora["dev"], test=corpora.get("test"),
                       src_tok=src_tok, tgt_tok=tgt_tok, data_dir=directory, stats=stats, cache_keys=keys,
-                      auto_vocab=auto, builtin=cfg.data is None)
+                      auto_vocab=auto, auto_why=why, builtin=cfg.data is None)
 
 
 def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],
                 log: Log, build: bool = True, early: tokenizer_child.Result | None = None
-                ) -> tuple[Tokenizer, Tokenizer, dict[str, int]]:
+                ) -> tuple[Tokenizer, Tokenizer, dict[str, int], dict[str, str]]:
     """Given models as they are; else ``DIR/tokenizer/{src,tgt}.model`` or an older version's names
     (:func:`~streamnmt.data.tokenizer_training.corpus_model`; ``shared.model`` with --shared-vocab),
     trained when absent: by the child process the command started for them
     (:mod:`streamnmt.data.tokenizer_child`; ``early``: what it did, waited for by the caller), else
     now. Third: the sizes the corpus rule asked of those trained, by role (empty: sizes given, or
-    none trained)."""
+    none trained); fourth: why it asked a side fewer pieces, by role."""
     by_child = set(early.trained) if early is not None else set()
     plan = sides(cfg, directory)
     loaded = {side.role: Tokenizer(side.path) for side in plan if side.found and str(side.path) not in by_child}
@@ -146,18 +147,19 @@ def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource
         if side.role in loaded:
             log(f"data: {side.name}: {loaded[side.role].path} (vocab {loaded[side.role].vocab_size})")
     auto: dict[str, int] = {}
+    why: dict[str, str] = {}
     if early is not None and missing and {str(side.path) for side in missing} == by_child:
         for line in early.lines:
             log(line)
         loaded.update({side.role: Tokenizer(side.path) for side in missing})
-        auto = early.auto
+        auto, why = early.auto, early.why
     elif missing:
         trained = train(cfg, directory, sources, missing, log)
         loaded.update(trained.tokenizers)
-        auto = trained.auto
+        auto, why = trained.auto, trained.why
     if cfg.shared_vocab:
-        return loaded["shared"], loaded["shared"], auto
-    return loaded["source"], loaded["target"], auto
+        return loaded["shared"], loaded["shared"], auto, why
+    return loaded["source"], loaded["target"], auto, why
 
 
 def _tokenized(cfg: DataConfig, cache_dir: Path, source: SplitSource, src_tok: Tokenizer,

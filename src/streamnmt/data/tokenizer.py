@@ -224,5 +224,15 @@ def vocab_cap(sentences: Sequence[str], vocab_size: int, cjk: bool = False,
     return min(vocab_size, _cap(words, chars, cjk, per_character))
 
 
+def min_pieces(sentences: Sequence[str]) -> int:
+    """The fewest pieces a model of ``sentences`` trains with where every character is needed (full
+    character coverage, or every character frequent): one per distinct character, the word-boundary
+    mark among them (see :func:`vocab_cap`), and the 4 specials."""
+    chars: set[str] = {" "}
+    for s in sentences:
+        chars.update(s)
+    return _cap(set(), chars, True, 1)
+
+
 def _cap(words: set[str], chars: set[str], cjk: bool, per_character: int) -> int:
     return (per_character * len(chars) if cjk else len(words) + len(chars)) + 4

@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +53,13 @@ NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 @dataclass
 class Result:
-    """What a child did: its log lines, the sizes the corpus rule asked, the models it wrote."""
+    """What a child did: its log lines, the sizes the corpus rule asked (and why it asked a side fewer
+    pieces, tokenizer_training.Trained.why), the models it wrote."""
 
     lines: list[str]
     auto: dict[str, int]
     trained: list[str]  # paths, as tokenizer_training.sides names them
+    why: dict[str, str] = field(default_factory=dict)
 
 
 def key(cfg: DataConfig) -> dict[str, Any]:
@@ -115,7 +117,8 @@ def child_main(argv: Sequence[str]) -> int:
                             threads=request["threads"]) if missing else None
         except InputError:
             return BAD_INPUT
-    result = {"auto": trained.auto if trained else {}, "pairs": trained.pairs if trained else None,
+    result = {"auto": trained.auto if trained else {}, "why": trained.why if trained else {},
+              "pairs": trained.pairs if trained else None,
               "trained": [str(side.path) for side in missing], "seconds": round(time.perf_counter() - t0, 3)}
     atomic_write(workdir / "result.json", json.dumps(result))
     return 0
@@ -242,7 +245,7 @@ def take(cfg: DataConfig, log: Callable[[str], None]) -> Result | None:
         try:
             result = json.loads((pending.workdir / "result.json").read_text(encoding="utf-8"))
             lines = (pending.workdir / "log.txt").read_text(encoding="utf-8").splitlines()
-            return Result(lines, result["auto"], result["trained"])
+            return Result(lines, result["auto"], result["trained"], result["why"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             log(f"data: the tokenizers' training in a child process left no result ({e}); training them here")
             return None

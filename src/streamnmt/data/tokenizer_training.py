@@ -20,13 +20,13 @@ import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamnmt.data.config import (LEAN_MIN_PAIRS, RICH_FORMS, SMALL_CORPUS_PIECES_PER_CHARACTER, SOURCE_PER_TARGET,
                                    DataConfig, auto_vocab, lean_target, small_corpus, source_vocab)
 from streamnmt.data.readers import ReadStats, SplitSource, iter_pairs
-from streamnmt.data.tokenizer import (Tokenizer, cpu_threads, is_cjk, is_unspaced, train_shared_tokenizer,
+from streamnmt.data.tokenizer import (Tokenizer, cpu_threads, is_cjk, is_unspaced, min_pieces, train_shared_tokenizer,
                                       train_tokenizer, vocab_cap)
 
 Log = Callable[[str], None]
@@ -95,6 +95,7 @@ class Trained:
     tokenizers: dict[str, Tokenizer]  # role -> the model written
     auto: dict[str, int]  # role -> the size the corpus rule asked (a size not given)
     pairs: int  # training pairs read (what the corpus rule counts)
+    why: dict[str, str] = field(default_factory=dict)  # role -> why the rule asked it fewer pieces than its size
 
 
 def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None], missing: list[Side],
@@ -117,11 +118,14 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     asked = {side.role: side.size or rule for side in missing}
     caps: dict[str, int] = {}  # the target's vocab_cap, counted here once for the rule and its training
     cap_why = ""  # the target cap's reason where the rule, not the corpus's size, set it
+    why: dict[str, str] = {}  # role -> why the rule asked that side fewer pieces (the start line says it)
     if "target" in asked and small_corpus(counted):
         caps["target"], cap_why = target_cap(cfg, samples[1], asked["target"])
     if "source" in asked and small_corpus(counted) and cfg.src_vocab is None and cfg.tgt_vocab is None:
-        asked["source"] = source_within_target(cfg, directory, caps.get("target"), asked["source"], log)
+        asked["source"], why["source"] = source_within_target(cfg, directory, caps.get("target"), asked["source"],
+                                                              min_pieces(samples[0]), log)
     auto = {side.role: asked[side.role] for side in missing if side.size is None}
+    why = {role: reason for role, reason in why.items() if reason}
     threads = threads or spm_threads(len(missing))
     if missing[0].role == "shared":
         (side,) = missing
@@ -129,7 +133,7 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
                                      cfg.tgt_lang, threads=threads, log=log)
         log(f"data: trained the shared tokenizer on both sides of {len(samples[0])} sampled pairs in "
             f"{time.perf_counter() - t0:.1f}s -> {side.path}")
-        return Trained({"shared": tok}, auto, pairs)
+        return Trained({"shared": tok}, auto, pairs, why)
     texts = {"source": samples[0], "target": samples[1]}
     langs = {"source": cfg.src_lang, "target": cfg.tgt_lang}
     with ThreadPoolExecutor(len(missing)) as pool:  # SentencePiece trains outside the GIL
@@ -140,7 +144,7 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
         toks = {role: job.result() for role, job in jobs.items()}
     log(f"data: trained {' and '.join(side.name for side in missing)} on {len(samples[0])} sampled "
         f"pairs in {time.perf_counter() - t0:.1f}s -> {directory / 'tokenizer'}")
-    return Trained(toks, auto, pairs)
+    return Trained(toks, auto, pairs, why)
 
 
 def target_cap(cfg: DataConfig, target_sample: list[str], asked: int) -> tuple[int, str]:
@@ -159,16 +163,22 @@ def target_cap(cfg: DataConfig, target_sample: list[str], asked: int) -> tuple[i
                  "(the small-corpus rule; --tgt-vocab overrides it)")
 
 
-def source_within_target(cfg: DataConfig, directory: Path, target_pieces: int | None, asked: int, log: Log) -> int:
+def source_within_target(cfg: DataConfig, directory: Path, target_pieces: int | None, asked: int, fewest: int,
+                         log: Log) -> tuple[int, str]:
     """The source's size (``asked``: the size the rule asked of it) within
     :func:`~streamnmt.data.config.source_vocab` of the target's pieces: ``target_pieces`` (the cap of
-    the target trained now, :func:`target_cap`), or None: the size of the target model found."""
+    the target trained now, :func:`target_cap`), or None: the size of the target model found; never
+    under ``fewest``, the pieces the source's own characters need (:func:`~streamnmt.data.tokenizer.min_pieces`:
+    SentencePiece fails below them). Second: why it is under ``asked`` (empty where it is not)."""
     pieces = target_pieces or Tokenizer(sides(cfg, directory)[1].path).vocab_size
-    source = source_vocab(asked, pieces)
-    if source < asked:
-        log(f"data: the source tokenizer asks {source} pieces, not {asked}: at most "
-            f"{SOURCE_PER_TARGET}x the target's {pieces} (the small-corpus rule; --src-vocab overrides it)")
-    return source
+    capped = source_vocab(asked, pieces)
+    source = min(asked, max(capped, fewest))
+    if source == asked:
+        return source, ""
+    raised = "" if source == capped else f", raised to the {source} its characters need"
+    log(f"data: the source tokenizer asks {source} pieces, not {asked}: at most {SOURCE_PER_TARGET}x the "
+        f"target's {pieces}{raised} (the small-corpus rule; --src-vocab overrides it)")
+    return source, f"at most {SOURCE_PER_TARGET}x the target's pieces{raised}"
 
 
 FORM_WINDOW = 50_000  # words of each side counted: enough for a stable count, a 10k-pair corpus holds more

@@ -42,7 +42,7 @@ from streamnmt.config import (
     recipe_warmup,
 )
 from streamnmt.data import TokenizedCorpus, batch_plan
-from streamnmt.data.config import (CPU_SENTENCE_BATCH, SENTENCE_BATCH, SMALL_CORPUS_PAIRS, SOURCE_PER_TARGET, DataConfig,
+from streamnmt.data.config import (CPU_SENTENCE_BATCH, SENTENCE_BATCH, SMALL_CORPUS_PAIRS, DataConfig,
                                    small_corpus)
 from streamnmt.data.writing import unspaced_share
 from streamnmt.dist import Dist
@@ -114,7 +114,7 @@ def resolve_corpus(job: TrainJob, data: Any, dropout_given: bool, log: Callable[
         chose.append(f"--label-smoothing {model.label_smoothing:g}" + ("" if smoothing_given else f" (auto{script})"))
         trained = {"source": data.src_tok.vocab_size, "target": data.tgt_tok.vocab_size,
                    "shared": data.src_tok.vocab_size}  # under the size asked where a cap held it (a data: line says why)
-        chose += [f"{side} tokenizer of {size} pieces asked (auto{_why_fewer(side, data.auto_vocab, data.tgt_tok.vocab_size)})"
+        chose += [f"{side} tokenizer of {size} pieces asked (auto{_why_fewer(side, data)})"
                   + (f", {trained[side]} trained" if trained[side] < size else "")
                   for side, size in data.auto_vocab.items()]
         if not data.auto_vocab:
@@ -128,18 +128,11 @@ def resolve_corpus(job: TrainJob, data: Any, dropout_given: bool, log: Callable[
     return dataclasses.replace(job, model=model, data=d)
 
 
-def _why_fewer(side: str, auto: dict[str, int], target_pieces: int) -> str:
-    """Why the rule asked the source fewer pieces, where it did (the source's cap,
-    streamnmt.data.tokenizer_training.source_within_target). With the target trained beside it, the rule
-    asked both the same size but for that cap; with the target found on disk (its ``target_pieces``), the
-    cap is SOURCE_PER_TARGET times those."""
-    if side != "source":
-        return ""
-    if "target" in auto:
-        lowered = auto["source"] < auto["target"]
-    else:
-        lowered = auto["source"] == round(SOURCE_PER_TARGET * target_pieces)
-    return f": at most {SOURCE_PER_TARGET}x the target's pieces" if lowered else ""
+def _why_fewer(side: str, data: Any) -> str:
+    """Why the rule asked ``side`` fewer pieces, where it did, as the tokenizers' training recorded it
+    (the source's cap: streamnmt.data.tokenizer_training.source_within_target)."""
+    why = data.auto_why.get(side, "")
+    return f": {why}" if why else ""
 
 
 def resolve_end(run: RunConfig, cuda: bool, own_corpus: bool, log: Callable[[str], None]) -> RunConfig:

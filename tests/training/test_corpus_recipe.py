@@ -187,15 +187,16 @@ def test_a_data_run_trains_and_records_the_rules_choice_and_a_flag_overrides_it(
 
 
 def test_the_source_never_asks_fewer_pieces_than_its_characters_need(tmp_path):
-    """A target of few characters beside a source of many (here 60 distinct letters, every one needed at
-    the source's full character coverage): 1.5x the target's pieces would be under what SentencePiece
-    needs for the source's characters, and its training would fail; the source asks that many instead."""
+    """A target of few characters beside a source of many (here 56 distinct letters, every one needed at
+    the source's full character coverage, and signs that NFKC folds into several new ones): 1.5x the
+    target's pieces would be under what SentencePiece needs for the source's characters, and its
+    training would fail; the source asks that many instead."""
     from streamnmt.data.tokenizer import min_pieces
 
     rng = random.Random(0)
     letters = [chr(c) for c in range(0x3b1, 0x3c9)] + [chr(c) for c in range(0x430, 0x450)]  # Greek, Cyrillic
-    pairs = [(" ".join("".join(rng.choices(letters, k=4)) for _ in range(5)), "".join(rng.choices("甲乙丙丁", k=6)))
-             for _ in range(200)]
+    pairs = [(" ".join(["".join(rng.choices(letters, k=4)) for _ in range(5)] + [rng.choice("㍿㍾㍽㍼½")]),
+              "".join(rng.choices("甲乙丙丁", k=6))) for _ in range(200)]
     for split, chunk in (("train", pairs[:160]), ("dev", pairs[160:180]), ("test", pairs[180:])):
         write_split(tmp_path / "c", split, chunk, "json")
     sources, targets = [p[0] for p in pairs[:160]], [p[1] for p in pairs[:160]]
@@ -203,7 +204,7 @@ def test_the_source_never_asks_fewer_pieces_than_its_characters_need(tmp_path):
     assert round(SOURCE_PER_TARGET * vocab_cap(targets, SMALL_CORPUS_VOCAB, True, SMALL_CORPUS_PIECES_PER_CHARACTER)) < fewest
     lines: list[str] = []
     bundle = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=64), log=lines.append)
-    assert bundle.auto_vocab["source"] == fewest == bundle.src_tok.vocab_size
+    assert bundle.auto_vocab["source"] == fewest >= bundle.src_tok.vocab_size
     assert bundle.auto_why["source"] == f"at most {SOURCE_PER_TARGET}x the target's pieces, raised to the {fewest} its characters need"
     assert any(f"raised to the {fewest} its characters need" in line for line in lines)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -224,13 +225,17 @@ def vocab_cap(sentences: Sequence[str], vocab_size: int, cjk: bool = False,
     return min(vocab_size, _cap(words, chars, cjk, per_character))
 
 
-def min_pieces(sentences: Sequence[str]) -> int:
+def min_pieces(sentences: Sequence[str], cjk: bool = False) -> int:
     """The fewest pieces a model of ``sentences`` trains with where every character is needed (full
     character coverage, or every character frequent): one per distinct character, the word-boundary
-    mark among them (see :func:`vocab_cap`), and the 4 specials."""
+    mark among them (see :func:`vocab_cap`), and the 4 specials. Text with spaces is NFKC-folded before
+    SentencePiece counts its characters, and folding can make new ones (``½`` -> ``1⁄2``): both
+    forms are counted."""
     chars: set[str] = {" "}
     for s in sentences:
         chars.update(s)
+        if not cjk:
+            chars.update(unicodedata.normalize("NFKC", s))
     return _cap(set(), chars, True, 1)
 
 

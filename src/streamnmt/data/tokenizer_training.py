@@ -123,7 +123,7 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
         caps["target"], cap_why = target_cap(cfg, samples[1], asked["target"])
     if "source" in asked and small_corpus(counted) and cfg.src_vocab is None and cfg.tgt_vocab is None:
         asked["source"], why["source"] = source_within_target(cfg, directory, caps.get("target"), asked["source"],
-                                                              min_pieces(samples[0]), log)
+                                                              min_pieces(samples[0], is_cjk(cfg.src_lang)), log)
     auto = {side.role: asked[side.role] for side in missing if side.size is None}
     why = {role: reason for role, reason in why.items() if reason}
     threads = threads or spm_threads(len(missing))

@@ -4,7 +4,7 @@
 # BLEU, the best dev BLEU with its wall-clock second and step, the median target tokens/s of the epoch
 # lines, the set-up seconds, the training share of the wall clock, the tokenizers' pieces and how the
 # step was compiled (off, a cold or warm compile cache, or background): the columns
-# docs/PERFORMANCE.md's real-text tables carry).
+# docs/PERFORMANCE.md's real-text tables carry; $OUT/grid_table.md has the same rows in its tables' form).
 #
 # Usage: OUT=dir scripts/real_grid.sh CORPUS LANG TIME VARIANT...
 #   CORPUS   a folder with train/dev/test JSON ({"en": ..., LANG: ...} records)
@@ -72,6 +72,11 @@ for v in "${V[@]}"; do
   read -r dev at_s at_step tok setup train pieces compiled <<< "${row:-- - - - - - - -}"
   printf "%-14s %8s %10s %6s %8s %8s %7s %6s %12s %9s\n" "$name" "${bleu:-failed}" "$dev" "$at_s" "$at_step" "$tok" \
     "$setup" "$train" "$pieces" "$compiled"
+  # the same row as docs/PERFORMANCE.md's real-text tables write it (whether a set-up was a machine's first
+  # run is for the reader of the lease to add)
+  flags=""; [ "${v#*:}" != "$v" ] && flags=" \`${v#*:}\`" && flags=${flags//,/ } && flags=${flags//=/ }
+  printf "| %s | %s%s | %s | %s (%s) | %s | %s | %s | %s s | %s |\n" "$(basename "$corpus")" "$name" "$flags" \
+    "${bleu:-failed}" "$dev" "$at_s" "$at_step" "${pieces/\// / }" "$tok" "$setup" "${train/\%/ %}" >> "$OUT/grid_table.md"
   cp "$root/$name/evals.csv" "$LOGS/grid_${name}_evals.csv" 2>/dev/null
 done
 } | tee -a "$OUT/grid_table.txt"

@@ -15,7 +15,11 @@ import struct
 import sys
 from typing import IO, Any
 
-CHINESE = {"ch", "zh"}  # target languages scored with sacrebleu's "zh" tokenizer (as evaluation.CHINESE)
+# Language keys other than ISO 639-1's that name the same languages as the tokenizers read them
+# (streamnmt.data.tokenizer.CJK: this file imports nothing of the package, so a test holds the two
+# tables together): a Japanese target keyed ``jp`` is scored as ``ja`` is, not by 13a's words.
+ALIASES = {"ch": "zh", "cn": "zh", "jp": "ja", "kr": "ko"}
+CHINESE = {"ch", "zh", "cn"}  # target languages scored with sacrebleu's "zh" tokenizer
 # Languages written without spaces between words, where 13a would count a whole sentence as one
 # word: scored with sacrebleu's MeCab tokenizer where it is installed, else character by character.
 UNSPACED = {"ja": "ja-mecab", "th": None, "lo": None, "km": None, "my": None}
@@ -25,11 +29,12 @@ MORPHOLOGICAL = {"ko": "ko-mecab"}
 
 
 def bleu_tokenizer(tgt_lang: str) -> str:
-    """sacrebleu's tokenizer for BLEU of a target language (``de``, ``ja_JP``, ``pt-BR`` alike):
+    """sacrebleu's tokenizer for BLEU of a target language (``de``, ``ja_JP``, ``pt-BR``, ``jp`` alike):
     ``zh`` for Chinese, the language's MeCab tokenizer or ``char`` for the languages of
     :data:`UNSPACED`, MeCab or ``13a`` for those of :data:`MORPHOLOGICAL`, else ``13a`` (sacrebleu's
     default, WMT's habit)."""
     lang = tgt_lang.lower().replace("-", "_").split("_")[0]
+    lang = ALIASES.get(lang, lang)
     if lang in CHINESE:
         return "zh"
     if lang not in UNSPACED and lang not in MORPHOLOGICAL:

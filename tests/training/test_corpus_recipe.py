@@ -180,7 +180,8 @@ def test_a_data_run_trains_and_records_the_rules_choice_and_a_flag_overrides_it(
     src, tgt = config["data"]["src_vocab"], config["data"]["tgt_vocab"]  # the sizes trained
     assert (f"source tokenizer of {source} pieces asked (auto: at most {SOURCE_PER_TARGET}x the target's "
             f"pieces){f', {src} trained' if src < source else ''}; target tokenizer of {SMALL_CORPUS_VOCAB} "
-            f"pieces asked (auto), {tgt} trained;") in out
+            f"pieces asked (auto: at most {SMALL_CORPUS_PIECES_PER_CHARACTER} per distinct character of a target "
+            f"without spaces), {tgt} trained;") in out
     assert f"data: the source tokenizer asks {source} pieces, not {SMALL_CORPUS_VOCAB}" in out
     assert (f"vocabulary capped at {tgt} pieces (asked for {SMALL_CORPUS_VOCAB}): at most "
             f"{SMALL_CORPUS_PIECES_PER_CHARACTER} per distinct character of a target without spaces") in out
@@ -207,6 +208,33 @@ def test_the_source_never_asks_fewer_pieces_than_its_characters_need(tmp_path):
     assert bundle.auto_vocab["source"] == fewest >= bundle.src_tok.vocab_size
     assert bundle.auto_why["source"] == f"at most {SOURCE_PER_TARGET}x the target's pieces, raised to the {fewest} its characters need"
     assert any(f"raised to the {fewest} its characters need" in line for line in lines)
+
+
+@pytest.mark.parametrize("given", [{}, {"tgt_vocab": 60}])
+def test_a_chinese_source_of_many_characters_asks_at_least_its_characters_beside_the_lean_rule(
+        tmp_path, monkeypatch, given):
+    """Chinese to English: each run of Chinese letters counts as one word, so the target comes out poor in
+    word forms and the rule asks the lean vocabulary (LEAN_VOCAB, here made smaller than the source's 80
+    characters, as 4,000 is beside a real Chinese source of several thousand). SentencePiece cannot train a
+    source under its characters ("Vocabulary size is smaller than required_chars"): the source asks what
+    its characters need, whether or not --tgt-vocab is given."""
+    import streamnmt.data.config as data_config
+    from streamnmt.data.tokenizer import min_pieces
+
+    monkeypatch.setattr(data_config, "LEAN_MIN_PAIRS", 1000)
+    monkeypatch.setattr(data_config, "LEAN_VOCAB", 40)
+    rng = random.Random(0)
+    hanzi = [chr(0x4E00 + i) for i in range(80)]
+    pairs = [("".join(rng.choices(hanzi, k=8)) + "。", " ".join(rng.choices(WORDS, k=5))) for _ in range(1300)]
+    for split, chunk in (("train", pairs[:1200]), ("dev", pairs[1200:1250]), ("test", pairs[1250:])):
+        write_split(tmp_path / "c", split, chunk, "json", src="ch", tgt="en")
+    fewest = min_pieces([p[0] for p in pairs[:1200]], True)
+    lines: list[str] = []
+    bundle = prepare_data(DataConfig(data=str(tmp_path / "c"), src_lang="ch", tgt_lang="en", max_len=24, **given),
+                          log=lines.append)
+    assert any("40 pieces where no size is given (the lean vocabulary" in line for line in lines)
+    assert bundle.auto_vocab["source"] == fewest > 40 and bundle.src_tok.vocab_size > 40
+    assert bundle.auto_why["source"].endswith(f"raised to the {fewest} its characters need")
 
 
 def test_a_shared_tokenizer_takes_the_rules_size_unless_either_side_gives_one(tmp_path):
@@ -318,7 +346,10 @@ def test_prepare_caps_the_source_at_the_targets_pieces_unless_a_size_is_given(tm
     (tmp_path / "c" / "tokenizer" / "src.model").unlink()
     again = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24), log=lambda _: None)
     assert again.auto_vocab == {"source": round(SOURCE_PER_TARGET * bundle.tgt_tok.vocab_size)}
-    assert again.auto_why == bundle.auto_why == {"source": f"at most {SOURCE_PER_TARGET}x the target's pieces"}
+    assert bundle.auto_why == {"source": f"at most {SOURCE_PER_TARGET}x the target's pieces",
+                               "target": f"at most {SMALL_CORPUS_PIECES_PER_CHARACTER} per distinct character of a "
+                                         "target without spaces"}
+    assert again.auto_why == {"source": f"at most {SOURCE_PER_TARGET}x the target's pieces"}
     for given in ({"src_vocab": 500}, {"tgt_vocab": 120}):  # either size given: the rule's sizes, uncapped
         write_corpus(tmp_path / str(given), n_train=300)
         bundle = prepare_data(DataConfig(data=str(tmp_path / str(given)), max_len=24, **given), log=lambda _: None)

@@ -95,7 +95,7 @@ class Trained:
     tokenizers: dict[str, Tokenizer]  # role -> the model written
     auto: dict[str, int]  # role -> the size the corpus rule asked (a size not given)
     pairs: int  # training pairs read (what the corpus rule counts)
-    why: dict[str, str] = field(default_factory=dict)  # role -> why the rule asked it fewer pieces than its size
+    why: dict[str, str] = field(default_factory=dict)  # role -> why the rule asked or capped it apart from its size
 
 
 def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None], missing: list[Side],
@@ -118,10 +118,11 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     asked = {side.role: side.size or rule for side in missing}
     caps: dict[str, int] = {}  # the target's vocab_cap, counted here once for the rule and its training
     cap_why = ""  # the target cap's reason where the rule, not the corpus's size, set it
-    why: dict[str, str] = {}  # role -> why the rule asked that side fewer pieces (the start line says it)
+    why: dict[str, str] = {}  # role -> why the rule asked or capped that side apart from its size (the start line says it)
     if "target" in asked and small_corpus(counted):
-        caps["target"], cap_why = target_cap(cfg, samples[1], asked["target"])
-    if "source" in asked and small_corpus(counted) and cfg.src_vocab is None and cfg.tgt_vocab is None:
+        caps["target"], why["target"] = target_cap(cfg, samples[1], asked["target"])
+        cap_why = why["target"] and f"{why['target']} (the small-corpus rule; --tgt-vocab overrides it)"
+    if "source" in asked and small_corpus(counted) and cfg.src_vocab is None:
         asked["source"], why["source"] = source_within_target(cfg, directory, caps.get("target"), asked["source"],
                                                               min_pieces(samples[0], is_cjk(cfg.src_lang)), log)
     auto = {side.role: asked[side.role] for side in missing if side.size is None}
@@ -159,26 +160,29 @@ def target_cap(cfg: DataConfig, target_sample: list[str], asked: int) -> tuple[i
     cap = vocab_cap(target_sample, asked, True, SMALL_CORPUS_PIECES_PER_CHARACTER)
     if cap >= asked:  # characters enough to fill the size asked: the rule held nothing back
         return cap, ""
-    return cap, (f"at most {SMALL_CORPUS_PIECES_PER_CHARACTER} per distinct character of a target without spaces "
-                 "(the small-corpus rule; --tgt-vocab overrides it)")
+    return cap, f"at most {SMALL_CORPUS_PIECES_PER_CHARACTER} per distinct character of a target without spaces"
 
 
 def source_within_target(cfg: DataConfig, directory: Path, target_pieces: int | None, asked: int, fewest: int,
                          log: Log) -> tuple[int, str]:
-    """The source's size (``asked``: the size the rule asked of it) within
-    :func:`~streamnmt.data.config.source_vocab` of the target's pieces: ``target_pieces`` (the cap of
-    the target trained now, :func:`target_cap`), or None: the size of the target model found; never
-    under ``fewest``, the pieces the source's own characters need (:func:`~streamnmt.data.tokenizer.min_pieces`:
-    SentencePiece fails below them). Second: why it is under ``asked`` (empty where it is not)."""
-    pieces = target_pieces or Tokenizer(sides(cfg, directory)[1].path).vocab_size
-    capped = source_vocab(asked, pieces)
-    source = min(asked, max(capped, fewest))
+    """The source's size where --src-vocab is not given (``asked``: the size the rule asked of it):
+    where --tgt-vocab is not given either, within :func:`~streamnmt.data.config.source_vocab` of the
+    target's pieces: ``target_pieces`` (the cap of the target trained now, :func:`target_cap`), or None:
+    the size of the target model found; never under ``fewest``, the pieces the source's own characters
+    need (:func:`~streamnmt.data.tokenizer.min_pieces`: SentencePiece fails below them; a Chinese or
+    Japanese source of many characters may need more than the rule asks). Second: why it is not
+    ``asked`` (empty where it is)."""
+    pieces = None if cfg.tgt_vocab is not None else target_pieces or Tokenizer(sides(cfg, directory)[1].path).vocab_size
+    capped = asked if pieces is None else source_vocab(asked, pieces)
+    source = max(capped, fewest)
     if source == asked:
         return source, ""
-    raised = "" if source == capped else f", raised to the {source} its characters need"
-    log(f"data: the source tokenizer asks {source} pieces, not {asked}: at most {SOURCE_PER_TARGET}x the "
-        f"target's {pieces}{raised} (the small-corpus rule; --src-vocab overrides it)")
-    return source, f"at most {SOURCE_PER_TARGET}x the target's pieces{raised}"
+    reason = ", ".join(([f"at most {SOURCE_PER_TARGET}x the target's pieces"] if capped < asked else [])
+                       + ([f"raised to the {source} its characters need"] if source > capped else []))
+    said = reason.replace("the target's pieces", f"the target's {pieces}")
+    log(f"data: the source tokenizer asks {source} pieces, not {asked}: {said} (the small-corpus rule; "
+        "--src-vocab overrides it)")
+    return source, reason
 
 
 FORM_WINDOW = 50_000  # words of each side counted: enough for a stable count, a 10k-pair corpus holds more

@@ -220,18 +220,27 @@ def test_unspaced_targets_are_scored_by_words_or_characters_not_whole_sentences(
     assert "tok:" + bleu_tokenizer("ja") in score(hyp, ref, "ja")["signature"]
 
 
-@pytest.mark.parametrize("key", sorted(__import__("streamnmt.data.tokenizer", fromlist=["CJK"]).CJK))
-def test_every_key_the_tokenizers_read_as_cjk_is_scored_as_its_language(key):
-    """The tokenizers' CJK keys (``jp``, ``cn``, ``kr`` among them) and BLEU's tables are two tables
-    (the scoring worker imports nothing of the package): a key the tokenizers train as Japanese or
-    Chinese must not be scored by 13a, which counts a sentence without spaces as one word."""
-    from streamnmt.data.tokenizer import is_unspaced
-    from streamnmt.inference.scoreworker import bleu_tokenizer
+def _language_keys() -> list[str]:
+    from streamnmt.data.tokenizer import CJK
+    from streamnmt.inference.scoreworker import ALIASES, MORPHOLOGICAL, UNSPACED
 
-    assert (bleu_tokenizer(key) in ("zh", "ja-mecab", "char")) == is_unspaced(key)
-    if not is_unspaced(key):  # Korean's keys: its own tokenizer where MeCab is installed
-        assert bleu_tokenizer(key) == bleu_tokenizer("ko")
-    assert bleu_tokenizer(key + "_XX") == bleu_tokenizer(key)  # a region never changes the language
+    return sorted(CJK | set(ALIASES) | set(UNSPACED) | set(MORPHOLOGICAL) | {"de", "en"})
+
+
+@pytest.mark.parametrize("key", _language_keys())
+def test_the_tokenizers_and_bleu_read_every_language_key_alike(key):
+    """The tokenizers' keys (streamnmt.data.tokenizer.CJK) and BLEU's (scoreworker.ALIASES) are two tables
+    (the scoring worker imports nothing of the package): a key the tokenizers train as Chinese or
+    Japanese (``jp``, ``cn``, ``zho_Hans``) must not be scored by 13a, which counts a sentence without
+    spaces as one word, and a key BLEU scores as one of the three must train as it."""
+    from streamnmt.data.tokenizer import is_cjk, is_unspaced
+    from streamnmt.inference.scoreworker import bleu_tokenizer, language
+
+    lang = language(key)
+    assert is_cjk(key) == (lang in ("zh", "ja", "ko")) and is_unspaced(key) == (lang in ("zh", "ja"))
+    assert bleu_tokenizer(key) == bleu_tokenizer(lang) == bleu_tokenizer(f"{key}_Xxxx")  # a region or script
+    if is_unspaced(key):
+        assert bleu_tokenizer(key) in ("zh", "ja-mecab", "char")
 
 
 def _scorer_case(n: int = 50):

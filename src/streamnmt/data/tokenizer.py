@@ -31,9 +31,13 @@ from streamnmt.models.specials import BOS, EOS, PAD, UNK
 # Languages written without spaces between words: SentencePiece keeps rare characters out of the
 # vocabulary (they become UNK) and the text is not NFKC-folded, so that decoded output keeps the
 # full-width punctuation of the references BLEU compares it with.
-CJK = {"ch", "zh", "cn", "ja", "jp", "ko", "kr"}  # language parts: zh_CN, zh-TW and ja_JP count too
+# The keys of Chinese, Japanese and Korean: ISO 639-1's, the project's own ``ch``, country codes, ISO
+# 639-2/3 codes and FLORES-200's (the part before ``_``: zh_CN, zh-TW, ja_JP, zho_Hans, jpn_Jpan count
+# too); BLEU's tokenizer reads the same keys (streamnmt.inference.scoreworker.ALIASES, held together by
+# a test).
+CJK = {"zh", "ch", "cn", "zho", "chi", "cmn", "yue", "ja", "jp", "jpn", "ko", "kr", "kor"}
 # Korean spaces its words: its script takes CJK's settings, but not the rules for text without spaces
-SPACED_CJK = {"ko", "kr"}
+SPACED_CJK = {"ko", "kr", "kor"}
 SPM_SEED = 0  # SentencePiece's random generator (sentence shuffling, sampling) before each training
 
 

@@ -15,11 +15,15 @@ import struct
 import sys
 from typing import IO, Any
 
-# Language keys other than ISO 639-1's that name the same languages as the tokenizers read them
-# (streamnmt.data.tokenizer.CJK: this file imports nothing of the package, so a test holds the two
-# tables together): a Japanese target keyed ``jp`` is scored as ``ja`` is, not by 13a's words.
-ALIASES = {"ch": "zh", "cn": "zh", "jp": "ja", "kr": "ko"}
-CHINESE = {"ch", "zh", "cn"}  # target languages scored with sacrebleu's "zh" tokenizer
+# Language keys other than ISO 639-1's, by the language they name: the project's own ``ch``, country
+# codes, ISO 639-2/3 codes and FLORES-200's (``zho_Hans``, ``jpn_Jpan``: the part before ``_``). The
+# tokenizers read the same keys (streamnmt.data.tokenizer.CJK; this file imports nothing of the
+# package, so a test holds the two tables together): a Japanese target keyed ``jp`` or ``jpn_Jpan`` is
+# scored as ``ja`` is, not by 13a's words.
+ALIASES = {"ch": "zh", "cn": "zh", "zho": "zh", "chi": "zh", "cmn": "zh", "yue": "zh",
+           "jp": "ja", "jpn": "ja", "kr": "ko", "kor": "ko",
+           "tha": "th", "lao": "lo", "khm": "km", "mya": "my", "bur": "my"}
+CHINESE = {"zh"}  # target languages scored with sacrebleu's "zh" tokenizer (after ALIASES)
 # Languages written without spaces between words, where 13a would count a whole sentence as one
 # word: scored with sacrebleu's MeCab tokenizer where it is installed, else character by character.
 UNSPACED = {"ja": "ja-mecab", "th": None, "lo": None, "km": None, "my": None}
@@ -28,13 +32,20 @@ UNSPACED = {"ja": "ja-mecab", "th": None, "lo": None, "km": None, "my": None}
 MORPHOLOGICAL = {"ko": "ko-mecab"}
 
 
+def language(key: str) -> str:
+    """The language a key names, ISO 639-1's code where :data:`ALIASES` knows it: ``zh_CN``, ``ch``
+    and ``zho_Hans`` -> ``zh``; ``ja-JP`` and ``jpn_Jpan`` -> ``ja``; any other key lower-cased, the
+    part before its first ``_`` or ``-``."""
+    lang = key.lower().replace("-", "_").split("_")[0]
+    return ALIASES.get(lang, lang)
+
+
 def bleu_tokenizer(tgt_lang: str) -> str:
     """sacrebleu's tokenizer for BLEU of a target language (``de``, ``ja_JP``, ``pt-BR``, ``jp`` alike):
     ``zh`` for Chinese, the language's MeCab tokenizer or ``char`` for the languages of
     :data:`UNSPACED`, MeCab or ``13a`` for those of :data:`MORPHOLOGICAL`, else ``13a`` (sacrebleu's
     default, WMT's habit)."""
-    lang = tgt_lang.lower().replace("-", "_").split("_")[0]
-    lang = ALIASES.get(lang, lang)
+    lang = language(tgt_lang)
     if lang in CHINESE:
         return "zh"
     if lang not in UNSPACED and lang not in MORPHOLOGICAL:

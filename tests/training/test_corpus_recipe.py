@@ -211,18 +211,18 @@ def test_the_source_never_asks_fewer_pieces_than_its_characters_need(tmp_path):
 
 
 @pytest.mark.parametrize("given", [{}, {"tgt_vocab": 60}])
-def test_a_chinese_source_of_many_characters_asks_at_least_its_characters_beside_the_lean_rule(
-        tmp_path, monkeypatch, given):
-    """Chinese to English: each run of Chinese letters counts as one word, so the target comes out poor in
-    word forms and the rule asks the lean vocabulary (LEAN_VOCAB, here made smaller than the source's 80
-    characters, as 4,000 is beside a real Chinese source of several thousand). SentencePiece cannot train a
-    source under its characters ("Vocabulary size is smaller than required_chars"): the source asks what
-    its characters need, whether or not --tgt-vocab is given."""
+def test_a_chinese_source_of_many_characters_asks_at_least_its_characters(tmp_path, monkeypatch, given):
+    """Chinese to English where the rule's size (SMALL_CORPUS_VOCAB, here made smaller than the source's
+    80 characters, as a lean 4,000 would be beside a real Chinese source of several thousand) is under
+    what the source's characters need: SentencePiece cannot train a source under them ("Vocabulary size
+    is smaller than required_chars"), so the source asks what they need, whether or not --tgt-vocab is
+    given. The word forms are not counted (a source without spaces counts each run of letters as one
+    word), so the lean rule, which such a ratio would pick, stays out."""
     import streamnmt.data.config as data_config
     from streamnmt.data.tokenizer import min_pieces
 
     monkeypatch.setattr(data_config, "LEAN_MIN_PAIRS", 1000)
-    monkeypatch.setattr(data_config, "LEAN_VOCAB", 40)
+    monkeypatch.setattr(data_config, "SMALL_CORPUS_VOCAB", 40)
     rng = random.Random(0)
     hanzi = [chr(0x4E00 + i) for i in range(80)]
     pairs = [("".join(rng.choices(hanzi, k=8)) + "。", " ".join(rng.choices(WORDS, k=5))) for _ in range(1300)]
@@ -232,7 +232,8 @@ def test_a_chinese_source_of_many_characters_asks_at_least_its_characters_beside
     lines: list[str] = []
     bundle = prepare_data(DataConfig(data=str(tmp_path / "c"), src_lang="ch", tgt_lang="en", max_len=24, **given),
                           log=lines.append)
-    assert any("40 pieces where no size is given (the lean vocabulary" in line for line in lines)
+    assert any("the source is written without spaces: the word forms are not counted; 40 pieces" in line
+               for line in lines) and not any("word forms (distinct words" in line for line in lines)
     assert bundle.auto_vocab["source"] == fewest > 40 and bundle.src_tok.vocab_size > 40
     assert bundle.auto_why["source"].endswith(f"raised to the {fewest} its characters need")
 

@@ -108,12 +108,13 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     counted = None if cfg.data is None else pairs  # the built-in corpus: None
     forms = None
     if missing[0].role != "shared" and small_corpus(counted) and any(side.size is None for side in missing):
-        # a source without spaces counts each run of its letters as one word: the ratio would call any
-        # target poor in word forms (Chinese to English about 0.01x), a case the lean rule was not chosen on
-        forms = None if is_unspaced(cfg.src_lang) else word_form_ratio(*samples)
-        if forms is None and is_unspaced(cfg.src_lang):
+        # a source without spaces would count each run of its letters as one word, and the ratio call any
+        # target poor in word forms (Chinese to English about 0.01x): not what the lean rule was chosen on
+        if is_unspaced(cfg.src_lang):
             log(f"data: the source is written without spaces: the word forms are not counted; "
                 f"{auto_vocab(counted)} pieces where no size is given")
+        else:
+            forms = word_form_ratio(*samples)
         if forms is not None:
             log(f"data: the target has {forms:.2f}x the source's word forms (distinct words in the first "
                 f"{FORM_WINDOW:,} of each side's); {auto_vocab(counted, forms)} pieces where no size is given "

@@ -239,6 +239,7 @@ def test_the_tokenizers_and_bleu_read_every_language_key_alike(key):
     lang = language(key)
     assert is_cjk(key) == (lang in ("zh", "ja", "ko")) and is_unspaced(key) == (lang in ("zh", "ja"))
     assert bleu_tokenizer(key) == bleu_tokenizer(lang) == bleu_tokenizer(f"{key}_Xxxx")  # a region or script
+    assert is_cjk(f"{key}-Xxxx") == is_cjk(key) and is_unspaced(f"{key.upper()}_Xxxx") == is_unspaced(key)
     if is_unspaced(key):
         assert bleu_tokenizer(key) in ("zh", "ja-mecab", "char")
 

@@ -236,6 +236,8 @@ def test_a_chinese_source_of_many_characters_asks_at_least_its_characters(tmp_pa
                for line in lines) and not any("word forms (distinct words" in line for line in lines)
     assert bundle.auto_vocab["source"] == fewest > 40 and bundle.src_tok.vocab_size > 40
     assert bundle.auto_why["source"].endswith(f"raised to the {fewest} its characters need")
+    assert any(line.endswith(f"raised to the {fewest} its characters need (SentencePiece trains no fewer)")
+               for line in lines)  # not "--src-vocab overrides it": a size under its characters fails
 
 
 def test_a_shared_tokenizer_takes_the_rules_size_unless_either_side_gives_one(tmp_path):

@@ -57,7 +57,7 @@ class DataBundle:
     # the sizes the corpus rule asked of tokenizers trained now (--src-vocab/--tgt-vocab not given):
     # "source", "target" or "shared" -> pieces
     auto_vocab: dict[str, int] = field(default_factory=dict)
-    auto_why: dict[str, str] = field(default_factory=dict)  # role -> why the rule asked it fewer pieces
+    auto_why: dict[str, str] = field(default_factory=dict)  # role -> why the rule asked or capped it apart from its size
     builtin: bool = False  # the built-in corpus (the corpus rule is for --data corpora)
 
     @property
@@ -136,7 +136,7 @@ def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource
     trained when absent: by the child process the command started for them
     (:mod:`streamnmt.data.tokenizer_child`; ``early``: what it did, waited for by the caller), else
     now. Third: the sizes the corpus rule asked of those trained, by role (empty: sizes given, or
-    none trained); fourth: why it asked a side fewer pieces, by role."""
+    none trained); fourth: why it asked or capped a side apart from its size, by role."""
     by_child = set(early.trained) if early is not None else set()
     plan = sides(cfg, directory)
     loaded = {side.role: Tokenizer(side.path) for side in plan if side.found and str(side.path) not in by_child}

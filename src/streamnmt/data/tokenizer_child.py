@@ -53,8 +53,8 @@ NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 @dataclass
 class Result:
-    """What a child did: its log lines, the sizes the corpus rule asked (and why it asked a side fewer
-    pieces, tokenizer_training.Trained.why), the models it wrote."""
+    """What a child did: its log lines, the sizes the corpus rule asked (and why it asked or capped a side
+    apart from its size, tokenizer_training.Trained.why), the models it wrote."""
 
     lines: list[str]
     auto: dict[str, int]

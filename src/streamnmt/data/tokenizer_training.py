@@ -186,8 +186,9 @@ def source_within_target(cfg: DataConfig, directory: Path, target_pieces: int | 
     reason = ", ".join(([f"at most {SOURCE_PER_TARGET}x the target's pieces"] if capped < asked else [])
                        + ([f"raised to the {source} its characters need"] if source > capped else []))
     said = reason.replace("the target's pieces", f"the target's {pieces}")
-    log(f"data: the source tokenizer asks {source} pieces, not {asked}: {said} (the small-corpus rule; "
-        "--src-vocab overrides it)")
+    hint = ("SentencePiece trains no fewer" if source > capped  # a --src-vocab under them fails, named by file
+            else "the small-corpus rule; --src-vocab overrides it")
+    log(f"data: the source tokenizer asks {source} pieces, not {asked}: {said} ({hint})")
     return source, reason
 
 

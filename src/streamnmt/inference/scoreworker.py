@@ -23,7 +23,7 @@ from typing import IO, Any
 ALIASES = {"ch": "zh", "cn": "zh", "zho": "zh", "chi": "zh", "cmn": "zh", "yue": "zh",
            "jp": "ja", "jpn": "ja", "kr": "ko", "kor": "ko",
            "tha": "th", "lao": "lo", "khm": "km", "mya": "my", "bur": "my"}
-CHINESE = {"zh"}  # target languages scored with sacrebleu's "zh" tokenizer (after ALIASES)
+CHINESE = {"zh"} | {key for key, lang in ALIASES.items() if lang == "zh"}  # keys scored with sacrebleu's "zh"
 # Languages written without spaces between words, where 13a would count a whole sentence as one
 # word: scored with sacrebleu's MeCab tokenizer where it is installed, else character by character.
 UNSPACED = {"ja": "ja-mecab", "th": None, "lo": None, "km": None, "my": None}

@@ -4,8 +4,8 @@ The trainer computes dev BLEU at each epoch end; ``streamnmt translate`` and ``e
 files and score splits. All three turn lines of text into encoder input the way the training
 batches are built (tokens then EOS), decode them through :mod:`streamnmt.inference.search` (or, where asked,
 :mod:`streamnmt.inference.graph_search`), detokenize through SentencePiece, and score with sacrebleu (BLEU
-with its ``zh`` tokenizer for Chinese targets, ``char`` or MeCab for Japanese, Korean and Thai,
-``13a`` otherwise, and chrF). This module holds
+with its ``zh`` tokenizer for Chinese targets, MeCab or ``char`` for Japanese, ``char`` for Thai,
+MeCab or ``13a`` for Korean, ``13a`` otherwise: ``scoreworker.bleu_tokenizer``; and chrF). This module holds
 those pieces below both the trainer and the commands, so that imports run one way:
 ``train -> evaluation`` and ``translate -> evaluation``, never ``train <-> translate``.
 """

@@ -114,7 +114,7 @@ def resolve_corpus(job: TrainJob, data: Any, dropout_given: bool, log: Callable[
         chose.append(f"--label-smoothing {model.label_smoothing:g}" + ("" if smoothing_given else f" (auto{script})"))
         trained = {"source": data.src_tok.vocab_size, "target": data.tgt_tok.vocab_size,
                    "shared": data.src_tok.vocab_size}  # under the size asked where a cap held it (a data: line says why)
-        chose += [f"{side} tokenizer of {size} pieces asked (auto{_why_fewer(side, data)})"
+        chose += [f"{side} tokenizer of {size} pieces asked (auto{_why(side, data)})"
                   + (f", {trained[side]} trained" if trained[side] < size else "")
                   for side, size in data.auto_vocab.items()]
         if not data.auto_vocab:
@@ -128,9 +128,10 @@ def resolve_corpus(job: TrainJob, data: Any, dropout_given: bool, log: Callable[
     return dataclasses.replace(job, model=model, data=d)
 
 
-def _why_fewer(side: str, data: Any) -> str:
-    """Why the rule asked ``side`` fewer pieces, where it did, as the tokenizers' training recorded it
-    (the source's cap: streamnmt.data.tokenizer_training.source_within_target)."""
+def _why(side: str, data: Any) -> str:
+    """Why the rule asked or capped ``side`` apart from its size, where it did, as the tokenizers'
+    training recorded it (streamnmt.data.tokenizer_training: the target's cap, target_cap; the
+    source's, source_within_target)."""
     why = data.auto_why.get(side, "")
     return f": {why}" if why else ""
 

@@ -203,8 +203,11 @@ def test_a_stopped_bleu_pass_scores_the_batches_it_decoded(env):
 
 
 def test_score_uses_zh_tokenizer_for_chinese():
-    assert score(["我们是学生"], ["我们是学生们"], "ch")["bleu"] > 0
-    assert score(["我们是学生"], ["我们是学生们"], "en")["bleu"] == 0
+    import sacrebleu
+
+    hyp, ref = ["我们是学生"], ["我们是学生们"]  # one "word" each to 13a
+    assert score(hyp, ref, "ch")["bleu"] > 0 and sacrebleu.BLEU(tokenize="13a").corpus_score(hyp, [ref]).score == 0
+    assert score(hyp, ref, "tgt") == score(hyp, ref, "ch")  # a key that says no language: the text does
     assert score([], [], "ch")["bleu"] == 0.0
 
 
@@ -216,8 +219,23 @@ def test_unspaced_targets_are_scored_by_words_or_characters_not_whole_sentences(
     assert bleu_tokenizer("th") == "char" and bleu_tokenizer("ja_JP") in ("ja-mecab", "char")
     assert bleu_tokenizer("ko") in ("ko-mecab", "13a")  # Korean spaces its words: never by characters
     hyp, ref = ["ファイルを開けません"], ["ファイルを開けませんでした"]  # one "word" each to 13a
-    assert score(hyp, ref, "en")["bleu"] == 0 and score(hyp, ref, "ja")["bleu"] > 0
+    assert score(hyp, ref, "ja")["bleu"] > 0 and score(hyp, ref, "tgt") == score(hyp, ref, "ja")
     assert "tok:" + bleu_tokenizer("ja") in score(hyp, ref, "ja")["signature"]
+
+
+def test_a_scorer_leaves_a_pool_whose_workers_score_another_language():
+    """A run's pool is started with its key before the references are read; references that the key
+    does not name (Chinese under ``tgt``) are scored by the scorer's own workers, the ``zh`` way."""
+    from streamnmt.inference.scoring import ScorePool, Scorer
+
+    pool = ScorePool("tgt", workers=0)
+    hyp, ref = ["我们是学生"], ["我们是学生们"]
+    scorer = Scorer(ref, "tgt", workers=0, pool=pool)
+    assert scorer.pool is None and scorer.tgt_lang == "zh"
+    scorer.add([0], hyp)
+    assert scorer.result()["bleu"] == score(hyp, ref, "zh")["bleu"] > 0
+    assert Scorer(["Hallo Welt"], "tgt", workers=0, pool=pool).pool is pool  # spaced: the key's pool
+    pool.close()
 
 
 def _language_keys() -> list[str]:

@@ -19,6 +19,7 @@ import yaml
 
 from streamnmt.configbase import canonical, check, check_choice, from_dict, names_of, opt, to_dict
 from streamnmt.data.config import GPU_PRESETS, DataConfig, builtin_size_for, small_corpus  # noqa: F401 (re-exported)
+from streamnmt.data.writing import UNSPACED_SHARE
 from streamnmt.engine.config import EngineConfig
 from streamnmt.errors import ConfigError
 
@@ -51,7 +52,6 @@ SMALL_CORPUS_DROPOUT = 0.3
 # held-out Chinese corpus (docs/PERFORMANCE.md, "The recipe on real text"). --label-smoothing overrides it.
 DEFAULT_LABEL_SMOOTHING = 0.1
 UNSPACED_LABEL_SMOOTHING = 0.2
-UNSPACED_SHARE = 0.5
 
 
 @dataclass(kw_only=True)

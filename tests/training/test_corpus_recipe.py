@@ -338,6 +338,24 @@ def test_a_target_without_spaces_keeps_fewer_pieces_per_character_unless_its_siz
         assert target_cap(cfg, sample, cap) == (cap, "") and target_cap(cfg, sample, cap + 1) == (cap, why)
 
 
+def test_a_chinese_target_keyed_by_no_language_trains_as_chinese(tmp_path):
+    """A corpus keyed ``src``/``tgt`` (an OpenNMT user's names): the tokenizers read the text, so a Chinese
+    target gets the same model as under the key ``ch``, and one line says why."""
+    for key in ("ch", "tgt"):
+        write_corpus(tmp_path / key, n_train=300, src="src", tgt=key)
+    lines: list[str] = []
+    by_text = prepare_data(DataConfig(data=str(tmp_path / "tgt"), src_lang="src", tgt_lang="tgt", max_len=24),
+                           log=lines.append)
+    by_key = prepare_data(DataConfig(data=str(tmp_path / "ch"), src_lang="src", tgt_lang="ch", max_len=24),
+                          log=lambda _: None)
+    assert by_text.tgt_tok.vocab_size == by_key.tgt_tok.vocab_size and by_text.auto_why == by_key.auto_why
+    assert (by_text.data_dir / "tokenizer" / "tgt.model").read_bytes() == (
+        by_key.data_dir / "tokenizer" / "tgt.model").read_bytes()
+    assert any("the target key 'tgt' names none of Chinese, Japanese and Korean, but its text is Chinese" in line
+               for line in lines)
+    assert not any("the source key" in line for line in lines)  # English: the key stands
+
+
 def test_prepare_caps_the_source_at_the_targets_pieces_unless_a_size_is_given(tmp_path):
     targets = [t for _, t in write_corpus(tmp_path / "c", n_train=300)["train"]]
     cap = vocab_cap(targets, SMALL_CORPUS_VOCAB, True, SMALL_CORPUS_PIECES_PER_CHARACTER)  # a few dozen characters

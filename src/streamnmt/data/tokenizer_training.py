@@ -28,6 +28,7 @@ from streamnmt.data.config import (LEAN_MIN_PAIRS, RICH_FORMS, SMALL_CORPUS_PIEC
 from streamnmt.data.readers import ReadStats, SplitSource, iter_pairs
 from streamnmt.data.tokenizer import (Tokenizer, cpu_threads, is_cjk, is_unspaced, min_pieces, train_shared_tokenizer,
                                       train_tokenizer, vocab_cap)
+from streamnmt.data.writing import written_language
 
 Log = Callable[[str], None]
 
@@ -106,11 +107,13 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     samples, pairs = sample_train(cfg, sources["train"])
     check_other_splits(cfg, sources)
     counted = None if cfg.data is None else pairs  # the built-in corpus: None
+    src_lang, tgt_lang = (read_language(key, sample, role, log) for key, sample, role in
+                          ((cfg.src_lang, samples[0], "source"), (cfg.tgt_lang, samples[1], "target")))
     forms = None
     if missing[0].role != "shared" and small_corpus(counted) and any(side.size is None for side in missing):
         # a source without spaces would count each run of its letters as one word, and the ratio call any
         # target poor in word forms (Chinese to English about 0.01x): not what the lean rule was chosen on
-        if is_unspaced(cfg.src_lang):
+        if is_unspaced(src_lang):
             log(f"data: the source is written without spaces: the word forms are not counted; "
                 f"{auto_vocab(counted)} pieces where no size is given")
         else:
@@ -126,23 +129,23 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     cap_why = ""  # the target cap's reason where the rule, not the corpus's size, set it
     why: dict[str, str] = {}  # role -> why the rule asked or capped that side apart from its size (the start line says it)
     if "target" in asked and small_corpus(counted):
-        caps["target"], why["target"] = target_cap(cfg, samples[1], asked["target"])
+        caps["target"], why["target"] = target_cap(cfg, samples[1], asked["target"], tgt_lang)
         cap_why = why["target"] and f"{why['target']} (the small-corpus rule; --tgt-vocab overrides it)"
     if "source" in asked and small_corpus(counted) and cfg.src_vocab is None:
         asked["source"], why["source"] = source_within_target(cfg, directory, caps.get("target"), asked["source"],
-                                                              min_pieces(samples[0], is_cjk(cfg.src_lang)), log)
+                                                              min_pieces(samples[0], is_cjk(src_lang)), log)
     auto = {side.role: asked[side.role] for side in missing if side.size is None}
     why = {role: reason for role, reason in why.items() if reason}
     threads = threads or spm_threads(len(missing))
     if missing[0].role == "shared":
         (side,) = missing
-        tok = train_shared_tokenizer(samples[0], samples[1], side.path, side.size or rule, cfg.src_lang,
-                                     cfg.tgt_lang, threads=threads, log=log)
+        tok = train_shared_tokenizer(samples[0], samples[1], side.path, side.size or rule, src_lang,
+                                     tgt_lang, threads=threads, log=log)
         log(f"data: trained the shared tokenizer on both sides of {len(samples[0])} sampled pairs in "
             f"{time.perf_counter() - t0:.1f}s -> {side.path}")
         return Trained({"shared": tok}, auto, pairs, why)
     texts = {"source": samples[0], "target": samples[1]}
-    langs = {"source": cfg.src_lang, "target": cfg.tgt_lang}
+    langs = {"source": src_lang, "target": tgt_lang}
     with ThreadPoolExecutor(len(missing)) as pool:  # SentencePiece trains outside the GIL
         jobs = {side.role: pool.submit(train_tokenizer, texts[side.role], side.path, asked[side.role],
                                        langs[side.role], threads=threads, log=log, name=side.name,
@@ -154,14 +157,27 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     return Trained(toks, auto, pairs, why)
 
 
-def target_cap(cfg: DataConfig, target_sample: list[str], asked: int) -> tuple[int, str]:
+def read_language(key: str, sample: list[str], role: str, log: Log) -> str:
+    """The language the tokenizers train ``sample`` as: ``key``, or where it names none of Chinese,
+    Japanese and Korean but the text is one of them (:func:`~streamnmt.data.writing.written_language`),
+    that language, in one log line (BLEU's tokenizer reads the references the same way)."""
+    found = written_language(key, sample)
+    if found is None:
+        return key
+    log(f"data: the {role} key {key!r} names none of Chinese, Japanese and Korean, but its text is "
+        f"{'Japanese' if found == 'ja' else 'Chinese'}: its tokenizer trains as {found}'s")
+    return found
+
+
+def target_cap(cfg: DataConfig, target_sample: list[str], asked: int, lang: str | None = None) -> tuple[int, str]:
     """The small-corpus target's :func:`~streamnmt.data.tokenizer.vocab_cap` on ``target_sample``
     (``asked``: its size asked), and the cap's reason where the rule set it (the training's log line
     says it): a target without spaces (:func:`~streamnmt.data.tokenizer.is_unspaced`: Chinese, Japanese)
     whose --tgt-vocab is not given keeps at most
     :data:`~streamnmt.data.config.SMALL_CORPUS_PIECES_PER_CHARACTER` pieces per distinct character."""
-    cjk = is_cjk(cfg.tgt_lang)
-    if not is_unspaced(cfg.tgt_lang) or cfg.tgt_vocab is not None:
+    lang = lang or cfg.tgt_lang
+    cjk = is_cjk(lang)
+    if not is_unspaced(lang) or cfg.tgt_vocab is not None:
         return vocab_cap(target_sample, asked, cjk), ""
     cap = vocab_cap(target_sample, asked, True, SMALL_CORPUS_PIECES_PER_CHARACTER)
     if cap >= asked:  # characters enough to fill the size asked: the rule held nothing back

@@ -1,20 +1,43 @@
-"""How the target language is written: the share of its letters in scripts written without spaces
-between words (Chinese and Japanese), read from a tokenized training split. The corpus rule's label
-smoothing looks at it (streamnmt.config.corpus_label_smoothing)."""
+"""How a language is written: the share of its letters in scripts written without spaces between
+words (Chinese and Japanese), read from a tokenized training split (:func:`unspaced_share`: the
+corpus rule's label smoothing, streamnmt.config.corpus_label_smoothing) or from raw text
+(:func:`written_language`: where a language key names none of Chinese, Japanese and Korean, the
+tokenizers' settings and BLEU's tokenizer follow the text).
+
+Imported by the tokenizers' child process, which imports neither torch nor numpy: numpy is imported
+where a tokenized split is read."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
+from streamnmt.data.tokenizer import is_cjk
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Token positions sampled, evenly spaced over the whole split (a corpus that lists one language's pairs
 # after another's, as a target-tagged one may, is sampled across all of them).
 SAMPLE_TOKENS = 200_000
+# Raw sentences read, evenly spaced (:func:`written_language`): the share to within a few points, in
+# milliseconds.
+SAMPLE_SENTENCES = 5_000
+# A text with at least this share of its letters Chinese or Japanese is written without spaces: the
+# label smoothing (streamnmt.config.corpus_label_smoothing) and :func:`written_language` read it.
+UNSPACED_SHARE = 0.5
+# Of those letters, kana at least this share make the text Japanese (Chinese has none; Japanese runs
+# at about half kana).
+JAPANESE_KANA_SHARE = 0.1
 # Code points of Chinese and Japanese letters (Han, kana): the two unspaced targets measured. Other
 # scripts written without spaces (Thai, Khmer, ...) are not counted: no corpus of theirs was measured.
 _UNSPACED = ((0x3040, 0x30FF), (0x31F0, 0x31FF), (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF),
              (0xFF66, 0xFF9F), (0x20000, 0x3134F))
+_KANA = ((0x3040, 0x30FF), (0x31F0, 0x31FF), (0xFF66, 0xFF9F))
+_LETTER = re.compile(r"[^\W\d_]")  # str.isalpha's letters
+_UNSPACED_LETTER = re.compile("[" + "".join(f"{chr(lo)}-{chr(hi)}" for lo, hi in _UNSPACED) + "]")
+_KANA_LETTER = re.compile("[" + "".join(f"{chr(lo)}-{chr(hi)}" for lo, hi in _KANA) + "]")
 
 
 def unspaced_letter(ch: str) -> bool:
@@ -27,6 +50,8 @@ def unspaced_share(tokens: np.ndarray, piece: Callable[[int], str], sample: int 
     """Share of the letters of ``tokens`` (a split's flat token ids; ``piece`` maps an id to its text)
     that are Chinese or Japanese, over at most ``sample`` positions spread evenly across the split;
     None where the sample holds no letter."""
+    import numpy as np
+
     if len(tokens) == 0:
         return None
     at = np.linspace(0, len(tokens) - 1, num=min(sample, len(tokens))).astype(np.int64)
@@ -39,3 +64,19 @@ def unspaced_share(tokens: np.ndarray, piece: Callable[[int], str], sample: int 
                 letters += n
                 unspaced += n if unspaced_letter(ch) else 0
     return unspaced / letters if letters else None
+
+
+def written_language(key: str, sentences: Sequence[str], sample: int = SAMPLE_SENTENCES) -> str | None:
+    """The language of ``sentences`` where their key does not say it: where ``key`` names none of
+    Chinese, Japanese and Korean (:func:`~streamnmt.data.tokenizer.is_cjk`: ``src``, ``tgt``, or a
+    key of another language) but at least :data:`UNSPACED_SHARE` of the letters of (at most
+    ``sample``, evenly spaced) ``sentences`` are Chinese or Japanese: ``ja`` where kana are at least
+    :data:`JAPANESE_KANA_SHARE` of those, else ``zh``. None otherwise: the key stands."""
+    if is_cjk(key) or not sentences:
+        return None
+    step = max(1, len(sentences) // sample)
+    letters = "".join(_LETTER.findall("\n".join(sentences[::step])))
+    unspaced = "".join(_UNSPACED_LETTER.findall(letters))
+    if not letters or len(unspaced) < UNSPACED_SHARE * len(letters):
+        return None
+    return "ja" if len(_KANA_LETTER.findall(unspaced)) >= JAPANESE_KANA_SHARE * len(unspaced) else "zh"

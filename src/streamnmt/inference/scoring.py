@@ -29,6 +29,7 @@ from streamnmt.models import masks
 
 from streamnmt.inference import scoreworker
 from streamnmt.data import Tokenizer
+from streamnmt.data.writing import written_language
 from streamnmt.inference.decoding import SearchOptions
 from streamnmt.inference.graph_search import translate_ids
 from streamnmt.models.transformer import Transformer
@@ -69,9 +70,18 @@ def detokenize(tgt_tok: Tokenizer, outputs: list[list[int]]) -> list[str]:
     return [tgt_tok.decode(h).replace("\n", " ") for h in outputs]
 
 
+def scored_language(tgt_lang: str, refs: list[str]) -> str:
+    """The language BLEU tokenizes ``refs`` as: the key ``tgt_lang``'s (``scoreworker.bleu_tokenizer``),
+    or where it names none of Chinese, Japanese and Korean but the references are one of them, that
+    one (:func:`~streamnmt.data.writing.written_language`, as the tokenizers read their text): a
+    Chinese corpus keyed ``tgt`` is not scored by 13a's words, a sentence each."""
+    return written_language(tgt_lang, refs) or tgt_lang
+
+
 def score(hyps: list[str], refs: list[str], tgt_lang: str) -> dict[str, Any]:
-    """Corpus BLEU (sacrebleu, the target language's tokenizer: ``scoreworker.bleu_tokenizer``) and chrF."""
-    bleu, chrf = scoreworker.metrics(tgt_lang)
+    """Corpus BLEU (sacrebleu, the target language's tokenizer: ``scoreworker.bleu_tokenizer`` of
+    :func:`scored_language`) and chrF."""
+    bleu, chrf = scoreworker.metrics(scored_language(tgt_lang, refs))
     if not hyps:
         return {"bleu": 0.0, "chrf": 0.0, "signature": ""}
     b, c = bleu.corpus_score(hyps, [refs]), chrf.corpus_score(hyps, [refs])
@@ -223,6 +233,9 @@ class Scorer:
     at the end, as is everything where sacrebleu lacks the segment-statistics methods."""
 
     def __init__(self, refs: list[str], tgt_lang: str, workers: int | None = None, pool: ScorePool | None = None):
+        tgt_lang = scored_language(tgt_lang, refs)
+        if pool is not None and pool.tgt_lang != tgt_lang:  # its workers score another language's way
+            pool = None
         self.refs, self.tgt_lang, self.pool = refs, tgt_lang, pool
         self._pool_tags: list[int | None] = []  # with a pool: its tag of each batch
         self.bleu, self.chrf = scoreworker.metrics(tgt_lang)

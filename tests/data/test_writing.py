@@ -1,0 +1,34 @@
+"""streamnmt.data.writing: the language a text is written in, where its key does not say it."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamnmt.data.writing import JAPANESE_KANA_SHARE, UNSPACED_SHARE, written_language
+
+CHINESE = ["我们是学生。", "文件无法打开", "请稍后再试"]
+JAPANESE = ["ファイルを開けません", "後でもう一度お試しください", "設定を保存しました"]
+
+
+@pytest.mark.parametrize("key, text, language", [
+    ("tgt", CHINESE, "zh"), ("tgt", JAPANESE, "ja"), ("de", CHINESE, "zh"),  # the text, whatever the key
+    ("tgt", ["Datei kann nicht geöffnet werden"], None),  # spaced text: the key stands
+    ("zh", JAPANESE, None), ("ko", CHINESE, None),  # a CJK key stands: it says the language
+    ("tgt", [], None), ("tgt", ["42 !?"], None)])  # no letter
+def test_the_text_names_the_language_only_where_the_key_names_none_of_chinese_japanese_korean(key, text, language):
+    assert written_language(key, text) == language
+
+
+def test_the_shares_decide_at_their_thresholds():
+    english = "abcdefghij"  # 10 letters
+    assert written_language("tgt", ["猫" * 10 + english]) == "zh"  # half the letters Chinese
+    assert written_language("tgt", ["猫" * 9 + english]) is None  # under UNSPACED_SHARE
+    assert UNSPACED_SHARE == 0.5 and JAPANESE_KANA_SHARE == 0.1  # the cases count with them
+    assert written_language("tgt", ["猫" * 9 + "の"]) == "ja" and written_language("tgt", ["猫" * 10 + "の"]) == "zh"
+
+
+def test_a_long_text_is_read_over_a_sample_spread_across_it():
+    english, chinese = ["abcde fghij"], ["我们是学生文件无法打"]  # 10 letters a line each
+    text = english * 1000 + chinese * 3000  # one language's lines after another's: 3 in 4 letters Chinese
+    assert written_language("tgt", text, sample=100) == written_language("tgt", text) == "zh"
+    assert written_language("tgt", english * 3000 + chinese * 1000, sample=100) is None  # 1 in 4

@@ -223,18 +223,21 @@ def test_unspaced_targets_are_scored_by_words_or_characters_not_whole_sentences(
     assert "tok:" + bleu_tokenizer("ja") in score(hyp, ref, "ja")["signature"]
 
 
-def test_a_scorer_leaves_a_pool_whose_workers_score_another_language():
+def test_a_pool_started_for_a_key_scores_the_language_its_references_are():
     """A run's pool is started with its key before the references are read; references that the key
-    does not name (Chinese under ``tgt``) are scored by the scorer's own workers, the ``zh`` way."""
+    does not name (Chinese under ``tgt``) get the pool's workers restarted for Chinese, once."""
     from streamnmt.inference.scoring import ScorePool, Scorer
 
-    pool = ScorePool("tgt", workers=0)
+    pool = ScorePool("tgt", workers=1)
+    started = [pool.workers[0]]
     hyp, ref = ["我们是学生"], ["我们是学生们"]
-    scorer = Scorer(ref, "tgt", workers=0, pool=pool)
-    assert scorer.pool is None and scorer.tgt_lang == "zh"
-    scorer.add([0], hyp)
-    assert scorer.result()["bleu"] == score(hyp, ref, "zh")["bleu"] > 0
-    assert Scorer(["Hallo Welt"], "tgt", workers=0, pool=pool).pool is pool  # spaced: the key's pool
+    for _ in range(2):  # two passes: the first restarts the worker, the second keeps it
+        scorer = Scorer(ref, "tgt", pool=pool)
+        assert scorer.tgt_lang == pool.tgt_lang == "zh" and len(pool.workers) == 1
+        scorer.add([0], hyp)
+        assert scorer.result()["bleu"] == score(hyp, ref, "zh")["bleu"] > 0
+        started.append(pool.workers[0])
+    assert started[1] is not started[0] and not started[0].alive and started[2] is started[1]
     pool.close()
 
 

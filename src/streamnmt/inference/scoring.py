@@ -175,13 +175,27 @@ class ScorePool:
         self.tgt_lang = tgt_lang
         self.results: dict[int, Any] = {}  # pool tag -> (bleu stats, chrf stats), filled by the readers
         self.workers: list[_Worker] = []
-        for _ in range(score_workers() if workers is None else workers):
-            try:
-                self.workers.append(_Worker(tgt_lang, self.results))
-            except OSError:
-                break
+        self._start(score_workers() if workers is None else workers)
         self._owner: dict[int, _Worker] = {}  # tag -> the worker it was sent to, until collected
         self._next = 0
+
+    def _start(self, n: int) -> None:
+        for _ in range(n):
+            try:
+                self.workers.append(_Worker(self.tgt_lang, self.results))
+            except OSError:
+                break
+
+    def retarget(self, tgt_lang: str) -> None:
+        """Workers that score ``tgt_lang``: the pool is started with the run's key before its references
+        are read, and where they are another language than the key names (:func:`scored_language`) the
+        first pass restarts as many workers for it (once: a run's references keep their language)."""
+        if tgt_lang == self.tgt_lang:
+            return
+        n = len(self.workers)
+        self.close()
+        self.tgt_lang = tgt_lang
+        self._start(n)
 
     def send(self, hyps: list[str], refs: list[str]) -> int | None:
         """Queue one batch; its tag, or None where no worker took it (it is scored by the caller)."""
@@ -234,8 +248,8 @@ class Scorer:
 
     def __init__(self, refs: list[str], tgt_lang: str, workers: int | None = None, pool: ScorePool | None = None):
         tgt_lang = scored_language(tgt_lang, refs)
-        if pool is not None and pool.tgt_lang != tgt_lang:  # its workers score another language's way
-            pool = None
+        if pool is not None:  # no batch of an earlier pass is left in it: a scorer's result collects them
+            pool.retarget(tgt_lang)
         self.refs, self.tgt_lang, self.pool = refs, tgt_lang, pool
         self._pool_tags: list[int | None] = []  # with a pool: its tag of each batch
         self.bleu, self.chrf = scoreworker.metrics(tgt_lang)

@@ -35,8 +35,9 @@ What it does:
    accumulated on one GPU; the default here is one 5000-token batch a step (``--accum 10`` for the
    recipe's), since a few-minute run makes few 50k-token updates.
 4. Translates the test split (beam ``--beam``, 3 as ``streamnmt eval``) and scores it with the call
-   the project uses (:mod:`streamnmt.inference.scoreworker`'s metrics: sacrebleu BLEU, tokenizer
-   ``zh`` for zh/ch targets and ``13a`` otherwise, and chrF), then prints one line: BLEU, chrF,
+   the project uses (:mod:`streamnmt.inference.scoreworker`'s metrics: sacrebleu BLEU with the
+   target language's tokenizer, ``zh`` for Chinese, ``13a`` for spaced text, the language read from the
+   text where the key names none, as ``streamnmt eval`` does; and chrF), then prints one line: BLEU, chrF,
    training wall clock (the loop, and the whole ``train`` command), steps and real target tokens
    per second (eole's own count of non-padding target tokens over the loop's time). The same
    numbers go to ``WORK/result.json``.
@@ -102,12 +103,14 @@ def tokenizers(data: Path, work: Path, choice: str, vocab: int, src_lang: str, t
             raise CompareError(f"--tokenizer corpus: {missing[0]} not found (run streamnmt train on the corpus first)")
         return own[0], own[1], "the corpus's (DATA/tokenizer)"
     from streamnmt.data.tokenizer import train_tokenizer
+    from streamnmt.data.writing import written_language
 
     paths = (work / "spm" / "src.model", work / "spm" / "tgt.model")
     paths[0].parent.mkdir(parents=True, exist_ok=True)
     for path, side, lang in zip(paths, ("src", "tgt"), (src_lang, tgt_lang)):
         if not path.is_file():
             text = (work / "text" / f"train.{side}").read_text(encoding="utf-8").splitlines()
+            lang = written_language(lang, text) or lang  # a key that names no language: as streamnmt train reads it
             train_tokenizer(text, path, vocab, lang, log=lambda m: print(m, file=sys.stderr))
     return paths[0], paths[1], f"trained here (unigram, {vocab} soft cap)"
 
@@ -305,7 +308,10 @@ def score(hyp_path: Path, ref_path: Path, tgt_lang: str) -> dict:
     refs = ref_path.read_text(encoding="utf-8").splitlines()
     if len(hyps) != len(refs):
         raise CompareError(f"{hyp_path}: {len(hyps)} translations for {len(refs)} test sentences")
-    bleu, chrf = worker.metrics(tgt_lang)
+    _streamnmt()
+    from streamnmt.data.writing import written_language
+
+    bleu, chrf = worker.metrics(written_language(tgt_lang, refs) or tgt_lang)  # as scoring.scored_language
     b, c = bleu.corpus_score(hyps, [refs]), chrf.corpus_score(hyps, [refs])
     return {"bleu": b.score, "chrf": c.score, "signature": f"{bleu.get_signature()} / {chrf.get_signature()}",
             "sentences": len(refs)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamnmt.data.writing import JAPANESE_KANA_SHARE, UNSPACED_SHARE, written_language
+from streamnmt.data.writing import written_language
 
 CHINESE = ["我们是学生。", "文件无法打开", "请稍后再试"]
 JAPANESE = ["ファイルを開けません", "後でもう一度お試しください", "設定を保存しました"]
@@ -12,6 +12,7 @@ JAPANESE = ["ファイルを開けません", "後でもう一度お試しくだ
 
 @pytest.mark.parametrize("key, text, language", [
     ("tgt", CHINESE, "zh"), ("tgt", JAPANESE, "ja"), ("de", CHINESE, "zh"),  # the text, whatever the key
+    ("tgt", ["파일을 열 수 없습니다"], "ko"),  # Hangul
     ("tgt", ["Datei kann nicht geöffnet werden"], None),  # spaced text: the key stands
     ("zh", JAPANESE, None), ("ko", CHINESE, None),  # a CJK key stands: it says the language
     ("tgt", [], None), ("tgt", ["42 !?"], None)])  # no letter
@@ -23,7 +24,7 @@ def test_the_shares_decide_at_their_thresholds():
     english = "abcdefghij"  # 10 letters
     assert written_language("tgt", ["猫" * 10 + english]) == "zh"  # half the letters Chinese
     assert written_language("tgt", ["猫" * 9 + english]) is None  # under UNSPACED_SHARE
-    assert UNSPACED_SHARE == 0.5 and JAPANESE_KANA_SHARE == 0.1  # the cases count with them
+    assert written_language("tgt", ["한" * 10 + english]) == "ko" and written_language("tgt", ["한" * 9 + english]) is None
     assert written_language("tgt", ["猫" * 9 + "の"]) == "ja" and written_language("tgt", ["猫" * 10 + "の"]) == "zh"
 
 

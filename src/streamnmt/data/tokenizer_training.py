@@ -107,8 +107,10 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     samples, pairs = sample_train(cfg, sources["train"])
     check_other_splits(cfg, sources)
     counted = None if cfg.data is None else pairs  # the built-in corpus: None
-    src_lang, tgt_lang = (read_language(key, sample, role, log) for key, sample, role in
-                          ((cfg.src_lang, samples[0], "source"), (cfg.tgt_lang, samples[1], "target")))
+    trained = {side.role for side in missing}  # a side whose model is found keeps the key: nothing to say
+    src_lang, tgt_lang = (read_language(key, sample, role, log) if trained & {role, "shared"} else key
+                          for key, sample, role in ((cfg.src_lang, samples[0], "source"),
+                                                    (cfg.tgt_lang, samples[1], "target")))
     forms = None
     if missing[0].role != "shared" and small_corpus(counted) and any(side.size is None for side in missing):
         # a source without spaces would count each run of its letters as one word, and the ratio call any
@@ -164,8 +166,9 @@ def read_language(key: str, sample: list[str], role: str, log: Log) -> str:
     found = written_language(key, sample)
     if found is None:
         return key
-    log(f"data: the {role} key {key!r} names none of Chinese, Japanese and Korean, but its text is "
-        f"{'Japanese' if found == 'ja' else 'Chinese'}: its tokenizer trains as {found}'s")
+    name = {"ja": "Japanese", "ko": "Korean"}.get(found, "Chinese")
+    log(f"data: the {role} key {key!r} names none of Chinese, Japanese and Korean, but its text is {name}: "
+        f"its tokenizer trains as {found}'s")
     return found
 
 

@@ -35,9 +35,11 @@ JAPANESE_KANA_SHARE = 0.1
 _UNSPACED = ((0x3040, 0x30FF), (0x31F0, 0x31FF), (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF),
              (0xFF66, 0xFF9F), (0x20000, 0x3134F))
 _KANA = ((0x3040, 0x30FF), (0x31F0, 0x31FF), (0xFF66, 0xFF9F))
+_HANGUL = ((0x1100, 0x11FF), (0x3130, 0x318F), (0xA960, 0xA97F), (0xAC00, 0xD7A3), (0xD7B0, 0xD7FF))
 _LETTER = re.compile(r"[^\W\d_]")  # str.isalpha's letters
 _UNSPACED_LETTER = re.compile("[" + "".join(f"{chr(lo)}-{chr(hi)}" for lo, hi in _UNSPACED) + "]")
 _KANA_LETTER = re.compile("[" + "".join(f"{chr(lo)}-{chr(hi)}" for lo, hi in _KANA) + "]")
+_HANGUL_LETTER = re.compile("[" + "".join(f"{chr(lo)}-{chr(hi)}" for lo, hi in _HANGUL) + "]")
 
 
 def unspaced_letter(ch: str) -> bool:
@@ -71,12 +73,15 @@ def written_language(key: str, sentences: Sequence[str], sample: int = SAMPLE_SE
     Chinese, Japanese and Korean (:func:`~streamnmt.data.tokenizer.is_cjk`: ``src``, ``tgt``, or a
     key of another language) but at least :data:`UNSPACED_SHARE` of the letters of (at most
     ``sample``, evenly spaced) ``sentences`` are Chinese or Japanese: ``ja`` where kana are at least
-    :data:`JAPANESE_KANA_SHARE` of those, else ``zh``. None otherwise: the key stands."""
+    :data:`JAPANESE_KANA_SHARE` of those, else ``zh``; or as many are Hangul: ``ko``. None otherwise:
+    the key stands."""
     if is_cjk(key) or not sentences:
         return None
-    step = max(1, len(sentences) // sample)
+    step = -(-len(sentences) // sample)
     letters = "".join(_LETTER.findall("\n".join(sentences[::step])))
     unspaced = "".join(_UNSPACED_LETTER.findall(letters))
-    if not letters or len(unspaced) < UNSPACED_SHARE * len(letters):
-        return None
-    return "ja" if len(_KANA_LETTER.findall(unspaced)) >= JAPANESE_KANA_SHARE * len(unspaced) else "zh"
+    if letters and len(unspaced) >= UNSPACED_SHARE * len(letters):
+        return "ja" if len(_KANA_LETTER.findall(unspaced)) >= JAPANESE_KANA_SHARE * len(unspaced) else "zh"
+    if letters and len(_HANGUL_LETTER.findall(letters)) >= UNSPACED_SHARE * len(letters):
+        return "ko"
+    return None

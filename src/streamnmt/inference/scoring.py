@@ -81,7 +81,12 @@ def scored_language(tgt_lang: str, refs: list[str]) -> str:
 def score(hyps: list[str], refs: list[str], tgt_lang: str) -> dict[str, Any]:
     """Corpus BLEU (sacrebleu, the target language's tokenizer: ``scoreworker.bleu_tokenizer`` of
     :func:`scored_language`) and chrF."""
-    bleu, chrf = scoreworker.metrics(scored_language(tgt_lang, refs))
+    return _score_as(hyps, refs, scored_language(tgt_lang, refs))
+
+
+def _score_as(hyps: list[str], refs: list[str], lang: str) -> dict[str, Any]:
+    """:func:`score` with BLEU's tokenizer for ``lang`` as it is (a scorer's, read from all its references)."""
+    bleu, chrf = scoreworker.metrics(lang)
     if not hyps:
         return {"bleu": 0.0, "chrf": 0.0, "signature": ""}
     b, c = bleu.corpus_score(hyps, [refs]), chrf.corpus_score(hyps, [refs])
@@ -298,8 +303,8 @@ class Scorer:
                 raise ValueError(f"no translation added for sentence {missing[0]} (of {len(missing)} missing)")
             if not self.incremental or not self.refs:
                 kept = [i for i, h in enumerate(self.hyps) if h is not None]
-                return score([self.hyps[i] for i in kept], [self.refs[i] for i in kept],  # type: ignore[misc]
-                             self.tgt_lang)
+                return _score_as([self.hyps[i] for i in kept], [self.refs[i] for i in kept],  # type: ignore[misc]
+                                 self.tgt_lang)
             self.close()  # the workers finish their batches and exit
             if self.pool is not None:
                 got = self.pool.collect(self._pool_tags)

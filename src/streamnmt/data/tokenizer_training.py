@@ -114,7 +114,7 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     forms = None
     if missing[0].role != "shared" and small_corpus(counted) and any(side.size is None for side in missing):
         # a source without spaces would count each run of its letters as one word, and the ratio call any
-        # target poor in word forms (Chinese to English about 0.01x): not what the lean rule was chosen on
+        # target poor in word forms (Chinese to English far under 1x): not what the lean rule was chosen on
         if is_unspaced(src_lang):
             log(f"data: the source is written without spaces: the word forms are not counted; "
                 f"{auto_vocab(counted)} pieces where no size is given")

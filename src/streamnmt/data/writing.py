@@ -27,8 +27,8 @@ SAMPLE_SENTENCES = 5_000
 # A text with at least this share of its letters Chinese or Japanese is written without spaces: the
 # label smoothing (streamnmt.config.corpus_label_smoothing) and :func:`written_language` read it.
 UNSPACED_SHARE = 0.5
-# Of those letters, kana at least this share make the text Japanese (Chinese has none; Japanese runs
-# at about half kana).
+# Of those letters, kana at least this share make the text Japanese (Chinese has none; Japanese
+# writes its grammar in kana, so any sentence has some).
 JAPANESE_KANA_SHARE = 0.1
 # Code points of Chinese and Japanese letters (Han, kana): the two unspaced targets measured. Other
 # scripts written without spaces (Thai, Khmer, ...) are not counted: no corpus of theirs was measured.

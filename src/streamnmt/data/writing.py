@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 # Token positions sampled, evenly spaced over the whole split (a corpus that lists one language's pairs
 # after another's, as a target-tagged one may, is sampled across all of them).
 SAMPLE_TOKENS = 200_000
-# Raw sentences read, evenly spaced (:func:`written_language`): the share to within a few points, in
-# milliseconds.
+# Raw sentences read, evenly spaced (:func:`written_language`): tens of thousands of letters, enough to
+# tell a text half Chinese from one that is not, and few enough to read at every BLEU pass.
 SAMPLE_SENTENCES = 5_000
 # A text with at least this share of its letters Chinese or Japanese is written without spaces: the
 # label smoothing (streamnmt.config.corpus_label_smoothing) and :func:`written_language` read it.

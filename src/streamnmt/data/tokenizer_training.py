@@ -107,8 +107,8 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     samples, pairs = sample_train(cfg, sources["train"])
     check_other_splits(cfg, sources)
     counted = None if cfg.data is None else pairs  # the built-in corpus: None
-    trained = {side.role for side in missing}  # a side whose model is found keeps the key: nothing to say
-    src_lang, tgt_lang = (read_language(key, sample, role, log) if trained & {role, "shared"} else key
+    training = {side.role for side in missing}  # a side whose model is found keeps the key: nothing to say
+    src_lang, tgt_lang = (read_language(key, sample, role, log) if training & {role, "shared"} else key
                           for key, sample, role in ((cfg.src_lang, samples[0], "source"),
                                                     (cfg.tgt_lang, samples[1], "target")))
     forms = None
@@ -128,11 +128,9 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     rule = auto_vocab(counted, forms)
     asked = {side.role: side.size or rule for side in missing}
     caps: dict[str, int] = {}  # the target's vocab_cap, counted here once for the rule and its training
-    cap_why = ""  # the target cap's reason where the rule, not the corpus's size, set it
     why: dict[str, str] = {}  # role -> why the rule asked or capped that side apart from its size (the start line says it)
     if "target" in asked and small_corpus(counted):
         caps["target"], why["target"] = target_cap(cfg, samples[1], asked["target"], tgt_lang)
-        cap_why = why["target"] and f"{why['target']} (the small-corpus rule; --tgt-vocab overrides it)"
     if "source" in asked and small_corpus(counted) and cfg.src_vocab is None:
         asked["source"], why["source"] = source_within_target(cfg, directory, caps.get("target"), asked["source"],
                                                               min_pieces(samples[0], is_cjk(src_lang)), log)
@@ -148,6 +146,8 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
         return Trained({"shared": tok}, auto, pairs, why)
     texts = {"source": samples[0], "target": samples[1]}
     langs = {"source": src_lang, "target": tgt_lang}
+    # the target's log line gives the rule's reason for its cap, where the rule (not the corpus's size) set it
+    cap_why = why.get("target", "") and f"{why['target']} (the small-corpus rule; --tgt-vocab overrides it)"
     with ThreadPoolExecutor(len(missing)) as pool:  # SentencePiece trains outside the GIL
         jobs = {side.role: pool.submit(train_tokenizer, texts[side.role], side.path, asked[side.role],
                                        langs[side.role], threads=threads, log=log, name=side.name,

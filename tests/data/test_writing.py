@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from streamnmt.data.writing import written_language
+import itertools
+
+from streamnmt.data.writing import FORM_WINDOW, pair_word_forms, word_form_ratio, written_language
 
 CHINESE = ["我们是学生。", "文件无法打开", "请稍后再试"]
 JAPANESE = ["ファイルを開けません", "後でもう一度お試しください", "設定を保存しました"]
@@ -33,3 +35,13 @@ def test_a_long_text_is_read_over_a_sample_spread_across_it():
     text = english * 1000 + chinese * 3000  # one language's lines after another's: 3 in 4 letters Chinese
     assert written_language("tgt", text, sample=100) == written_language("tgt", text) == "zh"
     assert written_language("tgt", english * 3000 + chinese * 1000, sample=100) is None  # 1 in 4
+
+
+def test_the_word_forms_of_pairs_read_only_as_far_as_both_sides_first_words():
+    pairs = [("the cat sees the dog", f"die katze{i % 3} sieht den hund") for i in range(2000)]
+    read: list[int] = []
+    endless = (read.append(1) or pairs[i % len(pairs)] for i in itertools.count())
+    assert pair_word_forms(endless, window=3000) == word_form_ratio(*zip(*pairs), window=3000)
+    assert len(read) == 600  # 5 words a side: the 600th pair reaches 3,000 on both
+    assert pair_word_forms(pairs[:100]) is None  # under 1,000 words: not counted
+    assert pair_word_forms(pairs) == word_form_ratio(*zip(*pairs)) and 2000 * 5 < FORM_WINDOW  # the whole split

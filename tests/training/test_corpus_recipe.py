@@ -10,15 +10,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from streamnmt.config import (DEFAULT_LABEL_SMOOTHING, SMALL_CORPUS_DROPOUT, UNSPACED_LABEL_SMOOTHING, UNSPACED_SHARE,
-                              TrainJob, build_job, corpus_dropout, corpus_label_smoothing, preset_dropout)
+from streamnmt.config import (DEFAULT_LABEL_SMOOTHING, RICH_LABEL_SMOOTHING, RICH_SMOOTHING_FORMS, SMALL_CORPUS_DROPOUT,
+                              UNSPACED_SHARE, TrainJob, build_job, corpus_dropout, corpus_label_smoothing, preset_dropout)
 from streamnmt.data.config import (CORPUS_VOCAB, LEAN_MIN_PAIRS, LEAN_VOCAB, RICH_FORMS, SMALL_CORPUS_PAIRS,
                                    SMALL_CORPUS_PIECES_PER_CHARACTER, SMALL_CORPUS_VOCAB, SOURCE_PER_TARGET,
                                    DataConfig, auto_vocab, source_vocab)
 from streamnmt.data.prepare import prepare_data
 from streamnmt.data.tokenizer import vocab_cap
-from streamnmt.data.tokenizer_training import word_form_ratio
-from streamnmt.data.writing import unspaced_letter, unspaced_share
+from streamnmt.data.writing import unspaced_letter, unspaced_share, word_form_ratio
 from streamnmt.training.recipe import resolve_corpus
 from tests.data.conftest import HANZI, WORDS, write_corpus, write_split
 
@@ -47,13 +46,15 @@ PIECES = ["<pad>", "<s>", "</s>", "<unk>", "▁the", "▁cat", "猫", "看見", 
 
 
 def _bundle(pairs: int | None, auto: dict[str, int], kept: int = 4, tokens: int = 30, target: tuple[int, ...] = (4, 5),
-            why: dict[str, str] | None = None):
+            why: dict[str, str] | None = None, forms: float | None = None):
     """prepare_data's bundle as resolve_corpus reads it; ``target``: the ids the training targets repeat
-    (PIECES: 4-5 English, 6-8 Chinese or Japanese, 9-10 no letter)."""
+    (PIECES: 4-5 English, 6-8 Chinese or Japanese, 9-10 no letter); ``forms``: the target's word forms over
+    the source's (None: too few words to count)."""
     train = type("Train", (), {"__len__": lambda self: kept, "num_tokens": lambda self: (tokens, tokens),
                                "tgt_tokens": np.array(target * 50, dtype=np.int32)})()
     tok = SimpleNamespace(vocab_size=777, piece=PIECES.__getitem__)
-    return SimpleNamespace(train_pairs=pairs, auto_vocab=auto, auto_why=why or {}, train=train, src_tok=tok, tgt_tok=tok)
+    return SimpleNamespace(train_pairs=pairs, auto_vocab=auto, auto_why=why or {}, train=train, src_tok=tok, tgt_tok=tok,
+                           word_forms=lambda: forms)
 
 
 def _job(**model) -> TrainJob:
@@ -104,8 +105,8 @@ def test_the_builtin_corpus_gets_no_corpus_line_and_keeps_the_presets_dropout():
 
 
 @pytest.mark.parametrize("pairs, share, smoothing", [
-    (40000, UNSPACED_SHARE, UNSPACED_LABEL_SMOOTHING), (40000, 1.0, UNSPACED_LABEL_SMOOTHING),
-    (SMALL_CORPUS_PAIRS - 1, 0.9, UNSPACED_LABEL_SMOOTHING),
+    (40000, UNSPACED_SHARE, RICH_LABEL_SMOOTHING), (40000, 1.0, RICH_LABEL_SMOOTHING),
+    (SMALL_CORPUS_PAIRS - 1, 0.9, RICH_LABEL_SMOOTHING),
     (40000, UNSPACED_SHARE - 0.01, DEFAULT_LABEL_SMOOTHING),  # a target-tagged corpus with some Japanese
     (40000, 0.0, DEFAULT_LABEL_SMOOTHING), (40000, None, DEFAULT_LABEL_SMOOTHING),  # no letter counted
     (SMALL_CORPUS_PAIRS, 1.0, DEFAULT_LABEL_SMOOTHING), (None, 1.0, DEFAULT_LABEL_SMOOTHING)])  # large, built-in
@@ -113,10 +114,57 @@ def test_label_smoothing_rises_only_for_a_small_corpus_of_chinese_or_japanese_ta
     assert corpus_label_smoothing(pairs, share) == smoothing
 
 
+@pytest.mark.parametrize("pairs, forms, smoothing", [
+    (40000, RICH_SMOOTHING_FORMS, RICH_LABEL_SMOOTHING), (10000, 2.0, RICH_LABEL_SMOOTHING),  # a target rich in forms
+    (40000, RICH_SMOOTHING_FORMS - 0.01, DEFAULT_LABEL_SMOOTHING), (40000, 1.0, DEFAULT_LABEL_SMOOTHING),
+    (40000, None, DEFAULT_LABEL_SMOOTHING),  # not counted
+    (SMALL_CORPUS_PAIRS, 3.0, DEFAULT_LABEL_SMOOTHING), (None, 3.0, DEFAULT_LABEL_SMOOTHING)])  # large, built-in
+def test_label_smoothing_rises_for_a_small_corpus_whose_target_is_rich_in_word_forms(pairs, forms, smoothing):
+    assert corpus_label_smoothing(pairs, 0.0, forms) == smoothing
+    assert corpus_label_smoothing(pairs, None, forms) == smoothing  # no letter counted: the forms alone
+
+
+@pytest.mark.parametrize("forms, smoothing", [(1.0, DEFAULT_LABEL_SMOOTHING), (RICH_SMOOTHING_FORMS, RICH_LABEL_SMOOTHING)])
+def test_resolve_corpus_chooses_the_label_smoothing_from_the_word_forms_and_says_them(forms, smoothing):
+    lines: list[str] = []
+    counted: list[int] = []
+    bundle = _bundle(40000, {}, forms=forms)
+    bundle.word_forms = lambda: counted.append(1) or forms
+    job = resolve_corpus(_job(), bundle, dropout_given=False, log=lines.append)
+    assert job.model.label_smoothing == smoothing
+    assert (f"--label-smoothing {smoothing:g} (auto: 0% of the target's letters Chinese or Japanese, the target "
+            f"has {forms:.2f}x the source's word forms)") in lines[0]
+    lines.clear()
+    given = resolve_corpus(_job(label_smoothing=0.1), bundle, dropout_given=False, log=lines.append)
+    assert given.model.label_smoothing == 0.1 and "word forms" not in lines[0]
+    chinese = resolve_corpus(_job(), _bundle(40000, {}, target=(6, 7), forms=forms), dropout_given=False, log=lines.append)
+    assert chinese.model.label_smoothing == RICH_LABEL_SMOOTHING and "word forms" not in lines[-1]
+    assert counted == [1]  # counted once: not where the flag is given, nor for a Chinese target
+
+
+def test_the_recipe_and_the_tokenizers_training_count_the_same_word_forms(tmp_path):
+    """The data: line (the tokenizers' training) and the label smoothing (DataBundle.word_forms, also where
+    the tokenizers are found) count the same first pairs of the split: one number."""
+    import json
+
+    _inflecting_corpus(tmp_path / "c", ["", "en", "er", "es"], n=600, key="de")
+    lines: list[str] = []
+    # a sample of 100 of the 600 pairs trains the tokenizers; the words are counted in the split's order
+    cfg = DataConfig(data=str(tmp_path / "c"), tgt_lang="de", max_len=40, tokenizer_sample=100)
+    bundle = prepare_data(cfg, log=lines.append)
+    rows = json.loads((tmp_path / "c" / "train.json").read_text())
+    raw = word_form_ratio([r["en"] for r in rows], [r["de"] for r in rows])
+    assert raw > RICH_SMOOTHING_FORMS and bundle.word_forms() == raw
+    (line,) = [ln for ln in lines if "word forms" in ln]
+    assert f"the target has {raw:.2f}x" in line
+    found = prepare_data(cfg, log=lines.append)  # the tokenizers found, the splits from the cache
+    assert found.auto_vocab == {} and found.word_forms() == raw
+
+
 def test_resolve_corpus_chooses_the_label_smoothing_from_the_targets_script_unless_given():
     lines: list[str] = []
     job = resolve_corpus(_job(), _bundle(40000, {}, target=(6, 7, 8, 9)), dropout_given=False, log=lines.append)
-    assert job.model.label_smoothing == UNSPACED_LABEL_SMOOTHING
+    assert job.model.label_smoothing == RICH_LABEL_SMOOTHING
     assert "--label-smoothing 0.2 (auto: 100% of the target's letters Chinese or Japanese)" in lines[0]
     assert "--dropout, --label-smoothing, --src-vocab and --tgt-vocab override it" in lines[0]
 
@@ -171,7 +219,7 @@ def test_a_data_run_trains_and_records_the_rules_choice_and_a_flag_overrides_it(
         assert main([*flags, "--name", name, *extra]) == 0
         config = yaml.safe_load((tmp_path / "runs" / name / "config.yaml").read_text())
         assert config["model"]["dropout"] == dropout
-        assert config["model"]["label_smoothing"] == UNSPACED_LABEL_SMOOTHING  # the test corpus's target is Chinese
+        assert config["model"]["label_smoothing"] == RICH_LABEL_SMOOTHING  # the test corpus's target is Chinese
         assert isinstance(config["data"]["src_vocab"], int) and config["data"]["src_vocab"] <= SMALL_CORPUS_VOCAB
     out = capsys.readouterr().out
     assert out.count("recipe: a corpus of 120 training pairs") == 2 and "--dropout 0.05;" in out
@@ -277,15 +325,15 @@ def test_word_form_ratio_counts_distinct_words_over_the_same_number_of_words():
     assert word_form_ratio(src, [s.upper() for s in src]) == 1.0  # case is not a form
 
 
-def _inflecting_corpus(directory, suffixes: list[str], n: int = 400) -> None:
-    """English-like source; a target that renders each word in one of ``suffixes``' forms."""
+def _inflecting_corpus(directory, suffixes: list[str], n: int = 400, key: str = "ch") -> None:
+    """English-like source; a target (under ``key``) that renders each word in one of ``suffixes``' forms."""
     rng = random.Random(0)
     for split, k in (("train", n), ("dev", 20), ("test", 20)):
         pairs = []
         for _ in range(k):
             words = [rng.choice(WORDS) for _ in range(rng.randint(4, 10))]
             pairs.append((" ".join(words), " ".join(w[::-1] + rng.choice(suffixes) for w in words)))
-        write_split(directory, split, pairs, "json")
+        write_split(directory, split, pairs, "json", tgt=key)
 
 
 @pytest.mark.parametrize("suffixes, vocab", [([""], LEAN_VOCAB), (["", "en", "er", "es"], SMALL_CORPUS_VOCAB)])

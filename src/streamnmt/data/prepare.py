@@ -27,6 +27,7 @@ from streamnmt.data.corpus import BuildStats, TokenizedCorpus, tokenize_pairs
 from streamnmt.data.readers import ReadStats, SplitSource, find_sources, iter_pairs, require_split
 from streamnmt.data.tokenizer import Tokenizer
 from streamnmt.data.tokenizer_training import sides, train
+from streamnmt.data.writing import pair_word_forms
 from streamnmt.dist import several_hosts
 from streamnmt.errors import InputError
 
@@ -59,11 +60,21 @@ class DataBundle:
     auto_vocab: dict[str, int] = field(default_factory=dict)
     auto_why: dict[str, str] = field(default_factory=dict)  # role -> why the rule asked or capped it apart from its size
     builtin: bool = False  # the built-in corpus (the corpus rule is for --data corpora)
+    train_source: SplitSource | None = None  # the training split's files: its raw text (word_forms)
+    langs: tuple[str, str] = ("en", "ch")  # the source's and the target's keys in them
 
     @property
     def train_pairs(self) -> int | None:
         """Training pairs read from a --data corpus (None: the built-in corpus), as the corpus rule counts them."""
         return None if self.builtin else self.stats.get("train", {}).get("read")
+
+    def word_forms(self) -> float | None:
+        """The training target's word forms over its source's (streamnmt.data.writing.pair_word_forms),
+        counted on the raw text of the split's first pairs as the tokenizers' training counts them: the
+        same number whether the tokenizers were trained now or found, the split cached or not."""
+        if self.train_source is None:
+            return None
+        return pair_word_forms(iter_pairs(self.train_source, *self.langs))
 
     def fingerprint(self) -> dict[str, str]:
         """What every rank must share: the tokenizers' hashes and each split's cache key."""
@@ -125,7 +136,8 @@ def prepare_data(cfg: DataConfig, log: Log = print, build: bool = True) -> DataB
         f"{tgt_tok.vocab_size} target)")
     return DataBundle(train=corpora["train"], dev=corpora["dev"], test=corpora.get("test"),
                       src_tok=src_tok, tgt_tok=tgt_tok, data_dir=directory, stats=stats, cache_keys=keys,
-                      auto_vocab=auto, auto_why=why, builtin=cfg.data is None)
+                      auto_vocab=auto, auto_why=why, builtin=cfg.data is None, train_source=sources["train"],
+                      langs=(cfg.src_lang, cfg.tgt_lang))
 
 
 def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None],

@@ -16,7 +16,6 @@ process started at the command's start, ``prepare_data`` in-process where no chi
 from __future__ import annotations
 
 import random
-import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ from streamnmt.data.config import (LEAN_MIN_PAIRS, RICH_FORMS, SMALL_CORPUS_PIEC
 from streamnmt.data.readers import ReadStats, SplitSource, iter_pairs
 from streamnmt.data.tokenizer import (Tokenizer, cpu_threads, is_cjk, is_unspaced, min_pieces, train_shared_tokenizer,
                                       train_tokenizer, vocab_cap)
-from streamnmt.data.writing import written_language
+from streamnmt.data.writing import FORM_WINDOW, pair_word_forms, written_language
 
 Log = Callable[[str], None]
 
@@ -119,7 +118,7 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
             log(f"data: the source is written without spaces: the word forms are not counted; "
                 f"{auto_vocab(counted)} pieces where no size is given")
         else:
-            forms = word_form_ratio(*samples)
+            forms = pair_word_forms(iter_pairs(sources["train"], cfg.src_lang, cfg.tgt_lang))
         if forms is not None:
             log(f"data: the target has {forms:.2f}x the source's word forms (distinct words in the first "
                 f"{FORM_WINDOW:,} of each side's); {auto_vocab(counted, forms)} pieces where no size is given "
@@ -209,32 +208,6 @@ def source_within_target(cfg: DataConfig, directory: Path, target_pieces: int | 
             else "the small-corpus rule; --src-vocab overrides it")
     log(f"data: the source tokenizer asks {source} pieces, not {asked}: {said} ({hint})")
     return source, reason
-
-
-FORM_WINDOW = 50_000  # words of each side counted: enough for a stable count, a 10k-pair corpus holds more
-_WORD = re.compile(r"\w+")
-
-
-def word_form_ratio(src: list[str], tgt: list[str], window: int = FORM_WINDOW) -> float | None:
-    """Distinct (lower-cased) words in the target's first ``window`` words over those in the
-    source's: how much richer in word forms the target language is. Counted over the same number of
-    words on both sides (the shorter side's where either has fewer); None under 1,000 words. A
-    target written without spaces (Chinese, Japanese) counts each run of letters as a word and
-    comes out rich."""
-    words = [_first_words(side, window) for side in (src, tgt)]
-    n = min(len(words[0]), len(words[1]))
-    if n < 1000:
-        return None
-    return len(set(words[1][:n])) / len(set(words[0][:n]))
-
-
-def _first_words(sentences: list[str], n: int) -> list[str]:
-    out: list[str] = []
-    for sentence in sentences:
-        out += _WORD.findall(sentence.lower())
-        if len(out) >= n:
-            break
-    return out[:n]
 
 
 def check_other_splits(cfg: DataConfig, sources: dict[str, SplitSource | None]) -> None:

@@ -2,7 +2,8 @@
 words (Chinese and Japanese), read from a tokenized training split (:func:`unspaced_share`: the
 corpus rule's label smoothing, streamnmt.config.corpus_label_smoothing) or from raw text
 (:func:`written_language`: where a language key names none of Chinese, Japanese and Korean, the
-tokenizers' settings and BLEU's tokenizer follow the text).
+tokenizers' settings and BLEU's tokenizer follow the text); and how many word forms a target has
+beside its source (:func:`pair_word_forms`: the corpus rule's vocabulary and label smoothing).
 
 Imported by the tokenizers' child process, which imports neither torch nor numpy: numpy is imported
 where a tokenized split is read."""
@@ -10,7 +11,7 @@ where a tokenized split is read."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from streamnmt.data.tokenizer import is_cjk
@@ -85,3 +86,47 @@ def written_language(key: str, sentences: Sequence[str], sample: int = SAMPLE_SE
     if letters and len(_HANGUL_LETTER.findall(letters)) >= UNSPACED_SHARE * len(letters):
         return "ko"
     return None
+
+
+# Words of each side counted by :func:`word_form_ratio`: enough for a stable count, a 10k-pair corpus holds more
+FORM_WINDOW = 50_000
+_WORD = re.compile(r"\w+")
+
+
+def word_form_ratio(src: Iterable[str], tgt: Iterable[str], window: int = FORM_WINDOW) -> float | None:
+    """Distinct (lower-cased) words in the target's first ``window`` words over those in the
+    source's: how much richer in word forms the target language is. Counted over the same number of
+    words on both sides (the shorter side's where either has fewer); None under 1,000 words. A
+    target written without spaces (Chinese, Japanese) counts each run of letters as a word and
+    comes out rich."""
+    words = [_first_words(side, window) for side in (src, tgt)]
+    n = min(len(words[0]), len(words[1]))
+    if n < 1000:
+        return None
+    return len(set(words[1][:n])) / len(set(words[0][:n]))
+
+
+def pair_word_forms(pairs: Iterable[tuple[str, str]], window: int = FORM_WINDOW) -> float | None:
+    """:func:`word_form_ratio` of a split's ``(source, target)`` pairs in their order, read only as far as
+    both sides' first ``window`` words: the one count of a corpus's word forms (the tokenizers' training
+    and the label smoothing read it)."""
+    src: list[str] = []
+    tgt: list[str] = []
+    words = [0, 0]
+    for s, t in pairs:
+        src.append(s)
+        tgt.append(t)
+        words[0] += len(_WORD.findall(s))
+        words[1] += len(_WORD.findall(t))
+        if min(words) >= window:
+            break
+    return word_form_ratio(src, tgt, window)
+
+
+def _first_words(sentences: Iterable[str], n: int) -> list[str]:
+    out: list[str] = []
+    for sentence in sentences:
+        out += _WORD.findall(sentence.lower())
+        if len(out) >= n:
+            break
+    return out[:n]

@@ -44,7 +44,7 @@ from streamnmt.config import (
 from streamnmt.data import TokenizedCorpus, batch_plan
 from streamnmt.data.config import (CPU_SENTENCE_BATCH, SENTENCE_BATCH, SMALL_CORPUS_PAIRS, DataConfig,
                                    small_corpus)
-from streamnmt.data.writing import unspaced_share
+from streamnmt.data.writing import UNSPACED_SHARE, unspaced_share
 from streamnmt.dist import Dist
 from streamnmt.engine.auto import choose_compile, choose_strategy, graph_step_s
 from streamnmt.errors import ConfigError, InputError
@@ -102,16 +102,20 @@ def resolve_corpus(job: TrainJob, data: Any, dropout_given: bool, log: Callable[
                             tgt_vocab=d.tgt_vocab or data.tgt_tok.vocab_size)
     if not dropout_given:
         model = dataclasses.replace(model, dropout=corpus_dropout(model.model, pairs))
-    smoothing_given, unspaced = model.label_smoothing is not None, None
+    smoothing_given, unspaced, forms = model.label_smoothing is not None, None, None
     if not smoothing_given:
-        if small_corpus(pairs):  # the only corpora the rule tells apart by their script
+        if small_corpus(pairs):  # the only corpora the rule tells apart by their script and word forms
             unspaced = unspaced_share(data.train.tgt_tokens, data.tgt_tok.piece)
-        model = dataclasses.replace(model, label_smoothing=corpus_label_smoothing(pairs, unspaced))
+            if unspaced is None or unspaced < UNSPACED_SHARE:  # Chinese or Japanese decide alone
+                forms = data.word_forms()
+        model = dataclasses.replace(model, label_smoothing=corpus_label_smoothing(pairs, unspaced, forms))
     if pairs is not None:
         small = small_corpus(pairs)
         chose = [f"--dropout {model.dropout:g}" + ("" if dropout_given else " (auto)")]
-        script = "" if unspaced is None else f": {unspaced:.0%} of the target's letters Chinese or Japanese"
-        chose.append(f"--label-smoothing {model.label_smoothing:g}" + ("" if smoothing_given else f" (auto{script})"))
+        seen = ([] if unspaced is None else [f"{unspaced:.0%} of the target's letters Chinese or Japanese"]) + (
+            [] if forms is None else [f"the target has {forms:.2f}x the source's word forms"])
+        why = f": {', '.join(seen)}" if seen else ""
+        chose.append(f"--label-smoothing {model.label_smoothing:g}" + ("" if smoothing_given else f" (auto{why})"))
         trained = {"source": data.src_tok.vocab_size, "target": data.tgt_tok.vocab_size,
                    "shared": data.src_tok.vocab_size}  # under the size asked where a cap held it (a data: line says why)
         chose += [f"{side} tokenizer of {size} pieces asked (auto{_why(side, data)})"

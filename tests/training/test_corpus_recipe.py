@@ -137,7 +137,9 @@ def test_resolve_corpus_chooses_the_label_smoothing_from_the_word_forms_and_says
     lines.clear()
     given = resolve_corpus(_job(label_smoothing=0.1), bundle, dropout_given=False, log=lines.append)
     assert given.model.label_smoothing == 0.1 and "word forms" not in lines[0]
-    chinese = resolve_corpus(_job(), _bundle(40000, {}, target=(6, 7), forms=forms), dropout_given=False, log=lines.append)
+    chinese_target = _bundle(40000, {}, target=(6, 7), forms=forms)
+    chinese_target.word_forms = lambda: counted.append(1) or forms
+    chinese = resolve_corpus(_job(), chinese_target, dropout_given=False, log=lines.append)
     assert chinese.model.label_smoothing == RICH_LABEL_SMOOTHING and "word forms" not in lines[-1]
     assert counted == [1]  # counted once: not where the flag is given, nor for a Chinese target
 
@@ -159,6 +161,22 @@ def test_the_recipe_and_the_tokenizers_training_count_the_same_word_forms(tmp_pa
     assert f"the target has {raw:.2f}x" in line
     found = prepare_data(cfg, log=lines.append)  # the tokenizers found, the splits from the cache
     assert found.auto_vocab == {} and found.word_forms() == raw
+
+
+@pytest.mark.parametrize("key", ["zh", "src"])
+def test_a_source_without_spaces_has_its_word_forms_counted_nowhere(tmp_path, key):
+    """Each run of a Chinese source's letters would count as one word: neither the tokenizers' training
+    nor the label smoothing counts them (a key naming no language: its text decides)."""
+    rng = random.Random(0)
+    clause = lambda: "".join(rng.choice(HANZI[:-2]) for _ in range(rng.randint(2, 4)))  # noqa: E731
+    pairs = [("，".join(clause() for _ in range(3)), " ".join(rng.choice(WORDS) for _ in range(6))) for _ in range(640)]
+    for split, (a, b) in (("train", (0, 600)), ("dev", (600, 620)), ("test", (620, 640))):
+        write_split(tmp_path / "c", split, pairs[a:b], "json", src=key, tgt="de")
+    lines: list[str] = []
+    bundle = prepare_data(DataConfig(data=str(tmp_path / "c"), src_lang=key, tgt_lang="de", max_len=40), log=lines.append)
+    assert word_form_ratio(*zip(*pairs[:600])) is not None  # the count itself would give a number
+    assert bundle.word_forms() is None
+    assert any("the source is written without spaces: the word forms are not counted" in ln for ln in lines)
 
 
 def test_resolve_corpus_chooses_the_label_smoothing_from_the_targets_script_unless_given():

@@ -3,7 +3,8 @@
 :func:`sides` names the models a config's run uses (given by --tokenizer-src/--tokenizer-tgt, else
 ``DIR/tokenizer/{src,tgt}.model`` (:func:`corpus_model`), or ``shared.model`` with --shared-vocab);
 :func:`to_train` those of them not there yet. :func:`train` trains those: a seeded sample of the
-training split read in one streaming pass, dev and test read through once (a bad record stops the
+training split read in one streaming pass (and its first pairs again for the word forms,
+:func:`~streamnmt.data.writing.pair_word_forms`), dev and test read through once (a bad record stops the
 run before a model is written), the sizes asked (the corpus rule's
 :func:`~streamnmt.data.config.auto_vocab` where --src-vocab/--tgt-vocab are not given, a target without
 spaces within :func:`target_cap`, the source within :func:`source_within_target`), the two sides at

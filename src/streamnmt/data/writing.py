@@ -88,7 +88,10 @@ def written_language(key: str, sentences: Sequence[str], sample: int = SAMPLE_SE
     return None
 
 
-# Words of each side counted by :func:`word_form_ratio`: enough for a stable count, a 10k-pair corpus holds more
+# Words of each side counted by :func:`word_form_ratio`: enough for a stable count, a 10k-pair corpus holds more.
+# :func:`pair_word_forms` reads them from the split's first pairs in its order (a bounded read, the same
+# wherever it is counted); the tokenizers' seeded sample keeps that order up to its size
+# (DataConfig.tokenizer_sample), so larger corpora count the pairs at their start, not the sample's.
 FORM_WINDOW = 50_000
 _WORD = re.compile(r"\w+")
 

@@ -6,7 +6,7 @@ import pytest
 
 import itertools
 
-from streamnmt.data.writing import FORM_WINDOW, pair_word_forms, word_form_ratio, written_language
+from streamnmt.data.writing import FORM_WINDOW, corpus_word_forms, pair_word_forms, word_form_ratio, written_language
 
 CHINESE = ["我们是学生。", "文件无法打开", "请稍后再试"]
 JAPANESE = ["ファイルを開けません", "後でもう一度お試しください", "設定を保存しました"]
@@ -45,3 +45,15 @@ def test_the_word_forms_of_pairs_read_only_as_far_as_both_sides_first_words():
     assert len(read) == 600  # 5 words a side: the 600th pair reaches 3,000 on both
     assert pair_word_forms(pairs[:100]) is None  # under 1,000 words: not counted
     assert pair_word_forms(pairs) == word_form_ratio(*zip(*pairs)) and 2000 * 5 < FORM_WINDOW  # the whole split
+
+
+@pytest.mark.parametrize("key, source, counted", [
+    ("en", "the cat sees the dog", True), ("ko", "고양이가 개를 본다", True),  # Korean spaces its words
+    ("zh", "the cat sees the dog", False),  # the key names Chinese: not counted, whatever the text
+    ("src", "猫看见狗，狗看见猫", False), ("src", "猫が犬を見る，犬が猫を見る", False)])  # no language key: the text
+def test_the_corpus_count_leaves_out_a_source_without_spaces_and_says_so(key, source, counted):
+    pairs = [(f"{source} {i % 7}", f"die katze{i % 3} sieht den hund") for i in range(1000)]
+    forms, unspaced = corpus_word_forms(pairs, key)
+    assert unspaced is not counted and (forms is not None) is counted
+    if counted:
+        assert forms == pair_word_forms(pairs)

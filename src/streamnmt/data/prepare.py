@@ -25,9 +25,9 @@ from streamnmt.data.cache import cache_key, entry_dir, load_entry, save_entry
 from streamnmt.data.config import DataConfig, builtin_dir
 from streamnmt.data.corpus import BuildStats, TokenizedCorpus, tokenize_pairs
 from streamnmt.data.readers import ReadStats, SplitSource, find_sources, iter_pairs, require_split
-from streamnmt.data.tokenizer import Tokenizer, is_cjk, is_unspaced
+from streamnmt.data.tokenizer import Tokenizer
 from streamnmt.data.tokenizer_training import sides, train
-from streamnmt.data.writing import UNSPACED_SHARE, pair_word_forms, unspaced_share
+from streamnmt.data.writing import corpus_word_forms
 from streamnmt.dist import several_hosts
 from streamnmt.errors import InputError
 
@@ -69,19 +69,13 @@ class DataBundle:
         return None if self.builtin else self.stats.get("train", {}).get("read")
 
     def word_forms(self) -> float | None:
-        """The training target's word forms over its source's (streamnmt.data.writing.pair_word_forms),
-        counted on the raw text of the split's first pairs as the tokenizers' training counts them: the
-        same number whether the tokenizers were trained now or found, the split cached or not. None where
-        the source is written without spaces (its key, or where the key names none of Chinese, Japanese and
-        Korean its text: each run of its letters would count as one word), as the tokenizers' training
-        leaves it uncounted."""
+        """The training target's word forms over its source's, counted on the raw text of the split's first
+        pairs as the tokenizers' training counts them (streamnmt.data.writing.corpus_word_forms: None
+        for a source without spaces): the same number whether the tokenizers were trained now or found,
+        the split cached or not."""
         if self.train_source is None:
             return None
-        key = self.langs[0]
-        share = None if is_cjk(key) else unspaced_share(self.train.src_tokens, self.src_tok.piece)
-        if is_unspaced(key) or (share is not None and share >= UNSPACED_SHARE):
-            return None
-        return pair_word_forms(iter_pairs(self.train_source, *self.langs))
+        return corpus_word_forms(iter_pairs(self.train_source, *self.langs), self.langs[0])[0]
 
     def fingerprint(self) -> dict[str, str]:
         """What every rank must share: the tokenizers' hashes and each split's cache key."""

@@ -4,7 +4,7 @@
 ``DIR/tokenizer/{src,tgt}.model`` (:func:`corpus_model`), or ``shared.model`` with --shared-vocab);
 :func:`to_train` those of them not there yet. :func:`train` trains those: a seeded sample of the
 training split read in one streaming pass (and its first pairs again for the word forms,
-:func:`~streamnmt.data.writing.pair_word_forms`), dev and test read through once (a bad record stops the
+:func:`~streamnmt.data.writing.corpus_word_forms`), dev and test read through once (a bad record stops the
 run before a model is written), the sizes asked (the corpus rule's
 :func:`~streamnmt.data.config.auto_vocab` where --src-vocab/--tgt-vocab are not given, a target without
 spaces within :func:`target_cap`, the source within :func:`source_within_target`), the two sides at
@@ -28,7 +28,7 @@ from streamnmt.data.config import (LEAN_MIN_PAIRS, RICH_FORMS, SMALL_CORPUS_PIEC
 from streamnmt.data.readers import ReadStats, SplitSource, iter_pairs
 from streamnmt.data.tokenizer import (Tokenizer, cpu_threads, is_cjk, is_unspaced, min_pieces, train_shared_tokenizer,
                                       train_tokenizer, vocab_cap)
-from streamnmt.data.writing import FORM_WINDOW, pair_word_forms, written_language
+from streamnmt.data.writing import FORM_WINDOW, corpus_word_forms, written_language
 
 Log = Callable[[str], None]
 
@@ -114,12 +114,11 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     forms = None
     if missing[0].role != "shared" and small_corpus(counted) and any(side.size is None for side in missing):
         # a source without spaces would count each run of its letters as one word, and the ratio call any
-        # target poor in word forms (Chinese to English far under 1x): not what the lean rule was chosen on
-        if is_unspaced(src_lang):
+        # target poor in word forms: not what the lean rule was chosen on
+        forms, unspaced = corpus_word_forms(iter_pairs(sources["train"], cfg.src_lang, cfg.tgt_lang), cfg.src_lang)
+        if unspaced:
             log(f"data: the source is written without spaces: the word forms are not counted; "
                 f"{auto_vocab(counted)} pieces where no size is given")
-        else:
-            forms = pair_word_forms(iter_pairs(sources["train"], cfg.src_lang, cfg.tgt_lang))
         if forms is not None:
             log(f"data: the target has {forms:.2f}x the source's word forms (distinct words in the first "
                 f"{FORM_WINDOW:,} of each side's); {auto_vocab(counted, forms)} pieces where no size is given "

@@ -3,7 +3,7 @@ words (Chinese and Japanese), read from a tokenized training split (:func:`unspa
 corpus rule's label smoothing, streamnmt.config.corpus_label_smoothing) or from raw text
 (:func:`written_language`: where a language key names none of Chinese, Japanese and Korean, the
 tokenizers' settings and BLEU's tokenizer follow the text); and how many word forms a target has
-beside its source (:func:`pair_word_forms`: the corpus rule's vocabulary and label smoothing).
+beside its source (:func:`corpus_word_forms`: the corpus rule's vocabulary and label smoothing).
 
 Imported by the tokenizers' child process, which imports neither torch nor numpy: numpy is imported
 where a tokenized split is read."""
@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from streamnmt.data.tokenizer import is_cjk
+from streamnmt.data.tokenizer import is_cjk, is_unspaced
 
 if TYPE_CHECKING:
     import numpy as np
@@ -89,7 +89,7 @@ def written_language(key: str, sentences: Sequence[str], sample: int = SAMPLE_SE
 
 
 # Words of each side counted by :func:`word_form_ratio`: enough for a stable count, a 10k-pair corpus holds more.
-# :func:`pair_word_forms` reads them from the split's first pairs in its order (a bounded read, the same
+# :func:`corpus_word_forms` reads them from the split's first pairs in its order (a bounded read, the same
 # wherever it is counted); the tokenizers' seeded sample keeps that order up to its size
 # (DataConfig.tokenizer_sample), so larger corpora count the pairs at their start, not the sample's.
 FORM_WINDOW = 50_000
@@ -111,19 +111,34 @@ def word_form_ratio(src: Iterable[str], tgt: Iterable[str], window: int = FORM_W
 
 def pair_word_forms(pairs: Iterable[tuple[str, str]], window: int = FORM_WINDOW) -> float | None:
     """:func:`word_form_ratio` of a split's ``(source, target)`` pairs in their order, read only as far as
-    both sides' first ``window`` words: the one count of a corpus's word forms (the tokenizers' training
-    and the label smoothing read it)."""
-    src: list[str] = []
-    tgt: list[str] = []
+    both sides' first ``window`` words."""
+    head = _first_pairs(pairs, window)
+    return word_form_ratio([s for s, _ in head], [t for _, t in head], window)
+
+
+def corpus_word_forms(pairs: Iterable[tuple[str, str]], src_key: str,
+                      window: int = FORM_WINDOW) -> tuple[float | None, bool]:
+    """The one count of a corpus's word forms (the tokenizers' training and the label smoothing read it):
+    :func:`pair_word_forms` of the split's first pairs, and whether its source is written without spaces
+    (its key names Chinese or Japanese, or where the key names none of Chinese, Japanese and Korean, the
+    text of those pairs: :func:`written_language`); such a source would count each run of its letters as
+    one word, so its ratio is None."""
+    head = _first_pairs(pairs, window)
+    unspaced = is_unspaced(src_key) or written_language(src_key, [s for s, _ in head]) in ("zh", "ja")
+    return (None if unspaced else pair_word_forms(head, window)), unspaced
+
+
+def _first_pairs(pairs: Iterable[tuple[str, str]], window: int) -> list[tuple[str, str]]:
+    """The first ``pairs``, as far as both sides' first ``window`` words."""
+    head: list[tuple[str, str]] = []
     words = [0, 0]
     for s, t in pairs:
-        src.append(s)
-        tgt.append(t)
+        head.append((s, t))
         words[0] += len(_WORD.findall(s))
         words[1] += len(_WORD.findall(t))
         if min(words) >= window:
             break
-    return word_form_ratio(src, tgt, window)
+    return head
 
 
 def _first_words(sentences: Iterable[str], n: int) -> list[str]:

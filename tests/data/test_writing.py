@@ -6,7 +6,7 @@ import pytest
 
 import itertools
 
-from streamnmt.data.writing import FORM_WINDOW, corpus_word_forms, pair_word_forms, word_form_ratio, written_language
+from streamnmt.data.writing import FORM_WINDOW, corpus_word_forms, word_form_ratio, written_language
 
 CHINESE = ["我们是学生。", "文件无法打开", "请稍后再试"]
 JAPANESE = ["ファイルを開けません", "後でもう一度お試しください", "設定を保存しました"]
@@ -41,14 +41,21 @@ def test_the_word_forms_of_pairs_read_only_as_far_as_both_sides_first_words():
     pairs = [("the cat sees the dog", f"die katze{i % 3} sieht den hund") for i in range(2000)]
     read: list[int] = []
     endless = (read.append(1) or pairs[i % len(pairs)] for i in itertools.count())
-    assert pair_word_forms(endless, window=3000) == word_form_ratio(*zip(*pairs), window=3000)
+    assert corpus_word_forms(endless, "en", window=3000) == (word_form_ratio(*zip(*pairs), window=3000), False)
     assert len(read) == 600  # 5 words a side: the 600th pair reaches 3,000 on both
-    assert pair_word_forms(pairs[:100]) is None  # under 1,000 words: not counted
-    assert pair_word_forms(pairs) == word_form_ratio(*zip(*pairs)) and 2000 * 5 < FORM_WINDOW  # the whole split
+    assert corpus_word_forms(pairs[:100], "en") == (None, False)  # under 1,000 words: not counted
+    assert corpus_word_forms(pairs, "en")[0] == word_form_ratio(*zip(*pairs)) and 2000 * 5 < FORM_WINDOW  # the whole split
+
+
+def test_a_source_key_naming_chinese_reads_none_of_the_split():
+    read: list[int] = []
+    endless = (read.append(1) or ("猫看见狗", "the cat sees the dog") for _ in itertools.count())
+    assert corpus_word_forms(endless, "zh") == (None, True) and not read
 
 
 @pytest.mark.parametrize("key, source, counted", [
     ("en", "the cat sees the dog", True), ("ko", "고양이가 개를 본다", True),  # Korean spaces its words
+    ("src", "고양이가 개를 본다", True),  # no language key, Korean text: counted
     ("zh", "the cat sees the dog", False),  # the key names Chinese: not counted, whatever the text
     ("src", "猫看见狗，狗看见猫", False), ("src", "猫が犬を見る，犬が猫を見る", False)])  # no language key: the text
 def test_the_corpus_count_leaves_out_a_source_without_spaces_and_says_so(key, source, counted):
@@ -56,4 +63,4 @@ def test_the_corpus_count_leaves_out_a_source_without_spaces_and_says_so(key, so
     forms, unspaced = corpus_word_forms(pairs, key)
     assert unspaced is not counted and (forms is not None) is counted
     if counted:
-        assert forms == pair_word_forms(pairs)
+        assert forms == word_form_ratio(*zip(*pairs))

@@ -177,6 +177,13 @@ def test_a_source_without_spaces_has_its_word_forms_counted_nowhere(tmp_path, ke
     assert word_form_ratio(*zip(*pairs[:600])) is not None  # the count itself would give a number
     assert bundle.word_forms() is None
     assert any("the source is written without spaces: the word forms are not counted" in ln for ln in lines)
+    # the source's model found, only the target's trained: the source's key stands for the tokenizers
+    # (no language read from its sample), yet its text still leaves the word forms uncounted
+    (tmp_path / "c" / "tokenizer" / "tgt.model").unlink()
+    lines.clear()
+    prepare_data(DataConfig(data=str(tmp_path / "c"), src_lang=key, tgt_lang="de", max_len=40), log=lines.append)
+    assert any("the source is written without spaces: the word forms are not counted" in ln for ln in lines)
+    assert not any("x the source's word forms" in ln for ln in lines)
 
 
 def test_resolve_corpus_chooses_the_label_smoothing_from_the_targets_script_unless_given():

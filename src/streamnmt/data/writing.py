@@ -109,23 +109,21 @@ def word_form_ratio(src: Iterable[str], tgt: Iterable[str], window: int = FORM_W
     return len(set(words[1][:n])) / len(set(words[0][:n]))
 
 
-def pair_word_forms(pairs: Iterable[tuple[str, str]], window: int = FORM_WINDOW) -> float | None:
-    """:func:`word_form_ratio` of a split's ``(source, target)`` pairs in their order, read only as far as
-    both sides' first ``window`` words."""
-    head = _first_pairs(pairs, window)
-    return word_form_ratio([s for s, _ in head], [t for _, t in head], window)
-
-
 def corpus_word_forms(pairs: Iterable[tuple[str, str]], src_key: str,
                       window: int = FORM_WINDOW) -> tuple[float | None, bool]:
     """The one count of a corpus's word forms (the tokenizers' training and the label smoothing read it):
-    :func:`pair_word_forms` of the split's first pairs, and whether its source is written without spaces
-    (its key names Chinese or Japanese, or where the key names none of Chinese, Japanese and Korean, the
-    text of those pairs: :func:`written_language`); such a source would count each run of its letters as
-    one word, so its ratio is None."""
+    :func:`word_form_ratio` of the split's pairs in their order, read only as far as both sides' first
+    ``window`` words, and whether its source is written without spaces (its key names Chinese or
+    Japanese, or where the key names none of Chinese, Japanese and Korean, the text of those pairs:
+    :func:`written_language`); such a source would count each run of its letters as one word, so its
+    ratio is None. A key naming Chinese or Japanese reads nothing."""
+    if is_unspaced(src_key):
+        return None, True
     head = _first_pairs(pairs, window)
-    unspaced = is_unspaced(src_key) or written_language(src_key, [s for s, _ in head]) in ("zh", "ja")
-    return (None if unspaced else pair_word_forms(head, window)), unspaced
+    sources = [s for s, _ in head]
+    if written_language(src_key, sources) in ("zh", "ja"):
+        return None, True
+    return word_form_ratio(sources, [t for _, t in head], window), False
 
 
 def _first_pairs(pairs: Iterable[tuple[str, str]], window: int) -> list[tuple[str, str]]:

@@ -95,6 +95,24 @@ def test_a_second_build_of_one_key_keeps_a_valid_entry_and_replaces_an_invalid_o
     assert lock.stat().st_ino != inode and load_entry(cache, _key(1)) is not None
 
 
+@pytest.mark.parametrize("damage", ["cut", "zeroed offsets"])
+def test_a_damaged_entry_is_not_read_and_the_next_build_replaces_it(tmp_path: Path, damage: str) -> None:
+    """An array cut short (a full disk, a copy stopped half-way) or offsets that no longer end at their
+    tokens' count: not read, and replaced by the next build rather than kept beside it forever."""
+    cache = tmp_path / "cache"
+    arrays, stats = _arrays()
+    save_entry(cache, _key(1), arrays, stats)
+    path = entry_dir(cache, _key(1)) / ("tgt_tokens.npy" if damage == "cut" else "tgt_offsets.npy")
+    if damage == "cut":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:  # the same size, its values gone
+        np.save(path, np.zeros(len(arrays["tgt_offsets"]), np.int64))
+    assert load_entry(cache, _key(1)) is None
+    assert len(save_entry(cache, _key(1), arrays, stats)) == 100
+    hit = load_entry(cache, _key(1))
+    assert hit is not None and hit[0][99][1].tolist() == [1] * 5
+
+
 def test_a_bad_size_limit_is_one_line_naming_the_variable(tmp_path: Path, monkeypatch) -> None:
     from streamnmt.errors import ConfigError
 

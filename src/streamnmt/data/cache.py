@@ -92,18 +92,33 @@ def load_entry(cache_dir: Path, key: dict[str, Any]) -> tuple[TokenizedCorpus, d
         hold = _hold(directory)
     except FileNotFoundError:
         return None
+    read = _read(directory, key)
+    if read is None:
+        return None
+    corpus, stats = read
+    corpus.hold = hold
+    with contextlib.suppress(OSError):  # used now: the last to go when the cache is trimmed
+        os.utime(directory)
+    return corpus, stats
+
+
+def _read(directory: Path, key: dict[str, Any]) -> tuple[TokenizedCorpus, dict[str, int]] | None:
+    """The entry in ``directory`` memory-mapped with its stats, or None where it is not whole: its
+    ``meta.json`` names another key, or an array is missing, cut short (a full disk, a copy stopped
+    half-way) or disagrees with the others (offsets that do not end at their tokens' count)."""
     try:
         meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
         if meta.get("key") != key:
             return None
         corpus = TokenizedCorpus.load(directory, key["split"])
-        if len(corpus) != meta["stats"]["pairs"]:
+        pairs = meta["stats"]["pairs"]
+        for tokens, offsets in ((corpus.src_tokens, corpus.src_offsets), (corpus.tgt_tokens, corpus.tgt_offsets)):
+            if len(offsets) != pairs + 1 or offsets[0] != 0 or offsets[-1] != len(tokens):
+                return None
+        if len(corpus) != pairs:
             return None
-    except (OSError, ValueError, KeyError, TypeError):  # missing, half-written by an old version, foreign
+    except (OSError, ValueError, KeyError, TypeError, IndexError):  # missing, half-written, foreign
         return None
-    corpus.hold = hold
-    with contextlib.suppress(OSError):  # used now: the last to go when the cache is trimmed
-        os.utime(directory)
     return corpus, meta["stats"]
 
 
@@ -220,10 +235,8 @@ def _install(build: Path, directory: Path, key: dict[str, Any]) -> None:
 
 
 def _valid(directory: Path, key: dict[str, Any]) -> bool:
-    try:
-        return json.loads((directory / "meta.json").read_text(encoding="utf-8")).get("key") == key
-    except (OSError, ValueError):
-        return False
+    """The entry there is whole (:func:`_read`): a damaged one is replaced, not kept forever."""
+    return _read(directory, key) is not None
 
 
 def _evict(directory: Path) -> bool:

@@ -226,3 +226,42 @@ def test_on_a_gpu_the_copies_go_to_pinned_host_memory_and_average_exactly():
     assert all(t.is_pinned() and t.device.type == "cpu" for copy in avg.ring for t in copy.values())
     want = torch.stack([s["w"].double() for s in made[1:]]).mean(0).float().cpu()
     assert torch.equal(avg.mean()["w"], want)
+
+
+def _ending_loop(steps: list[int], lines: list[str]):
+    """The end of a run as average_at_end reads it: --average-last 3 over ``steps``' kept weights,
+    --best-metric bleu, the best single evaluation 30.0 at the last step."""
+    from types import SimpleNamespace
+
+    av = Averager(3, CPU)
+    for step, state in zip(steps, states(len(steps))):
+        av.add(step, state)
+    stopper = SimpleNamespace(metric="bleu", best=30.0, best_step=steps[-1])
+    return SimpleNamespace(evaluator=SimpleNamespace(averager=av, stopper=stopper), signalled=False,
+                           global_step=steps[-1], log=lines.append, drain=lambda _: None, clock=lambda: 0.0,
+                           run=SimpleNamespace(wall_s=lambda: 0.0))
+
+
+def test_a_signal_that_cuts_the_means_pass_leaves_the_choice_to_the_resumed_run(monkeypatch):
+    """The mean's BLEU pass cut by a signal is not a decision: nothing written or said, last.pt records
+    no choice, and the resumed run scores the mean in full (as a single evaluation a signal cuts)."""
+    lines: list[str] = []
+    loop = _ending_loop([8, 12, 16], lines)
+    cut = averaging.MeanScore(16, 2.0, 41.0, 1.0, 64, 1.0)  # 64 of 200 dev sentences
+    monkeypatch.setattr(averaging, "_score_mean", lambda loop, av: (None, cut, 200, True))
+    assert averaging.average_at_end(loop) is False
+    assert loop.evaluator.averager.decided is None and lines == []
+
+
+def test_one_evaluation_kept_still_names_what_best_pt_holds():
+    lines: list[str] = []
+    assert averaging.average_at_end(_ending_loop([16], lines)) is False
+    assert lines == ["best.pt: the best single evaluation, step 16 (--average-last 3: one evaluation, nothing to "
+                     "average)"]
+
+
+def test_a_pass_cut_short_is_not_said_beside_the_mean():
+    avg = Averager(3, CPU)
+    avg.scored(7, 1.5)
+    avg.scored(9, None)  # the end's pass cut short: its BLEU is on the longest sentences only
+    assert avg.last is None

@@ -105,9 +105,10 @@ class Averager:
             self._copied = None
 
     def scored(self, step: int, value: float | None) -> None:
-        """A decided evaluation's --best-metric value (the newest one is said at the end)."""
-        if self.on and value is not None and math.isfinite(value):
-            self.last = (step, float(value))
+        """A decided evaluation's --best-metric value (the newest one is said at the end; None: not
+        comparable, e.g. a BLEU pass cut short, and nothing is said)."""
+        if self.on:
+            self.last = (step, float(value)) if value is not None and math.isfinite(value) else None
 
     def mean(self) -> dict[str, torch.Tensor]:
         """The element-wise mean of the kept copies (float64 sum, rounded once to each tensor's
@@ -242,16 +243,23 @@ def average_at_end(loop: Any) -> bool:
         loop.log(av.decided["line"])
         return False
     if len(av.steps) < 2:
+        stopper = loop.evaluator.stopper
+        if av.steps and stopper.best is not None:  # one evaluation: the line still names what best.pt holds
+            loop.log(f"best.pt: the best single evaluation, step {stopper.best_step} (--average-last {av.k}: "
+                     f"one evaluation, nothing to average)")
         return False
     loop.drain("average")
     te = loop.clock()
     held_stats, STATS.sites = STATS.sites, {}  # the evaluation's host waits are not training's
     wall_s = loop.run.wall_s()
-    weights, result, asked = _score_mean(loop, av)
+    weights, result, asked, signalled = _score_mean(loop, av)
     stopper = loop.evaluator.stopper
     metric = stopper.metric
     score = result.bleu if metric == "bleu" else result.val_loss
     cut = metric == "bleu" and result.bleu is not None and result.bleu_n < asked
+    if cut and signalled:  # a signal cut the mean's pass: undecided, the resumed run scores it in full
+        STATS.sites = held_stats
+        return False
     winner, held = decide(metric, score, cut, stopper.best, loop.checkpoints.best_on_disk)
     save_s = 0.0
     if winner == "average":
@@ -277,15 +285,15 @@ def average_at_end(loop: Any) -> bool:
 def _score_mean(loop: Any, av: Averager) -> tuple[dict[str, torch.Tensor] | None, MeanScore, int]:
     """The mean of the kept weights (rank 0's; None elsewhere), validated and scored on dev with the
     loop's stop rule as the run's evaluations are; every rank learns the scores and the dev
-    sentences a full BLEU pass scores."""
+    sentences a full BLEU pass scores, and whether rank 0 had a signal by the pass's end (it cuts the pass)."""
     ev, weights = loop.evaluator, None
-    got: tuple[Any, ...] = (math.nan, 0.0, None, 0.0, 0, 0)
+    got: tuple[Any, ...] = (math.nan, 0.0, None, 0.0, 0, 0, False)
     if loop.dist.main:
         weights = av.mean()
         with loaded(ev.model, weights):
-            got = ev.score(loop.evaluations.bleu_stop(loop))
-    val_loss, val_s, bleu, bleu_s, bleu_n, asked = loop.dist.broadcast(got, "dist.average")
-    return weights, MeanScore(loop.global_step, val_loss, bleu, bleu_s, bleu_n, val_s), asked
+            got = (*ev.score(loop.evaluations.bleu_stop(loop)), bool(loop.signalled))
+    val_loss, val_s, bleu, bleu_s, bleu_n, asked, signalled = loop.dist.broadcast(got, "dist.average")
+    return weights, MeanScore(loop.global_step, val_loss, bleu, bleu_s, bleu_n, val_s), asked, signalled
 
 
 def _logged(path: Any, step: int) -> bool:

@@ -300,8 +300,10 @@ class Evaluator:
 
     def _decide(self, step: int, val_loss: float, bleu: float | None, bleu_n: int, asked: int) -> bool:
         """best.pt and --patience: True where ``step``'s weights are the best so far."""
-        self.averager.scored(step, bleu if self.stopper.metric == "bleu" else val_loss)  # said at the end
         cut = bleu is not None and bleu_n < asked
+        # said at the end beside the mean; a pass cut short is not (its BLEU is on the longest sentences only)
+        self.averager.scored(step, None if cut and self.stopper.metric == "bleu" else
+                             bleu if self.stopper.metric == "bleu" else val_loss)
         if cut and self.stopper.metric == "bleu":
             # Not comparable with a full pass's BLEU: best.pt takes these weights only while no
             # full pass has set a best, and --patience does not count this evaluation.

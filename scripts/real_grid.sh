@@ -13,9 +13,9 @@
 #            (two variants of the same flags and other seeds: d03s2:--dropout=0.3,--seed=2);
 #            a NAME starting with "eole" runs scripts/eole_compare.py instead (its flags after the colon),
 #            its training loop given TIME (its set-up not counted: the peer gets the benefit of the doubt)
-# Each run gets its own copy of the corpus's files (the splits, corpus_info.json), never its folders: a
-# tokenizer/ or cache/ an earlier run left there would otherwise be found and used, whatever the run's
-# vocabulary; every run trains its tokenizers inside its own time, as a user's first run does.
+# Each run gets its own copy of the corpus's files (the splits, corpus_info.json), never its folders (an
+# earlier run's tokenizer/ and cache/): every run trains its tokenizers and tokenizes its splits inside
+# its own time, as a user's first run does.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-src} STREAMNMT_HOME=${STREAMNMT_HOME:-/tmp/snhome}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -356,7 +356,8 @@ def test_fresh_corpus_is_prepared_once(fresh_corpus_run, tmp_path):
     _, fresh, res = fresh_corpus_run
     out = res.stdout + res.stderr
     assert out.count("data: trained source tokenizer and target tokenizer") == 1
-    assert sorted(p.name for p in (fresh / "tokenizer").iterdir()) == ["src.model", "tgt.model"]
+    assert sorted(p.name for p in (fresh / "tokenizer").iterdir()) == ["src.model", "src.model.json", "tgt.model",
+                                                                      "tgt.model.json"]  # each with its record
     entries = sorted(p.name.split("-")[0] for p in (fresh / "cache").iterdir())
     assert entries == ["dev", "test", "train"]  # one entry per split: every rank had the same key
     # Seeded SentencePiece: a one-process preparation of the same corpus trains the same models.
@@ -498,7 +499,8 @@ def test_two_hosts_prepare_once_and_train_as_one_host_with_two_processes(two_ran
     assert [code for code, _ in results] == [0, 0], "\n".join(text[-3000:] for _, text in results)
     text = "".join(t for _, t in results)
     assert text.count("data: trained source tokenizer and target tokenizer") == 1
-    assert sorted(p.name for p in (corpus / "tokenizer").iterdir()) == ["src.model", "tgt.model"]
+    assert sorted(p.name for p in (corpus / "tokenizer").iterdir()) == ["src.model", "src.model.json", "tgt.model",
+                                                                       "tgt.model.json"]
     assert sorted(p.name.split("-")[0] for p in (corpus / "cache").iterdir()) == ["dev", "test", "train"]
     assert sorted(p.name for p in runs.iterdir()) == ["hosts"]
     assert [(r["step"], r["loss"]) for r in read_csv(runs / "hosts" / "steps.csv")] == \

@@ -220,9 +220,15 @@ def test_prepare_asks_the_rules_size_where_no_flag_gives_one(tmp_path):
     assert bundle.train_pairs == 300 and bundle.auto_vocab == {"source": SMALL_CORPUS_VOCAB}  # the target's size was given
     assert any(f"asked for {SMALL_CORPUS_VOCAB}" in line for line in lines)  # capped: the corpus is small
     assert bundle.tgt_tok.vocab_size <= 120
-    again = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24), log=lambda _: None)
-    assert again.auto_vocab == {} and again.train_pairs == 300  # found on disk: nothing asked
-    assert np.array_equal(again.train.tgt_offsets, bundle.train.tgt_offsets)
+    lines.clear()
+    again = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24), log=lines.append)
+    # the target was trained for the flag's 120: the rule's size asks another, the source's is found
+    assert again.auto_vocab == {"target": SMALL_CORPUS_VOCAB} and again.train_pairs == 300
+    assert any("tgt.model was trained for 120 pieces asked, not the corpus rule's size: trained again" in line
+               for line in lines)
+    third = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24), log=lambda _: None)
+    assert third.auto_vocab == {} and third.tgt_tok.sha256 == again.tgt_tok.sha256  # found on disk: nothing asked
+    assert np.array_equal(third.train.tgt_offsets, again.train.tgt_offsets)
 
 
 def test_a_data_run_trains_and_records_the_rules_choice_and_a_flag_overrides_it(tmp_path, monkeypatch, capsys):

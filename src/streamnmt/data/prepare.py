@@ -14,6 +14,7 @@ one (BLEU references); ``overlong=drop`` applies to the training split only.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from streamnmt.data.config import DataConfig, builtin_dir
 from streamnmt.data.corpus import BuildStats, TokenizedCorpus, tokenize_pairs
 from streamnmt.data.readers import ReadStats, SplitSource, find_sources, iter_pairs, require_split
 from streamnmt.data.tokenizer import Tokenizer
-from streamnmt.data.tokenizer_training import sides, train
+from streamnmt.data.tokenizer_training import models_lock, sides, train, unrecorded
 from streamnmt.data.writing import corpus_word_forms
 from streamnmt.dist import several_hosts
 from streamnmt.errors import InputError
@@ -150,26 +151,30 @@ def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource
     (:mod:`streamnmt.data.tokenizer_child`; ``early``: what it did, waited for by the caller), else
     now. Third: the sizes the corpus rule asked of those trained, by role (empty: sizes given, or
     none trained); fourth: why it asked or capped a side apart from its size, by role."""
-    by_child = set(early.trained) if early is not None else set()
-    plan = sides(cfg, directory)
-    loaded = {side.role: Tokenizer(side.path) for side in plan if side.found and str(side.path) not in by_child}
-    missing = [side for side in plan if side.role not in loaded]
-    if missing and not build:
-        raise NotPrepared(f"{missing[0].path}: not trained yet")
-    for side in plan:
-        if side.role in loaded:
-            log(f"data: {side.name}: {loaded[side.role].path} (vocab {loaded[side.role].vocab_size})")
-    auto: dict[str, int] = {}
-    why: dict[str, str] = {}
-    if early is not None and missing and {str(side.path) for side in missing} == by_child:
-        for line in early.lines:
-            log(line)
-        loaded.update({side.role: Tokenizer(side.path) for side in missing})
-        auto, why = early.auto, early.why
-    elif missing:
-        trained = train(cfg, directory, sources, missing, log)
-        loaded.update(trained.tokenizers)
-        auto, why = trained.auto, trained.why
+    # jobs started at once on one corpus take turns: a later one finds what the first trained
+    with models_lock(directory) if build else contextlib.nullcontext():
+        by_child = set(early.trained) if early is not None else set()
+        plan = sides(cfg, directory)
+        loaded = {side.role: Tokenizer(side.path) for side in plan if side.found and str(side.path) not in by_child}
+        missing = [side for side in plan if side.role not in loaded]
+        if missing and not build:
+            raise NotPrepared(f"{missing[0].path}: not trained yet")
+        for side in plan:
+            if side.role in loaded:
+                log(f"data: {side.name}: {loaded[side.role].path} (vocab {loaded[side.role].vocab_size})")
+                if (why := unrecorded(side)) is not None:
+                    log(f"data: {side.name}: {why}")
+        auto: dict[str, int] = {}
+        why: dict[str, str] = {}
+        if early is not None and missing and {str(side.path) for side in missing} == by_child:
+            for line in early.lines:
+                log(line)
+            loaded.update({side.role: Tokenizer(side.path) for side in missing})
+            auto, why = early.auto, early.why
+        elif missing:
+            trained = train(cfg, directory, sources, missing, log)
+            loaded.update(trained.tokenizers)
+            auto, why = trained.auto, trained.why
     if cfg.shared_vocab:
         return loaded["shared"], loaded["shared"], auto, why
     return loaded["source"], loaded["target"], auto, why

@@ -93,7 +93,7 @@ def child_main(argv: Sequence[str]) -> int:
     ``prepare_data`` would, write the log lines (``log.txt``) and then the result (``result.json``:
     the sizes asked, the pairs read, the models, the seconds) to the folder ``argv[0]``."""
     from streamnmt.data.readers import find_sources
-    from streamnmt.data.tokenizer_training import to_train, train
+    from streamnmt.data.tokenizer_training import models_lock, to_train, train
     from streamnmt.errors import InputError
     from streamnmt.fsutil import atomic_write
 
@@ -112,9 +112,10 @@ def child_main(argv: Sequence[str]) -> int:
             out.flush()
 
         try:
-            missing = to_train(cfg, directory)
-            trained = train(cfg, directory, find_sources(directory, cfg.src_lang, cfg.tgt_lang), missing, log,
-                            threads=request["threads"]) if missing else None
+            with models_lock(directory):
+                missing = to_train(cfg, directory)
+                trained = train(cfg, directory, find_sources(directory, cfg.src_lang, cfg.tgt_lang), missing, log,
+                                threads=request["threads"]) if missing else None
         except InputError:
             return BAD_INPUT
     result = {"auto": trained.auto if trained else {}, "why": trained.why if trained else {},

@@ -2,7 +2,8 @@
 
 :func:`sides` names the models a config's run uses (given by --tokenizer-src/--tokenizer-tgt, else
 ``DIR/tokenizer/{src,tgt}.model`` (:func:`corpus_model`), or ``shared.model`` with --shared-vocab);
-:func:`to_train` those of them not there yet. :func:`train` trains those: a seeded sample of the
+:func:`to_train` those of them not there yet, or not trained for this run's languages, size and training
+split (:func:`misfit`, from the record beside each model). :func:`train` trains those: a seeded sample of the
 training split read in one streaming pass (and its first pairs again for the word forms,
 :func:`~streamnmt.data.writing.corpus_word_forms`), dev and test read through once (a bad record stops the
 run before a model is written), the sizes asked (the corpus rule's
@@ -16,19 +17,25 @@ process started at the command's start, ``prepare_data`` in-process where no chi
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamnmt.data.config import (LEAN_MIN_PAIRS, RICH_FORMS, SMALL_CORPUS_PIECES_PER_CHARACTER, SOURCE_PER_TARGET,
                                    DataConfig, auto_vocab, lean_target, small_corpus, source_vocab)
-from streamnmt.data.readers import ReadStats, SplitSource, iter_pairs
-from streamnmt.data.tokenizer import (Tokenizer, cpu_threads, is_cjk, is_unspaced, min_pieces, train_shared_tokenizer,
+from streamnmt.data.readers import ReadStats, SplitSource, find_split, iter_pairs
+from streamnmt.data.tokenizer import (Tokenizer, cpu_threads, file_sha256, is_cjk, is_unspaced, min_pieces, train_shared_tokenizer,
                                       train_tokenizer, vocab_cap)
 from streamnmt.data.writing import FORM_WINDOW, corpus_word_forms, written_language
+from streamnmt.fsutil import atomic_write
 
 Log = Callable[[str], None]
 
@@ -58,11 +65,12 @@ class Side:
     given: bool  # named by --tokenizer-src/--tokenizer-tgt
     size: int | None  # the size asked; None: the corpus rule's
     name: str  # for log lines
+    misfit: str | None = None  # why the model on disk does not serve this run (:func:`misfit`): trained again
 
     @property
     def found(self) -> bool:
-        """Used as it is (given, or on disk): not trained."""
-        return self.given or self.path.is_file()
+        """Used as it is (given, or on disk and trained for this run's request): not trained."""
+        return self.given or (self.path.is_file() and self.misfit is None)
 
 
 def sides(cfg: DataConfig, directory: Path) -> list[Side]:
@@ -71,12 +79,102 @@ def sides(cfg: DataConfig, directory: Path) -> list[Side]:
     if cfg.shared_vocab:
         given = cfg.tokenizer_src or cfg.tokenizer_tgt
         asked = [v for v in (cfg.src_vocab, cfg.tgt_vocab) if v is not None]
-        return [Side("shared", Path(given or directory / "tokenizer" / "shared.model"), bool(given),
+        plan = [Side("shared", Path(given or directory / "tokenizer" / "shared.model"), bool(given),
                      max(asked) if asked else None, "shared tokenizer")]
-    return [Side("source", Path(cfg.tokenizer_src or corpus_model(directory, "source")),
-                 cfg.tokenizer_src is not None, cfg.src_vocab, "source tokenizer"),
-            Side("target", Path(cfg.tokenizer_tgt or corpus_model(directory, "target")),
-                 cfg.tokenizer_tgt is not None, cfg.tgt_vocab, "target tokenizer")]
+    else:
+        plan = [Side("source", Path(cfg.tokenizer_src or corpus_model(directory, "source")),
+                     cfg.tokenizer_src is not None, cfg.src_vocab, "source tokenizer"),
+                Side("target", Path(cfg.tokenizer_tgt or corpus_model(directory, "target")),
+                     cfg.tokenizer_tgt is not None, cfg.tgt_vocab, "target tokenizer")]
+    return [dataclasses.replace(side, misfit=misfit(side, request(cfg, directory, side))) for side in plan]
+
+
+# What a corpus's model was trained for, written beside it (record_path): a model found on disk serves a
+# run only where it was trained for that run's languages, size and training split (misfit); else it is
+# trained again, as a fresh corpus folder's would be, and the run's flags take effect.
+def record_path(model: Path) -> Path:
+    """The record of what ``model`` was trained for: ``src.model.json`` beside ``src.model``."""
+    return model.with_name(model.name + ".json")
+
+
+def request(cfg: DataConfig, directory: Path, side: Side) -> dict:
+    """What ``side``'s model is asked to be trained for: the language key(s) of its side(s), the size
+    asked (None: the corpus rule's) and the training split's files (name, bytes, modification time:
+    an edited or replaced corpus is trained on again)."""
+    langs = {"source": [cfg.src_lang], "target": [cfg.tgt_lang]}.get(side.role, [cfg.src_lang, cfg.tgt_lang])
+    try:
+        train = find_split(directory, "train", cfg.src_lang, cfg.tgt_lang)
+        files = None if train is None else [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in train.paths]
+    except OSError:
+        files = None
+    return {"langs": langs, "size": side.size, "train": files}
+
+
+def misfit(side: Side, asked: dict) -> str | None:
+    """Why the model on disk at ``side.path`` does not serve a run that asks ``asked`` (:func:`request`);
+    None where it does, or where there is none, or it is given (--tokenizer-src/--tokenizer-tgt: used as
+    it is). A model without a record of this model's bytes (trained by an earlier version, or put there
+    by hand) serves as it is: it is never overwritten (:func:`unrecorded`)."""
+    record = None if side.given else _record(side.path)
+    if record is None:
+        return None
+    if record.get("langs") != asked["langs"]:
+        return f"trained for {'/'.join(map(str, record.get('langs') or []))}, not {'/'.join(asked['langs'])}"
+    if record.get("size") != asked["size"]:
+        return f"trained for {_size(record.get('size'))}, not {_size(asked['size'])}"
+    if record.get("train") != asked["train"]:
+        return "trained on another version of the training split"
+    return None
+
+
+def _record(model: Path) -> dict | None:
+    """The record beside ``model`` where it is this model's (its hash the model's bytes'), else None."""
+    try:
+        record = json.loads(record_path(model).read_text(encoding="utf-8"))
+        return record if isinstance(record, dict) and record.get("sha256") == file_sha256(model) else None
+    except (OSError, ValueError):
+        return None
+
+
+def unrecorded(side: Side) -> str | None:
+    """For the log: a model found without a record of its bytes, used as it is although a size asked
+    differs from its own (trained by an earlier version, or put there by hand; None otherwise)."""
+    if side.given or side.size is None or not side.path.is_file() or _record(side.path) is not None:
+        return None
+    pieces = Tokenizer(side.path).vocab_size
+    return None if pieces == side.size else (
+        f"{side.path} has {pieces} pieces, not the {side.size} asked, and no record of what it was trained for "
+        f"(an earlier version's, or put there by hand): used as it is; remove it to train one for this run")
+
+
+def _size(size: int | None) -> str:
+    return "the corpus rule's size" if size is None else f"{size} pieces asked"
+
+
+def write_record(side: Side, tok: Tokenizer, asked: dict) -> None:
+    """Record beside the model just trained what it was trained for (written after the model: a record
+    whose hash is not the model's is no record)."""
+    atomic_write(record_path(side.path), json.dumps({"sha256": tok.sha256, **asked, "pieces": tok.vocab_size}))
+
+
+@contextlib.contextmanager
+def models_lock(directory: Path) -> Iterator[None]:
+    """Held while a job finds or trains ``directory``'s models: jobs started at once on one corpus take
+    turns, the later ones finding the models the first trained (two trainings at once could write
+    different bytes, their SentencePiece threads differing). Not held where the folder cannot be
+    opened (the models must be there already)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)  # the corpus folder itself: no file of its own left behind
+    except OSError:
+        fd = None
+    if fd is None:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when the descriptor closes
+        yield
+    finally:
+        os.close(fd)
 
 
 def to_train(cfg: DataConfig, directory: Path) -> list[Side]:
@@ -104,6 +202,9 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     """Train the models ``missing`` (from :func:`to_train`), on ``threads`` SentencePiece threads
     each (default :func:`spm_threads`), and write them atomically."""
     t0 = time.perf_counter()
+    for side in missing:
+        if side.misfit:
+            log(f"data: {side.name}: {side.path} was {side.misfit}: trained again")
     samples, pairs = sample_train(cfg, sources["train"])
     check_other_splits(cfg, sources)
     counted = None if cfg.data is None else pairs  # the built-in corpus: None
@@ -140,6 +241,7 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
         (side,) = missing
         tok = train_shared_tokenizer(samples[0], samples[1], side.path, side.size or rule, src_lang,
                                      tgt_lang, threads=threads, log=log)
+        write_record(side, tok, request(cfg, directory, side))
         log(f"data: trained the shared tokenizer on both sides of {len(samples[0])} sampled pairs in "
             f"{time.perf_counter() - t0:.1f}s -> {side.path}")
         return Trained({"shared": tok}, auto, pairs, why)
@@ -153,6 +255,8 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
                                        cap=caps.get(side.role), cap_why=cap_why if side.role == "target" else "")
                 for side in missing}
         toks = {role: job.result() for role, job in jobs.items()}
+    for side in missing:
+        write_record(side, toks[side.role], request(cfg, directory, side))
     log(f"data: trained {' and '.join(side.name for side in missing)} on {len(samples[0])} sampled "
         f"pairs in {time.perf_counter() - t0:.1f}s -> {directory / 'tokenizer'}")
     return Trained(toks, auto, pairs, why)

@@ -1,0 +1,81 @@
+"""The corpus's models follow the run's request: a model found on disk serves only the languages, size
+and training split it was trained for (its record beside it), else it is trained again; a model without
+a record is used as it is and never overwritten; jobs started at once on one corpus take turns."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+from streamnmt.data import prepare_data
+from streamnmt.data.tokenizer import train_tokenizer
+from streamnmt.data.tokenizer_training import models_lock, record_path
+
+from .conftest import make_pairs, small_config, write_corpus
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def _three_languages(directory: Path) -> None:
+    """Records of three keys: en, ch and a German-like de (each English word reversed)."""
+    directory.mkdir(parents=True)
+    for split, (n, seed) in {"train": (300, 1), "dev": (40, 2), "test": (40, 3)}.items():
+        rows = [{"en": en, "ch": ch, "de": " ".join(w[::-1] for w in en.split())} for en, ch in make_pairs(n, seed)]
+        (directory / f"{split}.json").write_text(json.dumps(rows, ensure_ascii=False), encoding="utf-8")
+
+
+def test_another_target_language_trains_the_target_again_and_keeps_the_source(tmp_path: Path) -> None:
+    _three_languages(tmp_path / "c")
+    first = prepare_data(small_config(tmp_path / "c"), log=_quiet)
+    lines: list[str] = []
+    german = prepare_data(small_config(tmp_path / "c", tgt_lang="de"), log=lines.append)
+    assert any("tgt.model was trained for ch, not de: trained again" in line for line in lines)
+    assert german.src_tok.sha256 == first.src_tok.sha256 and german.tgt_tok.sha256 != first.tgt_tok.sha256
+    # the German targets read back (up to --max-len): no unknown pieces from a Chinese model
+    decoded = german.tgt_tok.decode(german.dev[0][1].tolist()).strip()
+    assert len(decoded) > 20 and "\u2047" not in decoded
+    assert json.loads((tmp_path / "c" / "dev.json").read_text(encoding="utf-8"))[0]["de"].startswith(decoded)
+    assert json.loads(record_path(german.tgt_tok.path).read_text())["langs"] == ["de"]
+
+
+def test_a_size_asked_that_the_model_was_not_trained_for_trains_it_again(corpus_dir: Path) -> None:
+    first = prepare_data(small_config(corpus_dir), log=_quiet)
+    lines: list[str] = []
+    smaller = prepare_data(small_config(corpus_dir, src_vocab=60), log=lines.append)
+    assert any("src.model was trained for 200 pieces asked, not 60 pieces asked: trained again" in line
+               for line in lines)
+    assert smaller.src_tok.vocab_size == 60 and first.src_tok.vocab_size > 60
+    assert smaller.tgt_tok.sha256 == first.tgt_tok.sha256  # the target asked the same: found
+    lines.clear()
+    prepare_data(small_config(corpus_dir, src_vocab=60), log=lines.append)
+    assert not any("trained" in line for line in lines)  # the same request again: found
+
+
+def test_a_model_without_a_record_is_used_as_it_is_and_says_so(corpus_dir: Path) -> None:
+    """An earlier version's model, or one put there by hand: never overwritten; where its size is not the
+    one asked, one line says so and how to train one."""
+    model = corpus_dir / "tokenizer" / "src.model"
+    own = train_tokenizer([s for s, _ in make_pairs(100, 9)], model, 50, "en", log=_quiet)
+    lines: list[str] = []
+    bundle = prepare_data(small_config(corpus_dir), log=lines.append)  # asks 200 a side
+    assert bundle.src_tok.sha256 == own.sha256 and model.read_bytes() == own.path.read_bytes()
+    assert not record_path(model).exists() and record_path(corpus_dir / "tokenizer" / "tgt.model").is_file()
+    assert any(f"{model} has 50 pieces, not the 200 asked, and no record of what it was trained for" in line
+               for line in lines)
+
+
+def test_a_job_started_while_another_trains_the_models_waits_and_finds_them(tmp_path: Path) -> None:
+    write_corpus(tmp_path / "c")
+    done: list[object] = []
+    lines: list[str] = []
+    with models_lock(tmp_path / "c"):  # as a job training the models now
+        worker = threading.Thread(target=lambda: done.append(prepare_data(small_config(tmp_path / "c"), log=lines.append)))
+        worker.start()
+        time.sleep(0.5)
+        assert not done and not (tmp_path / "c" / "tokenizer").exists()  # it waits for its turn
+    worker.join(60)
+    assert done and any(line.startswith("data: trained source tokenizer") for line in lines)

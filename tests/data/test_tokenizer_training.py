@@ -79,3 +79,44 @@ def test_a_job_started_while_another_trains_the_models_waits_and_finds_them(tmp_
         assert not done and not (tmp_path / "c" / "tokenizer").exists()  # it waits for its turn
     worker.join(60)
     assert done and any(line.startswith("data: trained source tokenizer") for line in lines)
+
+
+def test_a_model_whose_training_was_cut_short_is_trained_again(corpus_dir: Path) -> None:
+    """The record says pending from before the training until its model is written: a run killed in
+    between leaves a model (old, or new without its record) that the next run trains again."""
+    first = prepare_data(small_config(corpus_dir), log=_quiet)
+    record = record_path(first.src_tok.path)
+    kept = json.loads(record.read_text())
+    record.write_text(json.dumps({**kept, "pending": True, "sha256": None}))
+    lines: list[str] = []
+    again = prepare_data(small_config(corpus_dir), log=lines.append)
+    assert any("src.model was left by a training cut short: trained again" in line for line in lines)
+    assert again.src_tok.sha256 == first.src_tok.sha256  # the same request: the same bytes
+    assert "pending" not in json.loads(record.read_text())
+
+
+def test_a_copied_corpus_of_the_same_bytes_keeps_its_models(corpus_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    first = prepare_data(small_config(corpus_dir), log=_quiet)
+    copy = tmp_path / "copy"
+    shutil.copytree(corpus_dir, copy, copy_function=shutil.copy)  # new modification times
+    assert (copy / "train.json").stat().st_mtime_ns != (corpus_dir / "train.json").stat().st_mtime_ns
+    lines: list[str] = []
+    bundle = prepare_data(small_config(copy), log=lines.append)
+    assert not any("trained" in line for line in lines) and bundle.src_tok.sha256 == first.src_tok.sha256
+    (copy / "train.json").write_text((copy / "train.json").read_text().replace("a", "b", 1))  # one letter
+    lines.clear()
+    prepare_data(small_config(copy), log=lines.append)
+    assert any("was trained on another version of the training split: trained again" in line for line in lines)
+
+
+def test_a_folder_that_cannot_be_locked_is_prepared_unlocked(corpus_dir: Path, monkeypatch) -> None:
+    """NFS emulates flock with locks that need a file open for writing: the lock fails, the run goes on."""
+    from streamnmt.data import tokenizer_training
+
+    def refuse(fd, op):
+        raise OSError(9, "Bad file descriptor")
+
+    monkeypatch.setattr(tokenizer_training.fcntl, "flock", refuse)
+    assert prepare_data(small_config(corpus_dir), log=_quiet).train_pairs > 0

@@ -222,10 +222,12 @@ def test_prepare_asks_the_rules_size_where_no_flag_gives_one(tmp_path):
     assert bundle.tgt_tok.vocab_size <= 120
     lines.clear()
     again = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24), log=lines.append)
-    # the target was trained for the flag's 120: the rule's size asks another, the source's is found
-    assert again.auto_vocab == {"target": SMALL_CORPUS_VOCAB} and again.train_pairs == 300
+    # the target was trained for the flag's 120: the rule's size asks another; the source's size follows
+    # the target's pieces where neither is given, so it is trained again beside it
+    assert set(again.auto_vocab) == {"source", "target"} and again.auto_vocab["target"] == SMALL_CORPUS_VOCAB
     assert any("tgt.model was trained for 120 pieces asked, not the corpus rule's size: trained again" in line
                for line in lines)
+    assert any("src.model was trained beside another target model" in line for line in lines)
     third = prepare_data(DataConfig(data=str(tmp_path / "c"), max_len=24), log=lambda _: None)
     assert third.auto_vocab == {} and third.tgt_tok.sha256 == again.tgt_tok.sha256  # found on disk: nothing asked
     assert np.array_equal(third.train.tgt_offsets, again.train.tgt_offsets)

@@ -166,7 +166,7 @@ def start_for(job: Any, launch: Callable[[Sequence[str]], Any] = _launch) -> boo
     child where ``prepare_data`` would train tokenizers (of a --data corpus, or of the built-in corpus
     of :func:`builtin_guess`'s size) or write the built-in corpus, on one process and without
     --weights. Whether one started."""
-    from streamnmt.data.tokenizer_training import spm_threads, to_train
+    from streamnmt.data.tokenizer_training import run_models, spm_threads, to_train
 
     cfg = job.data
     if job.run.weights or os.environ.get("WORLD_SIZE", "1") != "1":
@@ -184,7 +184,7 @@ def start_for(job: Any, launch: Callable[[Sequence[str]], Any] = _launch) -> boo
         missing = to_train(cfg, directory) if directory.is_dir() else []
         if not missing:
             return False
-    start(cfg, spm_threads(max(1, len(missing))), launch)
+    start(cfg, spm_threads(run_models(cfg)), launch)
     return True
 
 

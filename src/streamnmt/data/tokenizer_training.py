@@ -86,7 +86,11 @@ def sides(cfg: DataConfig, directory: Path) -> list[Side]:
                      cfg.tokenizer_src is not None, cfg.src_vocab, "source tokenizer"),
                 Side("target", Path(cfg.tokenizer_tgt or corpus_model(directory, "target")),
                      cfg.tokenizer_tgt is not None, cfg.tgt_vocab, "target tokenizer")]
-    return [dataclasses.replace(side, misfit=misfit(side, request(cfg, directory, side))) for side in plan]
+    out: list[Side] = []
+    for side in reversed(plan):  # the target first: a source whose size follows it must know its model
+        target = _follows(cfg, out[0]) if side.role == "source" else None
+        out.insert(0, dataclasses.replace(side, misfit=misfit(side, request(cfg, directory, side), target)))
+    return out
 
 
 # What a corpus's model was trained for, written beside it (record_path): a model found on disk serves a
@@ -97,43 +101,79 @@ def record_path(model: Path) -> Path:
     return model.with_name(model.name + ".json")
 
 
-def request(cfg: DataConfig, directory: Path, side: Side) -> dict:
+def request(cfg: DataConfig, directory: Path, side: Side, hashed: bool = False) -> dict:
     """What ``side``'s model is asked to be trained for: the language key(s) of its side(s), the size
-    asked (None: the corpus rule's) and the training split's files (name, bytes, modification time:
-    an edited or replaced corpus is trained on again)."""
+    asked (None: the corpus rule's) and the training split's files (name, bytes, modification time;
+    ``hashed``: their SHA-256 too, which the record keeps: a copied or touched corpus of the same bytes is
+    the same)."""
     langs = {"source": [cfg.src_lang], "target": [cfg.tgt_lang]}.get(side.role, [cfg.src_lang, cfg.tgt_lang])
     try:
         train = find_split(directory, "train", cfg.src_lang, cfg.tgt_lang)
-        files = None if train is None else [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in train.paths]
+        paths = [] if train is None else list(train.paths)
+        files = None if train is None else [
+            [p.name, p.stat().st_size, p.stat().st_mtime_ns, *([file_sha256(p)] if hashed else [])] for p in paths]
     except OSError:
-        files = None
-    return {"langs": langs, "size": side.size, "train": files}
+        paths, files = [], None
+    return {"langs": langs, "size": side.size, "train": files, PATHS: [str(p) for p in paths]}
 
 
-def misfit(side: Side, asked: dict) -> str | None:
-    """Why the model on disk at ``side.path`` does not serve a run that asks ``asked`` (:func:`request`);
-    None where it does, or where there is none, or it is given (--tokenizer-src/--tokenizer-tgt: used as
-    it is). A model without a record of this model's bytes (trained by an earlier version, or put there
-    by hand) serves as it is: it is never overwritten (:func:`unrecorded`)."""
-    record = None if side.given else _record(side.path)
+PATHS = "paths"  # the request's training files where they lie now: compared, not recorded
+
+
+def _follows(cfg: DataConfig, target: Side) -> str | None:
+    """For a source whose size follows the target's pieces (no --src-vocab, two models: the rule's
+    :func:`source_within_target`): the hash of the target model it is used beside, "" where that one is
+    trained now; None where the source's size is its own."""
+    if cfg.src_vocab is not None or target.role != "target":
+        return None
+    return file_sha256(target.path) if target.found and target.path.is_file() else ""
+
+
+def misfit(side: Side, asked: dict, target: str | None = None) -> str | None:
+    """Why the model on disk at ``side.path`` does not serve a run that asks ``asked`` (:func:`request`;
+    ``target``: :func:`_follows`); None where it does, or where there is none, or it is given
+    (--tokenizer-src/--tokenizer-tgt: used as it is). A model without a record of its bytes (trained by an
+    earlier version, or put there by hand) serves as it is and is never overwritten (:func:`unrecorded`);
+    one whose training was cut short (its record says pending) is trained again."""
+    record = None if side.given or not side.path.is_file() else _record(side.path)
     if record is None:
         return None
+    if record.get("pending"):
+        return "left by a training cut short"
     if record.get("langs") != asked["langs"]:
         return f"trained for {'/'.join(map(str, record.get('langs') or []))}, not {'/'.join(asked['langs'])}"
     if record.get("size") != asked["size"]:
         return f"trained for {_size(record.get('size'))}, not {_size(asked['size'])}"
-    if record.get("train") != asked["train"]:
+    if not _same_files(record.get("train"), asked["train"], asked[PATHS]):
         return "trained on another version of the training split"
+    if target is not None and record.get("target") != target:
+        return "trained beside another target model (the source's size follows the target's pieces)"
     return None
 
 
+def _same_files(recorded: object, now: list | None, paths: list[str]) -> bool:
+    """The training split's files are those the record names: the same names and sizes, and the same
+    modification times or, where those differ (a copy, a touch), the same bytes."""
+    if not isinstance(recorded, list) or now is None or len(recorded) != len(now) or len(paths) != len(now):
+        return recorded == now
+    for old, new, path in zip(recorded, now, paths):
+        if not isinstance(old, list) or old[:2] != new[:2]:
+            return False
+        if old[2:3] != new[2:3] and old[3:] != [file_sha256(Path(path))]:
+            return False
+    return True
+
+
 def _record(model: Path) -> dict | None:
-    """The record beside ``model`` where it is this model's (its hash the model's bytes'), else None."""
+    """The record beside ``model`` where it is this model's (its hash the model's bytes', or pending: a
+    training of it began and did not end), else None (none, or another model's: replaced by hand)."""
     try:
         record = json.loads(record_path(model).read_text(encoding="utf-8"))
-        return record if isinstance(record, dict) and record.get("sha256") == file_sha256(model) else None
     except (OSError, ValueError):
         return None
+    if not isinstance(record, dict):
+        return None
+    return record if record.get("pending") or record.get("sha256") == file_sha256(model) else None
 
 
 def unrecorded(side: Side) -> str | None:
@@ -151,10 +191,14 @@ def _size(size: int | None) -> str:
     return "the corpus rule's size" if size is None else f"{size} pieces asked"
 
 
-def write_record(side: Side, tok: Tokenizer, asked: dict) -> None:
-    """Record beside the model just trained what it was trained for (written after the model: a record
-    whose hash is not the model's is no record)."""
-    atomic_write(record_path(side.path), json.dumps({"sha256": tok.sha256, **asked, "pieces": tok.vocab_size}))
+def write_record(side: Side, tok: Tokenizer | None, asked: dict, target: str | None = None) -> None:
+    """Record beside ``side``'s model what it is trained for: pending (``tok`` None) before its training
+    begins, so that a run killed before the end leaves a model that is trained again; then the model's
+    hash with the request (``target``: the target model's hash, for a source whose size follows it)."""
+    done = {"pending": True} if tok is None else {"sha256": tok.sha256, "pieces": tok.vocab_size}
+    extra = {} if target is None else {"target": target}
+    kept = {k: v for k, v in asked.items() if k != PATHS}
+    atomic_write(record_path(side.path), json.dumps({**done, **kept, **extra}))
 
 
 @contextlib.contextmanager
@@ -162,19 +206,22 @@ def models_lock(directory: Path) -> Iterator[None]:
     """Held while a job finds or trains ``directory``'s models: jobs started at once on one corpus take
     turns, the later ones finding the models the first trained (two trainings at once could write
     different bytes, their SentencePiece threads differing). Not held where the folder cannot be
-    opened (the models must be there already)."""
+    opened or locked (a read-only folder; NFS, whose locks need a file open for writing): as before."""
     try:
         fd = os.open(directory, os.O_RDONLY)  # the corpus folder itself: no file of its own left behind
     except OSError:
         fd = None
-    if fd is None:
-        yield
-        return
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released when the descriptor closes
+        except OSError:
+            os.close(fd)
+            fd = None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released when the descriptor closes
         yield
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def to_train(cfg: DataConfig, directory: Path) -> list[Side]:
@@ -187,6 +234,12 @@ def spm_threads(models: int) -> int:
     number (SentencePiece splits its sentences over its threads), so a child process training them
     is given this process's number rather than working out its own."""
     return max(1, cpu_threads() // models)
+
+
+def run_models(cfg: DataConfig) -> int:
+    """The models a run uses (2, or 1 shared), the number :func:`spm_threads` divides by whether both are
+    trained or one is found: a model trained again alone has the bytes it has beside its partner."""
+    return 1 if cfg.shared_vocab else 2
 
 
 @dataclass
@@ -205,8 +258,12 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     for side in missing:
         if side.misfit:
             log(f"data: {side.name}: {side.path} was {side.misfit}: trained again")
+    # what each model is trained for, taken before the training split is read (its records say it after)
+    wanted = {side.role: request(cfg, directory, side, hashed=True) for side in missing}
     samples, pairs = sample_train(cfg, sources["train"])
     check_other_splits(cfg, sources)
+    for side in missing:  # a run killed from here on leaves models that are trained again
+        write_record(side, None, wanted[side.role])
     counted = None if cfg.data is None else pairs  # the built-in corpus: None
     training = {side.role for side in missing}  # a side whose model is found keeps the key: nothing to say
     src_lang, tgt_lang = (read_language(key, sample, role, log) if training & {role, "shared"} else key
@@ -236,12 +293,12 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
                                                               min_pieces(samples[0], is_cjk(src_lang)), log)
     auto = {side.role: asked[side.role] for side in missing if side.size is None}
     why = {role: reason for role, reason in why.items() if reason}
-    threads = threads or spm_threads(len(missing))
+    threads = threads or spm_threads(run_models(cfg))
     if missing[0].role == "shared":
         (side,) = missing
         tok = train_shared_tokenizer(samples[0], samples[1], side.path, side.size or rule, src_lang,
                                      tgt_lang, threads=threads, log=log)
-        write_record(side, tok, request(cfg, directory, side))
+        write_record(side, tok, wanted[side.role])
         log(f"data: trained the shared tokenizer on both sides of {len(samples[0])} sampled pairs in "
             f"{time.perf_counter() - t0:.1f}s -> {side.path}")
         return Trained({"shared": tok}, auto, pairs, why)
@@ -255,8 +312,10 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
                                        cap=caps.get(side.role), cap_why=cap_why if side.role == "target" else "")
                 for side in missing}
         toks = {role: job.result() for role, job in jobs.items()}
-    for side in missing:
-        write_record(side, toks[side.role], request(cfg, directory, side))
+    target = toks["target"].sha256 if "target" in toks else _follows(cfg, sides(cfg, directory)[1])
+    for side in sorted(missing, key=lambda s: s.role != "target"):  # the target's first: the source names it
+        follows = side.role == "source" and cfg.src_vocab is None
+        write_record(side, toks[side.role], wanted[side.role], target if follows else None)
     log(f"data: trained {' and '.join(side.name for side in missing)} on {len(samples[0])} sampled "
         f"pairs in {time.perf_counter() - t0:.1f}s -> {directory / 'tokenizer'}")
     return Trained(toks, auto, pairs, why)

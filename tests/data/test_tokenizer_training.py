@@ -105,6 +105,8 @@ def test_a_copied_corpus_of_the_same_bytes_keeps_its_models(corpus_dir: Path, tm
     lines: list[str] = []
     bundle = prepare_data(small_config(copy), log=lines.append)
     assert not any("trained" in line for line in lines) and bundle.src_tok.sha256 == first.src_tok.sha256
+    mtime = (copy / "train.json").stat().st_mtime_ns  # the record now says the copy's times: not hashed again
+    assert json.loads(record_path(copy / "tokenizer" / "src.model").read_text())["train"][0][2] == mtime
     (copy / "train.json").write_text((copy / "train.json").read_text().replace("a", "b", 1))  # one letter
     lines.clear()
     prepare_data(small_config(copy), log=lines.append)
@@ -120,3 +122,40 @@ def test_a_folder_that_cannot_be_locked_is_prepared_unlocked(corpus_dir: Path, m
 
     monkeypatch.setattr(tokenizer_training.fcntl, "flock", refuse)
     assert prepare_data(small_config(corpus_dir), log=_quiet).train_pairs > 0
+
+
+def test_a_training_that_fails_leaves_the_records_of_the_models_on_disk(corpus_dir: Path, monkeypatch) -> None:
+    """Not a kill: the error stops the run, and the next run finds the models it had (no 'cut short')."""
+    import pytest
+
+    from streamnmt.data import tokenizer_training
+
+    prepare_data(small_config(corpus_dir), log=_quiet)
+    records = {p: p.read_text() for p in (corpus_dir / "tokenizer").glob("*.json")}
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("SentencePiece refused")
+
+    monkeypatch.setattr(tokenizer_training, "train_tokenizer", fails)
+    with pytest.raises(RuntimeError, match="refused"):
+        prepare_data(small_config(corpus_dir, src_vocab=60), log=_quiet)
+    assert {p: p.read_text() for p in records} == records
+    monkeypatch.undo()
+    lines: list[str] = []
+    prepare_data(small_config(corpus_dir), log=lines.append)
+    assert not any("trained" in line for line in lines)
+
+
+def test_a_source_sized_by_the_target_is_trained_again_when_a_size_is_given(tmp_path: Path) -> None:
+    """Where neither size is given the source's follows the target's pieces; --tgt-vocab gives the
+    target its own and the source its rule's size, as a fresh folder's would be."""
+    write_corpus(tmp_path / "c")
+    auto = small_config(tmp_path / "c", src_vocab=None, tgt_vocab=None)
+    prepare_data(auto, log=_quiet)
+    assert "target" in json.loads(record_path(tmp_path / "c" / "tokenizer" / "src.model").read_text())
+    lines: list[str] = []
+    prepare_data(small_config(tmp_path / "c", src_vocab=None, tgt_vocab=150), log=lines.append)
+    assert any("src.model was trained at a size that followed the target's pieces" in line for line in lines)
+    lines.clear()
+    prepare_data(small_config(tmp_path / "c", src_vocab=None, tgt_vocab=150), log=lines.append)
+    assert not any("trained" in line for line in lines)

@@ -27,7 +27,7 @@ from streamnmt.data.config import DataConfig, builtin_dir
 from streamnmt.data.corpus import BuildStats, TokenizedCorpus, tokenize_pairs
 from streamnmt.data.readers import ReadStats, SplitSource, find_sources, iter_pairs, require_split
 from streamnmt.data.tokenizer import Tokenizer
-from streamnmt.data.tokenizer_training import models_lock, sides, train, unrecorded
+from streamnmt.data.tokenizer_training import models_lock, refresh_record, sides, train, unrecorded
 from streamnmt.data.writing import corpus_word_forms
 from streamnmt.dist import several_hosts
 from streamnmt.errors import InputError
@@ -164,6 +164,8 @@ def _tokenizers(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource
                 log(f"data: {side.name}: {loaded[side.role].path} (vocab {loaded[side.role].vocab_size})")
                 if (why := unrecorded(side)) is not None:
                     log(f"data: {side.name}: {why}")
+                elif build and not side.given:
+                    refresh_record(cfg, directory, side)  # under the lock: a copied corpus is hashed once
         auto: dict[str, int] = {}
         why: dict[str, str] = {}
         if early is not None and missing and {str(side.path) for side in missing} == by_child:

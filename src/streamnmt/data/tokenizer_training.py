@@ -120,11 +120,16 @@ def request(cfg: DataConfig, directory: Path, side: Side, hashed: bool = False) 
 PATHS = "paths"  # the request's training files where they lie now: compared, not recorded
 
 
+def follows_target(cfg: DataConfig) -> bool:
+    """The source's size follows the target's pieces (:func:`source_within_target`: neither size given,
+    two models; on a small corpus)."""
+    return cfg.src_vocab is None and cfg.tgt_vocab is None and not cfg.shared_vocab
+
+
 def _follows(cfg: DataConfig, target: Side) -> str | None:
-    """For a source whose size follows the target's pieces (no --src-vocab, two models: the rule's
-    :func:`source_within_target`): the hash of the target model it is used beside, "" where that one is
-    trained now; None where the source's size is its own."""
-    if cfg.src_vocab is not None or target.role != "target":
+    """For a source whose size follows the target's pieces (:func:`follows_target`): the hash of the target
+    model it is used beside, "" where that one is trained now; None where the source's size is its own."""
+    if not follows_target(cfg) or target.role != "target":
         return None
     return file_sha256(target.path) if target.found and target.path.is_file() else ""
 
@@ -146,8 +151,10 @@ def misfit(side: Side, asked: dict, target: str | None = None) -> str | None:
         return f"trained for {_size(record.get('size'))}, not {_size(asked['size'])}"
     if not _same_files(record.get("train"), asked["train"], asked[PATHS]):
         return "trained on another version of the training split"
-    if target is not None and record.get("target") != target:
-        return "trained beside another target model (the source's size follows the target's pieces)"
+    if side.role == "source" and record.get("target") != target:
+        if target is None:  # a size of its own now (--src-vocab or --tgt-vocab given)
+            return "trained at a size that followed the target's pieces, which no size given now asks"
+        return "trained beside another target model (its size follows the target's pieces)"
     return None
 
 
@@ -162,6 +169,19 @@ def _same_files(recorded: object, now: list | None, paths: list[str]) -> bool:
         if old[2:3] != new[2:3] and old[3:] != [file_sha256(Path(path))]:
             return False
     return True
+
+
+def refresh_record(cfg: DataConfig, directory: Path, side: Side) -> None:
+    """A model found whose training files matched their record by their bytes, not their times (a copied
+    or touched corpus): the times written into the record, so that later runs compare times, not bytes."""
+    record = None if side.given or not side.path.is_file() else _record(side.path)
+    old, now = (record or {}).get("train"), request(cfg, directory, side)["train"]
+    if record is None or record.get("pending") or not isinstance(old, list) or now is None or len(old) != len(now):
+        return
+    if all(isinstance(o, list) and o[2:3] == n[2:3] for o, n in zip(old, now)):
+        return
+    record["train"] = [[*n[:3], *o[3:]] for o, n in zip(old, now)]
+    atomic_write(record_path(side.path), json.dumps(record))
 
 
 def _record(model: Path) -> dict | None:
@@ -262,8 +282,35 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     wanted = {side.role: request(cfg, directory, side, hashed=True) for side in missing}
     samples, pairs = sample_train(cfg, sources["train"])
     check_other_splits(cfg, sources)
+    previous = {side.role: _text(record_path(side.path)) for side in missing}
     for side in missing:  # a run killed from here on leaves models that are trained again
         write_record(side, None, wanted[side.role])
+    try:
+        return _trained(cfg, directory, sources, missing, log, threads, samples, pairs, wanted, t0)
+    except Exception:  # a training that fails (not a kill): the records say what the models on disk are again
+        for side in missing:
+            _restore(record_path(side.path), previous[side.role])
+        raise
+
+
+def _text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        return None
+
+
+def _restore(path: Path, text: str | None) -> None:
+    if text is None:
+        path.unlink(missing_ok=True)
+    else:
+        atomic_write(path, text)
+
+
+def _trained(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | None], missing: list[Side], log: Log,
+             threads: int | None, samples: tuple[list[str], list[str]], pairs: int, wanted: dict[str, dict],
+             t0: float) -> Trained:
+    """:func:`train` once the sample is read and the records say pending."""
     counted = None if cfg.data is None else pairs  # the built-in corpus: None
     training = {side.role for side in missing}  # a side whose model is found keeps the key: nothing to say
     src_lang, tgt_lang = (read_language(key, sample, role, log) if training & {role, "shared"} else key
@@ -314,7 +361,7 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
         toks = {role: job.result() for role, job in jobs.items()}
     target = toks["target"].sha256 if "target" in toks else _follows(cfg, sides(cfg, directory)[1])
     for side in sorted(missing, key=lambda s: s.role != "target"):  # the target's first: the source names it
-        follows = side.role == "source" and cfg.src_vocab is None
+        follows = side.role == "source" and follows_target(cfg)
         write_record(side, toks[side.role], wanted[side.role], target if follows else None)
     log(f"data: trained {' and '.join(side.name for side in missing)} on {len(samples[0])} sampled "
         f"pairs in {time.perf_counter() - t0:.1f}s -> {directory / 'tokenizer'}")

@@ -52,7 +52,7 @@ SMALL_CORPUS_DROPOUT = 0.3
 # every other corpus, the built-in one included, with the Transformer recipe's DEFAULT_LABEL_SMOOTHING.
 # The script's part was chosen on Japanese and checked on the held-out Chinese corpus; the word forms'
 # on Russian and Korean, whose targets scored higher with it on every seed, while German, French and
-# Spanish (fewer forms) did not over 2 minutes; the bound lies between German's and Russian's ratios
+# Spanish (fewer forms) did not in the grid's short runs; the bound lies between German's and Russian's ratios
 # (docs/PERFORMANCE.md, "The recipe on real text"). --label-smoothing overrides it.
 DEFAULT_LABEL_SMOOTHING = 0.1
 RICH_LABEL_SMOOTHING = 0.2

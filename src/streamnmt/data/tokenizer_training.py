@@ -86,10 +86,11 @@ def sides(cfg: DataConfig, directory: Path) -> list[Side]:
                      cfg.tokenizer_src is not None, cfg.src_vocab, "source tokenizer"),
                 Side("target", Path(cfg.tokenizer_tgt or corpus_model(directory, "target")),
                      cfg.tokenizer_tgt is not None, cfg.tgt_vocab, "target tokenizer")]
+    files = train_files(cfg, directory)
     out: list[Side] = []
     for side in reversed(plan):  # the target first: a source whose size follows it must know its model
         target = _follows(cfg, out[0]) if side.role == "source" else None
-        out.insert(0, dataclasses.replace(side, misfit=misfit(side, request(cfg, directory, side), target)))
+        out.insert(0, dataclasses.replace(side, misfit=misfit(side, request(cfg, side, files), target)))
     return out
 
 
@@ -101,20 +102,25 @@ def record_path(model: Path) -> Path:
     return model.with_name(model.name + ".json")
 
 
-def request(cfg: DataConfig, directory: Path, side: Side, hashed: bool = False) -> dict:
-    """What ``side``'s model is asked to be trained for: the language key(s) of its side(s), the size
-    asked (None: the corpus rule's) and the training split's files (name, bytes, modification time;
-    ``hashed``: their SHA-256 too, which the record keeps: a copied or touched corpus of the same bytes is
-    the same)."""
-    langs = {"source": [cfg.src_lang], "target": [cfg.tgt_lang]}.get(side.role, [cfg.src_lang, cfg.tgt_lang])
+def train_files(cfg: DataConfig, directory: Path, hashed: bool = False) -> tuple[list | None, list[str]]:
+    """The training split's files as a record names them (name, bytes, modification time; ``hashed``:
+    their SHA-256 too, which the record keeps: a copied or touched corpus of the same bytes is the same;
+    None where there is no split), and where they lie now."""
     try:
         train = find_split(directory, "train", cfg.src_lang, cfg.tgt_lang)
-        paths = [] if train is None else list(train.paths)
-        files = None if train is None else [
-            [p.name, p.stat().st_size, p.stat().st_mtime_ns, *([file_sha256(p)] if hashed else [])] for p in paths]
+        if train is None:
+            return None, []
+        return ([[p.name, p.stat().st_size, p.stat().st_mtime_ns, *([file_sha256(p)] if hashed else [])]
+                 for p in train.paths], [str(p) for p in train.paths])
     except OSError:
-        paths, files = [], None
-    return {"langs": langs, "size": side.size, "train": files, PATHS: [str(p) for p in paths]}
+        return None, []
+
+
+def request(cfg: DataConfig, side: Side, files: tuple[list | None, list[str]]) -> dict:
+    """What ``side``'s model is asked to be trained for: the language key(s) of its side(s), the size
+    asked (None: the corpus rule's) and the training split's ``files`` (:func:`train_files`)."""
+    langs = {"source": [cfg.src_lang], "target": [cfg.tgt_lang]}.get(side.role, [cfg.src_lang, cfg.tgt_lang])
+    return {"langs": langs, "size": side.size, "train": files[0], PATHS: files[1]}
 
 
 PATHS = "paths"  # the request's training files where they lie now: compared, not recorded
@@ -175,7 +181,7 @@ def refresh_record(cfg: DataConfig, directory: Path, side: Side) -> None:
     """A model found whose training files matched their record by their bytes, not their times (a copied
     or touched corpus): the times written into the record, so that later runs compare times, not bytes."""
     record = None if side.given or not side.path.is_file() else _record(side.path)
-    old, now = (record or {}).get("train"), request(cfg, directory, side)["train"]
+    old, now = (record or {}).get("train"), train_files(cfg, directory)[0]
     if record is None or record.get("pending") or not isinstance(old, list) or now is None or len(old) != len(now):
         return
     if all(isinstance(o, list) and o[2:3] == n[2:3] for o, n in zip(old, now)):
@@ -279,7 +285,8 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
         if side.misfit:
             log(f"data: {side.name}: {side.path} was {side.misfit}: trained again")
     # what each model is trained for, taken before the training split is read (its records say it after)
-    wanted = {side.role: request(cfg, directory, side, hashed=True) for side in missing}
+    files = train_files(cfg, directory, hashed=True)  # read once for every side's record
+    wanted = {side.role: request(cfg, side, files) for side in missing}
     samples, pairs = sample_train(cfg, sources["train"])
     check_other_splits(cfg, sources)
     previous = {side.role: _text(record_path(side.path)) for side in missing}

@@ -19,11 +19,12 @@ TINY = ["--device", "cpu", "--model", "tiny", "--builtin-size", "200", "--bleu-s
         "--max-len", "32", "--dropout", "0", "--sync-strategy", "event"]
 
 
-def _ckpt(path: Path, seed: int, tie: str = "none") -> dict:
+def _ckpt(path: Path, seed: int, tie: str = "none", tgt_sha: str = "t") -> dict:
     torch.manual_seed(seed)
     model = make_model(40, 40, d_model=16, n_layers=1, n_heads=2, d_ff=32, tie_embeddings=tie)
-    state = {"model": model.state_dict(), "model_shape": vars(model.shape), "tokenizers": {}, "config": {},
-             "step": seed}
+    tokenizers = {"src": {"sha256": "s", "vocab_size": 40}, "tgt": {"sha256": tgt_sha, "vocab_size": 40}}
+    state = {"model": model.state_dict(), "model_shape": vars(model.shape), "tokenizers": tokenizers,
+             "config": {}, "step": seed}
     save_checkpoint(path, state)
     return state
 
@@ -71,7 +72,9 @@ def test_average_cli_errors(tmp_path, capsys):
     assert main(["average", "--out", str(tmp_path / "x.pt")]) == 2
     assert "--inputs" in capsys.readouterr().err
     _ckpt(tmp_path / "a.pt", 0)
-    assert main(["average", "--inputs", str(tmp_path / "a.pt"), "--out", str(tmp_path / "a.pt")]) == 1
+    _ckpt(tmp_path / "b.pt", 1)
+    assert main(["average", "--inputs", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"),
+                 "--out", str(tmp_path / "a.pt")]) == 1
     assert "one of the inputs" in capsys.readouterr().err
     assert main(["average", "--inputs", str(tmp_path / "a.pt"), str(tmp_path / "nope.pt"),
                  "--out", str(tmp_path / "o.pt")]) == 1
@@ -107,3 +110,25 @@ def test_average_last_step_checkpoints_then_translate_eval_and_finetune(tmp_path
                  "--name", "ft"]) == 0
     assert main(["train", "--resume", str(out)]) == 1
     assert "--weights" in capsys.readouterr().err
+
+
+def test_average_refuses_checkpoints_of_other_tokenizers(tmp_path):
+    _ckpt(tmp_path / "a.pt", 0)
+    _ckpt(tmp_path / "b.pt", 1, tgt_sha="other")  # the same shapes: another corpus at the same sizes
+    with pytest.raises(InputError, match=r"b\.pt was trained with another tgt tokenizer than .*a\.pt"):
+        average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"])
+
+
+def test_average_needs_two_distinct_inputs_and_a_file_to_write(tmp_path, capsys, monkeypatch):
+    _ckpt(tmp_path / "a.pt", 0)
+    _ckpt(tmp_path / "b.pt", 1)
+    assert main(["average", "--inputs", str(tmp_path / "a.pt"), "--out", str(tmp_path / "o.pt")]) == 2
+    assert "two or more" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    assert main(["average", "--inputs", "a.pt", "./a.pt", "--out", "o.pt"]) == 2
+    assert "twice" in capsys.readouterr().err
+    (tmp_path / "outdir").mkdir()
+    assert main(["average", "--inputs", "a.pt", "b.pt", "--out", "outdir"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--out: outdir is a folder" in err and ".tmp" not in err
+    assert not (tmp_path / "o.pt").exists() and list((tmp_path / "outdir").iterdir()) == []

@@ -7,8 +7,10 @@ import io
 import json
 import os
 import shlex
+import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -155,6 +157,38 @@ def test_cli_translate_and_errors(env, tmp_path, capsys):
     assert len(err) == 3 and "nope.pt" in err[1] and "--beam-size" in err[2]
 
 
+def test_translate_writes_through_a_link_and_into_a_pipe(env, tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text(INPUT, encoding="utf-8")
+    real, link = tmp_path / "real.txt", tmp_path / "link.txt"
+    real.write_text("old\n", encoding="utf-8")
+    link.symlink_to(real)
+    assert _translate(env, input=str(src), output=str(link), beam_size=1) == 0
+    assert link.is_symlink() and len(real.read_text(encoding="utf-8").splitlines()) == 5
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()  # blocks in open() until the writer opens the pipe
+    assert _translate(env, input=str(src), output=str(fifo), beam_size=1) == 0
+    reader.join(30)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)  # the pipe was written into, not replaced by a file
+    assert got and got[0].decode("utf-8") == real.read_text(encoding="utf-8")
+
+
+def test_translate_writes_utf8_to_a_stdout_of_another_encoding(env, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(INPUT.encode())))
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="latin-1"))
+    assert _translate(env, beam_size=1) == 0
+    text = raw.getvalue().decode("utf-8")
+    assert any(ord(c) > 255 for c in text)  # Chinese, which latin-1 cannot hold
+    model, src_tok, tgt_tok, _ = load_for_inference(env["ckpt"], "cpu")
+    expect, _ = translate_texts(model, src_tok, tgt_tok, ["the cat sees a dog"], SearchOptions(beam_size=1),
+                                device="cpu")
+    assert text.split("\n")[0] == expect[0]
+
+
 # -- eval and BLEU ---------------------------------------------------------------------------
 
 def test_eval_prints_bleu_and_chrf(env, capsys):
@@ -165,6 +199,45 @@ def test_eval_prints_bleu_and_chrf(env, capsys):
     assert run_eval(EvalConfig(weights=str(env["ckpt"]), device="cpu", data=str(env["data"]), limit=5,
                                beam_size=1)) == 0
     assert "test: 5 sentences, beam 1" in capsys.readouterr().out
+
+
+def _eval_corpus(root: Path, records: list[dict]) -> Path:
+    root.mkdir()
+    for split in ("train", "dev", "test"):
+        (root / f"{split}.json").write_text(json.dumps(records, ensure_ascii=False), encoding="utf-8")
+    return root
+
+
+def test_eval_reads_a_corpus_of_other_keys_with_the_language_flags(env, tmp_path, capsys):
+    data = _eval_corpus(tmp_path / "zhkey", [{"en": e, "zh": z} for e, z in env["pairs"][:12]])
+    with pytest.raises(InputError, match="'ch'"):
+        run_eval(EvalConfig(weights=str(env["ckpt"]), device="cpu", data=str(data), beam_size=1))
+    assert cli.main(["eval", "--weights", str(env["ckpt"]), "--device", "cpu", "--data", str(data),
+                     "--tgt-lang", "zh", "--beam-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "test: 12 sentences" in out and "tok:zh" in out
+
+
+def test_eval_warns_of_empty_sides_and_truncated_sources(env, tmp_path, capsys):
+    records = [{"en": e, "ch": z} for e, z in env["pairs"][:10]]
+    records[3]["ch"] = ""
+    records[7]["en"] = "   "
+    records[5]["en"] = " ".join(["the big red house"] * 30)  # over the model's 64 positions
+    data = _eval_corpus(tmp_path / "gaps", records)
+    assert run_eval(EvalConfig(weights=str(env["ckpt"]), device="cpu", data=str(data), beam_size=1)) == 0
+    captured = capsys.readouterr()
+    assert "test: 8 sentences" in captured.out
+    assert "test: 2 of 10 pairs have an empty side and are not scored (BLEU over the other 8)" in captured.err
+    assert "test: 1 sources longer than the model's 64 positions" in captured.err and "(pairs 5)" in captured.err
+
+
+def test_eval_names_the_flag_where_the_checkpoints_corpus_moved(env, tmp_path):
+    ckpt = tmp_path / "moved.pt"
+    save_checkpoint(ckpt, {**env["state"], "config": {"data": {"data": str(tmp_path / "gone"), "src_lang": "en",
+                                                                "tgt_lang": "ch"}}})
+    with pytest.raises(InputError, match=r"was trained on .*gone, which is not there now; .*--data DIR"):
+        run_eval(EvalConfig(weights=str(ckpt), device="cpu"))
+    assert run_eval(EvalConfig(weights=str(ckpt), device="cpu", data=str(env["data"]), limit=2, beam_size=1)) == 0
 
 
 def test_bleu_on_pairs_scores_against_references_and_restores_mode(env):
@@ -414,6 +487,13 @@ class _Payload:
 
     def __reduce__(self):
         return os.system, (f"touch {shlex.quote(str(self.marker))}",)
+
+
+def test_a_safetensors_file_points_to_the_checkpoint_beside_it(tmp_path):
+    st = tmp_path / "best.safetensors"
+    st.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(InputError, match=r"weights alone .*pass the streamnmt checkpoint beside it: .*best\.pt"):
+        load_for_inference(st, "cpu")
 
 
 def test_pickle_payload_is_not_executed(tmp_path):

@@ -77,6 +77,9 @@ def load_checkpoint(path: str | Path, flag: str = "--weights") -> dict[str, Any]
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{flag}: checkpoint not found: {path}")
+    if path.suffix == ".safetensors":  # written beside best.pt for other tools: the weights alone
+        raise InputError(f"{flag}: {path} holds the weights alone (safetensors, for other tools); "
+                         f"pass the streamnmt checkpoint beside it: {path.with_suffix('.pt')}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,9 +30,25 @@ def streamnmt_home() -> Path:
 def atomic_path(target: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``target``; on success it replaces ``target``.
 
-    On an exception the temporary file is removed and ``target`` is left as it was.
+    On an exception the temporary file is removed and ``target`` is left as it was. A symbolic link
+    is written through (the file it names is replaced, the link kept); a device or a pipe
+    (``/dev/null``, ``/dev/stdout``, a FIFO) cannot be renamed over, so it receives the finished
+    bytes by a plain write instead.
     """
     target = Path(target)
+    if _is_stream(target):
+        fd, tmp = tempfile.mkstemp(prefix=".streamnmt.", suffix=suffix + ".tmp")
+        os.close(fd)
+        try:
+            yield Path(tmp)
+            with open(tmp, "rb") as src, open(target, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        return
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix + ".tmp", dir=target.parent)
     os.close(fd)
@@ -46,6 +64,15 @@ def atomic_path(target: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
         raise
+
+
+def _is_stream(path: Path) -> bool:
+    """Whether ``path`` (through links) exists and is neither a regular file nor a folder."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def atomic_write(target: str | os.PathLike, data: bytes | str, encoding: str = "utf-8") -> None:

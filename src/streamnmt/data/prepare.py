@@ -101,14 +101,15 @@ def resolve_data_dir(cfg: DataConfig, build: bool = True) -> Path:
     return directory
 
 
-def read_pairs(cfg: DataConfig, split: str) -> list[tuple[str, str]]:
+def read_pairs(cfg: DataConfig, split: str, stats: ReadStats | None = None) -> list[tuple[str, str]]:
     """The usable ``(source, target)`` text pairs of a split, in order (e.g. BLEU references).
 
     For dev and test, pair ``k`` here is pair ``k`` of ``prepare_data``'s corpus of that split.
+    ``stats`` (if given) receives the counts of the read, e.g. the pairs skipped for an empty side.
     """
     directory = resolve_data_dir(cfg)
     return list(iter_pairs(require_split(directory, split, cfg.src_lang, cfg.tgt_lang),
-                           cfg.src_lang, cfg.tgt_lang))
+                           cfg.src_lang, cfg.tgt_lang, stats))
 
 
 def prepare_data(cfg: DataConfig, log: Log = print, build: bool = True) -> DataBundle:

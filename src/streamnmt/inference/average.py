@@ -31,7 +31,9 @@ class AverageConfig:
     def __post_init__(self) -> None:
         check(bool(self.inputs), "inputs", "is required: two or more checkpoints, e.g. --inputs a.pt b.pt c.pt")
         check(bool(self.out), "out", "is required: the file to write, e.g. --out avg.pt")
-        check(len(set(self.inputs or [])) == len(self.inputs or []), "inputs", "lists a checkpoint twice")
+        check(len(self.inputs or []) >= 2, "inputs", "needs two or more checkpoints to average, e.g. --inputs a.pt b.pt")
+        resolved = [Path(p).resolve() for p in self.inputs or []]
+        check(len(set(resolved)) == len(resolved), "inputs", "lists a checkpoint twice")
 
 
 def average_checkpoints(paths: list[str | Path]) -> dict[str, Any]:
@@ -57,6 +59,12 @@ def average_checkpoints(paths: list[str | Path]) -> dict[str, Any]:
                              f"{paths[0]} ({first['model_shape']})")
         if set(state) != set(aliases):
             raise InputError(f"--inputs: {path} holds other weights than {paths[0]}")
+        for side in ("src", "tgt"):  # two corpora at the same vocabulary sizes give the same shapes
+            want, have = _tokenizer_sha(first, side), _tokenizer_sha(ckpt, side)
+            if want != have:
+                raise InputError(f"--inputs: {path} was trained with another {side} tokenizer than "
+                                 f"{paths[0]} (sha256 {str(have)[:12]} vs {str(want)[:12]}): its weights "
+                                 "index other pieces")
         for k, total in sums.items():
             total += state[k].double()
     n = len(paths)
@@ -71,6 +79,10 @@ def average_checkpoints(paths: list[str | Path]) -> dict[str, Any]:
 _TRAINING_ONLY = ("dropout", "attention_dropout", "activation_dropout")
 
 
+def _tokenizer_sha(ckpt: dict[str, Any], side: str) -> str | None:
+    return ((ckpt.get("tokenizers") or {}).get(side) or {}).get("sha256")
+
+
 def _architecture(shape: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in shape.items() if k not in _TRAINING_ONLY}
 
@@ -80,7 +92,12 @@ def run_average(cfg: AverageConfig) -> int:
     out = Path(cfg.out or "")
     if out.resolve() in {Path(p).resolve() for p in paths}:
         raise InputError(f"--out: {out} is one of the inputs; write the average to a new file")
+    if out.is_dir():
+        raise InputError(f"--out: {out} is a folder; name the file to write, e.g. {out / 'avg.pt'}")
     avg = average_checkpoints(paths)
-    save_checkpoint(out, avg)
+    try:
+        save_checkpoint(out, avg)
+    except OSError as e:
+        raise InputError(f"--out: cannot write {out}: {e.strerror or e}") from None
     print(f"averaged {len(paths)} checkpoints -> {out}", file=sys.stderr)
     return 0

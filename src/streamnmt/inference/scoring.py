@@ -343,8 +343,9 @@ def bleu_on_pairs(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, pa
     scoring workers kept between calls (else each call starts its own); ``stop()``, asked between
     batches, ends the decoding early (a time limit): the scores are then those of the ``n``
     sentences decoded, the longest first.
-    Returns ``bleu``, ``chrf``, ``n`` (sentences scored), ``seconds`` (wall time of the whole call) and
-    the sacrebleu ``signature``. The model is put in eval mode and back in train mode if it was. Each
+    Returns ``bleu``, ``chrf``, ``n`` (sentences scored), ``seconds`` (wall time of the whole call),
+    the sacrebleu ``signature`` and ``cut`` (the indices of the sources truncated to the model's
+    positions, as the training's dev batches truncate them). The model is put in eval mode and back in train mode if it was. Each
     decoded batch is detokenized and scored (:class:`Scorer`) while the next one decodes.
     """
     t0 = time.perf_counter()
@@ -357,7 +358,7 @@ def bleu_on_pairs(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, pa
     was_training = model.training
     model.eval()
     try:
-        sources, _ = encode_sources(src_tok, [s for s, _ in pairs], model.shape.max_positions)
+        sources, cut = encode_sources(src_tok, [s for s, _ in pairs], model.shape.max_positions)
         translate_ids(model, sources, dataclasses.replace(options or SearchOptions(), beam_size=beam_size),
                       batch_size=batch_size, device=device, on_batch=on_batch, stop=stop)
     except BaseException:
@@ -367,4 +368,4 @@ def bleu_on_pairs(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, pa
         model.train(was_training)
     n = sum(h is not None for h in scorer.hyps)
     result = scorer.result(added_only=stop is not None)
-    return {**result, "n": n, "seconds": time.perf_counter() - t0}
+    return {**result, "n": n, "seconds": time.perf_counter() - t0, "cut": cut}

@@ -25,6 +25,7 @@ from streamnmt.checkpoint import embedded_tokenizer, load_checkpoint, load_model
 from streamnmt.config import RunConfig
 from streamnmt.configbase import check, check_choice, from_dict, opt, pick
 from streamnmt.data import DataConfig, Tokenizer, read_pairs
+from streamnmt.data.readers import ReadStats
 from streamnmt.inference.decoding import DTYPES, SearchOptions, decode_dtype, dtype_name
 from streamnmt.errors import ConfigError, InputError
 from streamnmt.fsutil import atomic_write
@@ -109,6 +110,10 @@ class EvalConfig(InferenceConfig):
                                  "corpus if it had none)")
     split: str = opt("test", "split to score", choices=("dev", "test"))
     limit: int = opt(0, "score only the first N sentences (0 = all)")
+    src_lang: str | None = opt(None, "source-language key in --data's records / file extension; none = "
+                                     "the checkpoint's")
+    tgt_lang: str | None = opt(None, "target-language key in --data's records / file extension (it also "
+                                     "picks BLEU's tokenizer); none = the checkpoint's")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -250,8 +255,7 @@ def run_translate(cfg: TranslateConfig) -> int:
         out[i] = hyp
     text = "".join(line + "\n" for line in out)
     if cfg.output in (None, "-"):
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        write_stdout(text)
     else:
         try:
             atomic_write(cfg.output, text)
@@ -263,23 +267,51 @@ def run_translate(cfg: TranslateConfig) -> int:
     return 0
 
 
-def eval_data_config(config: dict[str, Any], data: str | None) -> DataConfig:
-    """The checkpoint's data config (defaults where it has none), with ``data`` as its corpus if given."""
+def write_stdout(text: str) -> None:
+    """``text`` on stdout as UTF-8 whatever the locale says (the input is read as UTF-8 too): a
+    translation into Chinese must not stop at a Latin-1 or cp1252 console."""
+    buffer = getattr(sys.stdout, "buffer", None)
+    if buffer is None:  # a stream without bytes underneath (e.g. replaced by a test)
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    sys.stdout.flush()
+    buffer.write(text.encode("utf-8"))
+    buffer.flush()
+
+
+def eval_data_config(config: dict[str, Any], data: str | None, src_lang: str | None = None,
+                     tgt_lang: str | None = None) -> DataConfig:
+    """The checkpoint's data config (defaults where it has none), with ``data`` as its corpus and
+    ``src_lang``/``tgt_lang`` as its language keys where given."""
     dcfg = from_dict(DataConfig, pick(DataConfig, config.get("data") or {}))
-    return dataclasses.replace(dcfg, data=data) if data is not None else dcfg
+    given = {k: v for k, v in (("data", data), ("src_lang", src_lang), ("tgt_lang", tgt_lang)) if v is not None}
+    return dataclasses.replace(dcfg, **given) if given else dcfg
 
 
 def run_eval(cfg: EvalConfig) -> int:
     """Print BLEU and chrF of the checkpoint on a split. Returns the exit code."""
     device, dtype, model, src_tok, tgt_tok, config = _load(cfg)
     try:
-        dcfg = eval_data_config(config, cfg.data)
+        dcfg = eval_data_config(config, cfg.data, cfg.src_lang, cfg.tgt_lang)
     except ConfigError as e:
         raise InputError(f"--weights: {cfg.weights}: bad data config in the checkpoint ({e})") from None
-    pairs = read_pairs(dcfg, cfg.split)
+    if cfg.data is None and dcfg.data and not Path(dcfg.data).expanduser().is_dir():
+        raise InputError(f"--weights: {cfg.weights} was trained on {dcfg.data}, which is not there now; "
+                         "name the corpus with --data DIR")
+    stats = ReadStats()
+    pairs = read_pairs(dcfg, cfg.split, stats)
+    if stats.empty_skipped:
+        warn(f"{cfg.split}: {stats.empty_skipped} of {stats.read} pairs have an empty side and are not "
+             f"scored (BLEU over the other {len(pairs)})")
     res = bleu_on_pairs(model, src_tok, tgt_tok, pairs, device=device, beam_size=cfg.beam_size,
                         batch_size=cfg.batch_size, tgt_lang=dcfg.tgt_lang, limit=cfg.limit or None,
                         options=cfg.search_options())
+    if res["cut"]:
+        first = ", ".join(str(i + 1) for i in res["cut"][:MAX_WARNINGS])
+        warn(f"{cfg.split}: {len(res['cut'])} sources longer than the model's {model.shape.max_positions} "
+             f"positions (EOS included), truncated as in training's evaluations (pairs {first}"
+             f"{', ...' if len(res['cut']) > MAX_WARNINGS else ''})")
     rate = res["n"] / res["seconds"] if res["seconds"] > 0 else 0.0
     print(f"{cfg.split}: {res['n']} sentences, beam {cfg.beam_size}, {res['seconds']:.2f} s, "
           f"{rate:.1f} sentences/s on {_mode(cfg, device)}")

@@ -221,3 +221,47 @@ def test_non_finite_gradient_under_a_finite_loss(tmp_path, home, policy, monkeyp
     assert [r["skipped"] for r in rows] == ["0"] * 5 + ["1"] * (last - 5)
     assert all(0 < float(r["grad_norm"]) < 1e3 for r in rows[:5]) and all(r["grad_norm"] == "inf" for r in rows[5:])
     assert torch.load(tmp_path / policy / "weights" / "last.pt", weights_only=True)["step"] == 5  # last good one
+
+
+def test_a_failed_checkpoint_write_is_an_os_error_naming_the_file(tmp_path, monkeypatch):
+    """torch.save's zip writer reports a full disk or a file-size limit as a RuntimeError; the CLI's
+    one line (an OSError with the file) needs it as an OSError, and no file is left half written."""
+    from streamnmt.checkpoint import save_checkpoint
+
+    def failing_save(obj, f, *args, **kwargs):
+        Path(f).write_bytes(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 5033408 vs 5033296")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    target = tmp_path / "weights" / "last.pt"
+    with pytest.raises(OSError, match="writing the checkpoint failed .*unexpected pos") as e:
+        save_checkpoint(target, {"step": 1})
+    assert e.value.filename == str(target)
+    assert list(target.parent.iterdir()) == []
+
+
+def test_an_uncaught_error_with_loader_workers_ends_the_process(tmp_path, home):
+    """A run whose loop raises an error nothing catches (a bug) exits with its traceback: the loader's
+    workers ignore SIGTERM, so an exit that only joined them (the traceback keeping the loader alive)
+    waited forever."""
+    code = ("import sys\n"
+            "from streamnmt.training.trainer import Trainer\n"
+            "after = Trainer._after_step\n"
+            "def failing(self):\n"
+            "    if self.global_step >= 3:\n"
+            "        raise RuntimeError('injected failure in the loop')\n"
+            "    return after(self)\n"
+            "Trainer._after_step = failing\n"
+            "from streamnmt.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    args = ["train", *TINY, "--workers", "1", "--sync-strategy", "full", "--project", str(tmp_path), "--name", "w"]
+    env = dict(os.environ, STREAMNMT_HOME=home, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-2000:]
+    assert "injected failure in the loop" in err

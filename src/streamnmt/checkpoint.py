@@ -9,6 +9,7 @@ the previous good checkpoint in place.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import os
 import pickle
@@ -69,7 +70,14 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     """Write ``state`` (plus format marker) to ``path`` atomically."""
     payload = {"format": FORMAT, "version": VERSION, **state}
     with atomic_path(path) as tmp:
-        torch.save(payload, tmp)
+        try:
+            torch.save(payload, tmp)
+        except RuntimeError as e:
+            # torch.save's zip writer reports a write that failed (a full disk, a file-size limit) as a
+            # RuntimeError of its own wording; an OSError naming the file is the one line a user gets.
+            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise OSError(errno.EIO, f"writing the checkpoint failed (a full disk or a file-size limit?): "
+                                     f"{reason}", str(path)) from None
 
 
 def load_checkpoint(path: str | Path, flag: str = "--weights") -> dict[str, Any]:

@@ -87,6 +87,17 @@ class BatchLoader:
         """Batches per epoch."""
         return len(self.sampler)
 
+    def close(self) -> None:
+        """End the worker processes now (a run that failed): they ignore SIGTERM (see
+        :mod:`streamnmt.data.workers`), so the interpreter's exit, which sends it to its daemon
+        children and joins them, would wait for them forever while a traceback keeps the loader's
+        iterator alive. The DataLoader's own shutdown asks them to exit and joins them."""
+        it = getattr(self._loader, "_iterator", None)  # persistent workers: the DataLoader keeps it
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self._loader._iterator = None
+
     def __iter__(self) -> Iterator[Batch]:
         """The rest of the current epoch (all of it for an evaluation loader); then the epoch ends."""
         s = self.sampler

@@ -96,6 +96,8 @@ class Trainer:
         temporary file goes at the next start)."""
         with contextlib.suppress(Exception):
             self.evaluator.abort()
+        with contextlib.suppress(Exception):
+            self.train_loader.close()
         compile_child.stop(self.run)
         try:
             self.checkpointer.close()

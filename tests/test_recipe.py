@@ -115,7 +115,8 @@ def test_eval_ema_writes_the_average_to_best_and_resume_restores_it(tmp_path):
     assert resumed.train_step.updates == last["step"] > 0  # --ema-every counts on from the saved step
     assert resumed.train_step.ema.every == 4  # the default, recorded in config.yaml and the checkpoint
     # a checkpoint from before --ema-every: its average was updated at every step, and stays so
-    old = tmp_path / "old.pt"
+    old = tmp_path / "old" / "weights" / "last.pt"  # in a run directory, as --resume wants it
+    old.parent.mkdir(parents=True)
     del last["config"]["run"]["ema_every"]
     torch.save(last, old)
     assert Trainer.from_checkpoint(str(old), log=lambda _: None).train_step.ema.every == 1
@@ -163,6 +164,10 @@ def test_patience_stops_a_run_that_does_not_improve(tmp_path, monkeypatch):
     why = [line for line in lines if line.startswith("early stop:")]
     assert len(why) == 1 and "validation loss has not improved for 1 evaluation" in why[0]
     assert torch.load(tmp_path / "p" / "weights" / "last.pt", weights_only=True)["step"] == 10
+    assert [r["step"] for r in read_csv(tmp_path / "p" / "evals.csv") if not r["kind"]] == ["5", "10"]
+    # resumed (a scheduler that resubmits with --resume): it ends again at once, no step trained
+    assert main(["train", "--resume", str(tmp_path / "p" / "weights" / "last.pt")]) == 0
+    assert int(read_csv(tmp_path / "p" / "steps.csv")[-1]["step"]) == 10
     assert [r["step"] for r in read_csv(tmp_path / "p" / "evals.csv") if not r["kind"]] == ["5", "10"]
 
 

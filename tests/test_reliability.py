@@ -265,3 +265,30 @@ def test_an_uncaught_error_with_loader_workers_ends_the_process(tmp_path, home):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 1, err[-2000:]
     assert "injected failure in the loop" in err
+
+
+def test_a_new_run_in_a_reused_directory_leaves_no_earlier_last_pt(tmp_path, home, monkeypatch, capsys):
+    """--exist-ok: the earlier run's last.pt beside the new run's config.yaml would be resumed as the
+    new run's after a kill before its first save."""
+    args = [*TINY, "--max-steps", "3", "--project", str(tmp_path), "--name", "x"]
+    code, out = train_here(args, home, monkeypatch, capsys)
+    assert code == 0, out[-2000:]
+    last = tmp_path / "x" / "weights" / "last.pt"
+    assert torch.load(last, weights_only=True)["step"] == 3
+    code, out = killed_in_child([*TINY, "--seed", "7", "--project", str(tmp_path), "--name", "x", "--exist-ok"],
+                                home, 1, tmp_path / "killed.log")
+    assert code == -signal.SIGKILL, out[-2000:]
+    assert not last.exists()
+
+
+def test_resume_refuses_a_checkpoint_outside_a_run_directory(tmp_path, home, monkeypatch, capsys):
+    args = [*TINY, "--max-steps", "2", "--project", str(tmp_path / "runs"), "--name", "r"]
+    code, out = train_here(args, home, monkeypatch, capsys)
+    assert code == 0, out[-2000:]
+    copy = tmp_path / "downloads" / "a" / "last.pt"
+    copy.parent.mkdir(parents=True)
+    copy.write_bytes((tmp_path / "runs" / "r" / "weights" / "last.pt").read_bytes())
+    code, out = train_here(["--resume", str(copy)], home, monkeypatch, capsys)
+    assert code == 1
+    assert f"--resume: {copy} is not in a run's weights/ folder" in out and "--weights" in out
+    assert sorted(p.name for p in (tmp_path / "downloads").rglob("*")) == ["a", "last.pt"]  # nothing written

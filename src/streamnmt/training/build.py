@@ -347,8 +347,10 @@ class _RunBuilder:
             (run.save_dir / "weights").mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(run.save_dir / "weights")
             atomic_write(run.save_dir / "config.yaml", self.job.to_yaml())
-            weights = run.save_dir / "weights"  # --exist-ok: an earlier run's best, EMA and step files are not ours
-            for stale in [weights / "best.pt", weights / "best.safetensors", weights / "ema.pt",
+            # --exist-ok: an earlier run's best, EMA, step files and last.pt are not ours (its last.pt
+            # beside this run's config.yaml would be resumed as this run's after a kill before the first save)
+            weights = run.save_dir / "weights"
+            for stale in [weights / "best.pt", weights / "best.safetensors", weights / "ema.pt", weights / "last.pt",
                           *weights.glob("step_*.pt")]:
                 stale.unlink(missing_ok=True)
             self.dist.broadcast(str(run.save_dir), "dist.setup")
@@ -430,6 +432,10 @@ def resume_job(path: str, log: Callable[[str], None] = print, device: str | None
     if "optimizer" not in ckpt:
         raise InputError(f"--resume: {path} holds weights only (e.g. an averaged checkpoint); "
                          f"start from it with --weights instead")
+    if Path(path).resolve().parent.name != "weights":  # its run directory is where a resume writes
+        raise InputError(f"--resume: {path} is not in a run's weights/ folder (runs/train/NAME/weights/last.pt), "
+                         "where the run it continues lives; put it back there, or start a new run from its "
+                         "weights with --weights")
     config = {**ckpt["config"], "run": {**ckpt["config"].get("run", {})}}
     model_cfg = dict(config.get("model") or {})
     for key in ("attention_dropout", "activation_dropout"):  # a run from before these settings

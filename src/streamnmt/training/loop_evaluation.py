@@ -168,8 +168,8 @@ class LoopEvaluation:
             self.evaluate(loop, due["epoch"], beside=due["beside"])
         elif self.evaluator.pending is not None and (not self.evaluator.beside or self.evaluator.pending_on_loop):
             self.collect(loop, wait=True)
-        else:
-            return
+        # a run --patience stopped ends again at once (a scheduler that resubmits with --resume
+        # would otherwise train it on to the next evaluation each time)
         if self.evaluator.stopper.should_stop and not loop.stop_requested:
             loop.request_stop(self.evaluator.stopper.reason())
 

@@ -189,6 +189,44 @@ def test_translate_writes_utf8_to_a_stdout_of_another_encoding(env, monkeypatch)
     assert text.split("\n")[0] == expect[0]
 
 
+def test_nbest_lists_rank_the_beams_finished_hypotheses(env):
+    from streamnmt.inference.search import beam_search_scored, nbest_search, pad_batch
+
+    model, src_tok, _, _ = load_for_inference(env["ckpt"], "cpu")
+    src = pad_batch([src_tok.encode(e) + [masks.EOS] for e, _ in env["pairs"][:6]], "cpu")
+    opts = SearchOptions(beam_size=4)
+    best, best_scores = beam_search_scored(model, src, opts)
+    lists = nbest_search(model, src, opts, 3)
+    assert len(lists) == 6
+    for hyps, ids, sc in zip(lists, best, best_scores):
+        assert 1 <= len(hyps) <= 3 and hyps[0] == (ids, pytest.approx(sc))
+        scores = [s for _, s in hyps]
+        assert scores == sorted(scores, reverse=True)
+        assert len({tuple(h) for h, _ in hyps}) == len(hyps)  # distinct hypotheses
+    assert any(len(hyps) == 3 for hyps in lists)
+    with pytest.raises(ValueError, match="beam_size"):
+        nbest_search(model, src, opts, 5)
+
+
+def test_translate_nbest_writes_moses_lines_for_every_input_line(env, tmp_path, capsys):
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text(INPUT, encoding="utf-8")  # five lines, two of them empty
+    assert _translate(env, input=str(src), output=str(out), beam_size=3, nbest=2) == 0
+    rows = [line.split(" ||| ") for line in out.read_text(encoding="utf-8").splitlines()]
+    assert all(len(r) == 4 and r[2] == f"F0= {r[3]}" for r in rows)
+    numbers = [int(r[0]) for r in rows]
+    assert sorted(set(numbers)) == [0, 1, 2, 3, 4] and numbers == sorted(numbers)
+    assert [r[1] for r in rows if int(r[0]) in (1, 3)] == ["", ""]
+    plain = tmp_path / "plain.txt"
+    assert _translate(env, input=str(src), output=str(plain), beam_size=3) == 0
+    firsts = {}
+    for r in rows:
+        firsts.setdefault(int(r[0]), r[1])
+    assert [firsts[i] for i in range(5)] == plain.read_text(encoding="utf-8").split("\n")[:5]
+    with pytest.raises(ConfigError, match="--nbest"):
+        TranslateConfig(weights="w.pt", beam_size=2, nbest=3)
+
+
 # -- eval and BLEU ---------------------------------------------------------------------------
 
 def test_eval_prints_bleu_and_chrf(env, capsys):

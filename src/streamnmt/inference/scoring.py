@@ -32,6 +32,8 @@ from streamnmt.data import Tokenizer
 from streamnmt.data.writing import written_language
 from streamnmt.inference.decoding import SearchOptions
 from streamnmt.inference.graph_search import translate_ids
+from streamnmt.inference.search import nbest_search
+from streamnmt.inference.search import translate_ids as translate_ids_eager
 from streamnmt.models.transformer import Transformer
 
 CHINESE = scoreworker.CHINESE  # target languages scored with sacrebleu's "zh" tokenizer
@@ -63,6 +65,19 @@ def translate_texts(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, 
     sources, cut = encode_sources(src_tok, texts, limit)
     hyps = translate_ids(model, sources, opts, batch_size=batch_size, device=device)
     return detokenize(tgt_tok, hyps), cut
+
+
+def translate_texts_nbest(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, texts: list[str],
+                          opts: SearchOptions, n: int, *, device: torch.device | str, batch_size: int = 64,
+                          max_input_len: int | None = None) -> tuple[list[list[tuple[str, float]]], list[int]]:
+    """Each sentence's ``n`` best translations (text, score), best first, by the eager beam search
+    (:func:`~streamnmt.inference.search.nbest_search`); and the indices of truncated inputs."""
+    limit = min(max_input_len or model.shape.max_positions, model.shape.max_positions)
+    sources, cut = encode_sources(src_tok, texts, limit)
+    lists = translate_ids_eager(model, sources, opts, batch_size=batch_size, device=device,
+                                search_fn=lambda src: nbest_search(model, src, opts, n))
+    return [[(text, score) for text, (_, score) in zip(detokenize(tgt_tok, [ids for ids, _ in hyps]), hyps)]
+            for hyps in lists], cut
 
 
 def detokenize(tgt_tok: Tokenizer, outputs: list[list[int]]) -> list[str]:

@@ -77,6 +77,7 @@ class StaticSearch:
         self.step_attention = (STEP_ATTENTION.get(dtype, DECODE_ATTENTION) if cached and device.type == "cuda"
                                else DECODE_ATTENTION)
         self.greedy = beam == 1 if greedy is None else greedy  # beam 1 runs the beam algorithm unless greedy
+        self.keep_pools = False  # also keep every sentence's k finished hypotheses (n-best lists; eager)
         if self.greedy and beam != 1:
             raise ValueError(f"greedy search keeps one hypothesis; got beam {beam}")
         self.cache = StaticCache(model, r * k, src_width, w, dtype, device, exact, reorders=not self.greedy) \
@@ -128,6 +129,9 @@ class StaticSearch:
         n = self.sent.numel()  # rows, padding included
         self.result = torch.full((n, self.width), masks.PAD, dtype=torch.long, device=mem.device)  # (R, W)
         self.result_score = torch.full((n,), NEG_INF, device=mem.device)  # (R,)
+        if self.keep_pools and not self.greedy:
+            self.result_pool = torch.full((n, self.beam, self.width), masks.PAD, dtype=torch.long, device=mem.device)
+            self.result_pool_score = torch.full((n, self.beam), NEG_INF, device=mem.device)  # best first
         if self.greedy:
             self.out.fill_(masks.PAD)
             return
@@ -211,6 +215,9 @@ class StaticSearch:
             return
         self.result[self.sent] = torch.where(self.done[:, None], self.pool_tok[:, 0], masks.PAD)
         self.result_score[self.sent] = torch.where(self.done, self.pool_score[:, 0], NEG_INF)
+        if self.keep_pools:
+            self.result_pool[self.sent] = torch.where(self.done[:, None, None], self.pool_tok, masks.PAD)
+            self.result_pool_score[self.sent] = torch.where(self.done[:, None], self.pool_score, NEG_INF)
 
     def retire(self, keep: Tensor) -> None:
         """Keep only the sentence rows ``keep`` (m,), e.g. those not finished (not capturable)."""
@@ -239,6 +246,17 @@ class StaticSearch:
         # Needed: the ids go to the tokenizer.
         ids, best = host_sync("decode.result", lambda: (self.result[:b].tolist(), self.result_score[:b].tolist()))
         return _unpad(ids), best
+
+
+    def results_pool(self, b: int, n: int) -> list[list[tuple[list[int], float]]]:
+        """The ``n`` best finished hypotheses (ids, normalised score), best first, of the first ``b``
+        sentences (a sentence whose pool holds fewer has fewer)."""
+        self._collect()
+        # Needed: the ids go to the tokenizer.
+        ids, scores = host_sync("decode.result", lambda: (self.result_pool[:b, :n].tolist(),
+                                                          self.result_pool_score[:b, :n].tolist()))
+        return [[(hyp, sc) for hyp, sc in zip(_unpad(rows), row_scores) if sc != NEG_INF]
+                for rows, row_scores in zip(ids, scores)]
 
 
 # -- search ----------------------------------------------------------------------------------
@@ -276,6 +294,25 @@ def search_scored(model: Transformer, src: Tensor, opts: SearchOptions, beam: in
                   ) -> tuple[list[list[int]], list[float] | None]:
     """The :class:`StaticSearch` run eagerly on a (B, S) padded source batch: encode once, step,
     and every few steps retire finished sentences (the last step finishes them all)."""
+    return _run_eagerly(model, src, opts, beam, greedy).results(src.size(0))
+
+
+@torch.inference_mode()
+@sdpa_kernel(DECODE_ATTENTION)
+def nbest_search(model: Transformer, src: Tensor, opts: SearchOptions, n: int
+                 ) -> list[list[tuple[list[int], float]]]:
+    """(B, S) padded source ids -> for each sentence its ``n`` (at most ``opts.beam_size``) best
+    finished hypotheses as (ids, score), best first: the beam search's pool of finished
+    hypotheses, ranked by log-probability / length_penalty as :func:`beam_search_scored` ranks
+    them (its result is each list's first entry)."""
+    if not 1 <= n <= opts.beam_size:
+        raise ValueError(f"n-best lists hold 1 to beam_size ({opts.beam_size}) hypotheses; got {n}")
+    return _run_eagerly(model, src, opts, opts.beam_size, False, keep_pools=True).results_pool(src.size(0), n)
+
+
+def _run_eagerly(model: Transformer, src: Tensor, opts: SearchOptions, beam: int, greedy: bool,
+                 keep_pools: bool = False) -> StaticSearch:
+    """The search of :func:`search_scored`, its state returned once every sentence has finished."""
     check_search(model, beam)
     b = src.size(0)
     max_steps, limits = output_limits(model, src, opts)
@@ -283,6 +320,7 @@ def search_scored(model: Transformer, src: Tensor, opts: SearchOptions, beam: in
     mem = model.encode(src, src_mask)  # (B, S, D)
     state = StaticSearch(model, b, beam, src.size(1), max_steps + 1, opts, mem.dtype, src.device,
                          greedy=greedy, cached=opts.cached, exact=True)
+    state.keep_pools = keep_pools
     state.load(mem, src_mask, limits)
     every = opts.sync_every or sync_interval(src.device)
     for t in range(max_steps + 1):
@@ -295,7 +333,7 @@ def search_scored(model: Transformer, src: Tensor, opts: SearchOptions, beam: in
             break
         if keep.numel() < state.rows:
             state.retire(keep)
-    return state.results(b)
+    return state
 
 
 def greedy_search(model: Transformer, src: Tensor, opts: SearchOptions = SearchOptions()) -> list[list[int]]:

@@ -31,7 +31,8 @@ from streamnmt.errors import ConfigError, InputError
 from streamnmt.fsutil import atomic_write
 from streamnmt.models.transformer import ModelShape, Transformer
 from streamnmt.devices import resolve_device
-from streamnmt.inference.scoring import CHINESE, bleu_on_pairs, encode_sources, score, translate_texts
+from streamnmt.inference.scoring import (CHINESE, bleu_on_pairs, encode_sources, score, translate_texts,
+                                        translate_texts_nbest)
 
 __all__ = ["CHINESE", "EvalConfig", "InferenceConfig", "TranslateConfig", "bleu_on_pairs", "encode_sources",
            "load_for_inference", "read_lines", "run_eval", "run_translate", "score", "translate_texts"]
@@ -98,10 +99,21 @@ class TranslateConfig(InferenceConfig):
     output: str | None = opt(None, "file for the translations, one a line; none or '-' = stdout")
     max_input_len: int = opt(256, "longest input in tokens (EOS included); longer lines are truncated "
                                   "with a warning")
+    nbest: int = opt(0, "write each line's N best translations (N <= --beam-size), best first, as "
+                        "'LINE ||| TRANSLATION ||| F0= SCORE ||| SCORE' lines (Moses' and Marian's n-best "
+                        "format; LINE counts from 0; SCORE = log-prob / length penalty), decoded by the eager "
+                        "search; 0 = the best translation only, one line each")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.max_input_len >= 2, "max_input_len", f"must be at least 2; got {self.max_input_len}")
+        check(0 <= self.nbest <= self.beam_size, "nbest",
+              f"must be 0 (off) or 1 to --beam-size ({self.beam_size}); got {self.nbest}")
+
+    def search_options(self) -> SearchOptions:
+        # n-best lists come from the eager search's pools (graph decoding keeps the best only)
+        opts = super().search_options()
+        return dataclasses.replace(opts, graph=opts.graph and not self.nbest)
 
 
 @dataclass(kw_only=True)
@@ -242,18 +254,26 @@ def run_translate(cfg: TranslateConfig) -> int:
 
     t0 = time.perf_counter()
     max_len = min(cfg.max_input_len, model.shape.max_positions)
-    hyps, cut = translate_texts(model, src_tok, tgt_tok, [lines[i] for i in todo], cfg.search_options(),
-                                device=device, batch_size=cfg.batch_size, max_input_len=max_len)
+    texts = [lines[i] for i in todo]
+    if cfg.nbest:
+        lists, cut = translate_texts_nbest(model, src_tok, tgt_tok, texts, cfg.search_options(), cfg.nbest,
+                                           device=device, batch_size=cfg.batch_size, max_input_len=max_len)
+    else:
+        hyps, cut = translate_texts(model, src_tok, tgt_tok, texts, cfg.search_options(),
+                                    device=device, batch_size=cfg.batch_size, max_input_len=max_len)
     seconds = time.perf_counter() - t0
     for j in cut[:MAX_WARNINGS]:
         warn(f"{name}:{todo[j] + 1}: input longer than {max_len} tokens (EOS included); truncated")
     if len(cut) > MAX_WARNINGS:
         warn(f"{name}: {len(cut) - MAX_WARNINGS} more lines truncated to {max_len} tokens")
 
-    out = [""] * len(lines)
-    for i, hyp in zip(todo, hyps):
-        out[i] = hyp
-    text = "".join(line + "\n" for line in out)
+    if cfg.nbest:
+        text = nbest_text(len(lines), todo, lists)
+    else:
+        out = [""] * len(lines)
+        for i, hyp in zip(todo, hyps):
+            out[i] = hyp
+        text = "".join(line + "\n" for line in out)
     if cfg.output in (None, "-"):
         write_stdout(text)
     else:
@@ -265,6 +285,18 @@ def run_translate(cfg: TranslateConfig) -> int:
     print(f"translated {len(lines)} lines ({len(todo)} non-empty) in {seconds:.2f} s, {rate:.1f} sentences/s "
           f"on {_mode(cfg, device)}", file=sys.stderr)
     return 0
+
+
+def nbest_text(n_lines: int, todo: list[int], lists: list[list[tuple[str, float]]]) -> str:
+    """Moses' n-best lines, ``LINE ||| TRANSLATION ||| F0= SCORE ||| SCORE``, every input line's
+    hypotheses best first; an empty input line gets one empty translation of score 0 (every line
+    number appears, so a reader can align the lists with the input)."""
+    by_line = dict(zip(todo, lists))
+    out = []
+    for i in range(n_lines):
+        for hyp, sc in by_line.get(i, [("", 0.0)]):
+            out.append(f"{i} ||| {hyp} ||| F0= {sc:.6f} ||| {sc:.6f}\n")
+    return "".join(out)
 
 
 def write_stdout(text: str) -> None:

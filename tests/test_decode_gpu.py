@@ -205,3 +205,19 @@ def test_fp32_steps_attend_through_the_plain_path_and_match_the_uncached_search(
     same = [a == b for a, b in zip(got_h, ref_h)]
     assert sum(same) >= 0.95 * len(same)
     assert max(abs(a - b) for a, b, ok in zip(got_s, ref_s, same) if ok) <= 1e-4
+
+
+def test_nbest_lists_on_cuda_start_with_the_graph_decoders_best():
+    """--nbest decodes eagerly (the pools); its first entries are what graph decoding gives."""
+    dev = torch.device("cuda")
+    model = tiny_model().to(dev)
+    srcs = sentences(128)
+    opts = SearchOptions(beam_size=4, len_penalty=0.6)
+    gd = GraphDecoder(model, opts, batch_size=64)
+    for i in range(0, 128, 64):
+        src = pad_batch(srcs[i:i + 64], dev)
+        best, best_scores = gd.search_scored(src)
+        lists = decode.nbest_search(model, src, opts, 4)
+        assert [hyps[0][0] for hyps in lists] == best
+        assert max(abs(hyps[0][1] - s) for hyps, s in zip(lists, best_scores)) <= 1e-4
+        assert all([s for _, s in hyps] == sorted((s for _, s in hyps), reverse=True) for hyps in lists)

@@ -198,6 +198,7 @@ def test_resume_of_a_run_from_before_the_dropout_settings_keeps_its_dropout(trai
                            if k not in ("attention_dropout", "activation_dropout")} | {"dropout": 0.2}
     old = tmp_path / "old" / "weights" / "last.pt"  # in a run directory, as --resume wants it
     save_checkpoint(old, {k: v for k, v in ckpt.items() if k not in ("format", "version")})
+    (tmp_path / "old" / "config.yaml").write_bytes((trained["run"] / "config.yaml").read_bytes())
     trainer = Trainer.from_checkpoint(str(old), log=lambda _: None)
     assert (trainer.run.shape.attention_p(), trainer.run.shape.activation_p(), trainer.run.shape.dropout) == (0.2, 0.2, 0.2)
     assert trainer.model.decoder[0].cross_attn.dropout == 0.2 and trainer.model.encoder[0].ff.drop.p == 0.2

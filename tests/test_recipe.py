@@ -117,6 +117,7 @@ def test_eval_ema_writes_the_average_to_best_and_resume_restores_it(tmp_path):
     # a checkpoint from before --ema-every: its average was updated at every step, and stays so
     old = tmp_path / "old" / "weights" / "last.pt"  # in a run directory, as --resume wants it
     old.parent.mkdir(parents=True)
+    (tmp_path / "old" / "config.yaml").write_bytes((tmp_path / "ema" / "config.yaml").read_bytes())
     del last["config"]["run"]["ema_every"]
     torch.save(last, old)
     assert Trainer.from_checkpoint(str(old), log=lambda _: None).train_step.ema.every == 1

@@ -290,5 +290,11 @@ def test_resume_refuses_a_checkpoint_outside_a_run_directory(tmp_path, home, mon
     copy.write_bytes((tmp_path / "runs" / "r" / "weights" / "last.pt").read_bytes())
     code, out = train_here(["--resume", str(copy)], home, monkeypatch, capsys)
     assert code == 1
-    assert f"--resume: {copy} is not in a run's weights/ folder" in out and "--weights" in out
+    assert f"--resume: {copy} is not in a run's weights/ folder beside its config.yaml" in out and "--weights" in out
     assert sorted(p.name for p in (tmp_path / "downloads").rglob("*")) == ["a", "last.pt"]  # nothing written
+    other = tmp_path / "downloads" / "weights" / "last.pt"  # a folder named weights/ is not yet a run
+    other.parent.mkdir()
+    other.write_bytes(copy.read_bytes())
+    code, out = train_here(["--resume", str(other)], home, monkeypatch, capsys)
+    assert code == 1 and "beside its config.yaml" in out
+    assert sorted(p.name for p in (tmp_path / "downloads").iterdir()) == ["a", "weights"]

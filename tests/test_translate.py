@@ -176,6 +176,20 @@ def test_translate_writes_through_a_link_and_into_a_pipe(env, tmp_path):
     assert got and got[0].decode("utf-8") == real.read_text(encoding="utf-8")
 
 
+def test_output_to_dev_stderr_writes_to_the_redirected_file_without_replacing_it(tmp_path):
+    log = tmp_path / "err.log"
+    log.write_text("first\n", encoding="utf-8")
+    code = ("import sys\n"
+            "from streamnmt.fsutil import write_output\n"
+            "print('printed before', file=sys.stderr)\n"
+            "write_output('/dev/stderr', 'translation\\n'.encode())\n"
+            "print('printed after', file=sys.stderr)\n")
+    with open(log, "ab") as err:  # the shell's 2>> err.log
+        subprocess.run([sys.executable, "-c", code], stderr=err, check=True,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert log.read_text(encoding="utf-8") == "first\nprinted before\ntranslation\nprinted after\n"
+
+
 def test_translate_writes_utf8_to_a_stdout_of_another_encoding(env, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(INPUT.encode())))
     raw = io.BytesIO()
@@ -265,8 +279,9 @@ def test_eval_warns_of_empty_sides_and_truncated_sources(env, tmp_path, capsys):
     assert run_eval(EvalConfig(weights=str(env["ckpt"]), device="cpu", data=str(data), beam_size=1)) == 0
     captured = capsys.readouterr()
     assert "test: 8 sentences" in captured.out
-    assert "test: 2 of 10 pairs have an empty side and are not scored (BLEU over the other 8)" in captured.err
-    assert "test: 1 sources longer than the model's 64 positions" in captured.err and "(pairs 5)" in captured.err
+    assert "test: 2 of 10 pairs have an empty side and are not scored" in captured.err
+    assert "test: 1 sources longer than the model's 64 positions" in captured.err
+    assert "(records 6 of the split)" in captured.err  # the file's 6th record, the 5th pair scored
 
 
 def test_eval_names_the_flag_where_the_checkpoints_corpus_moved(env, tmp_path):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
+import re
 import stat
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,25 +31,9 @@ def streamnmt_home() -> Path:
 def atomic_path(target: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``target``; on success it replaces ``target``.
 
-    On an exception the temporary file is removed and ``target`` is left as it was. A symbolic link
-    is written through (the file it names is replaced, the link kept); a device or a pipe
-    (``/dev/null``, ``/dev/stdout``, a FIFO) cannot be renamed over, so it receives the finished
-    bytes by a plain write instead.
+    On an exception the temporary file is removed and ``target`` is left as it was.
     """
     target = Path(target)
-    if _is_stream(target):
-        fd, tmp = tempfile.mkstemp(prefix=".streamnmt.", suffix=suffix + ".tmp")
-        os.close(fd)
-        try:
-            yield Path(tmp)
-            with open(tmp, "rb") as src, open(target, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        return
-    if target.is_symlink():
-        target = Path(os.path.realpath(target))
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix + ".tmp", dir=target.parent)
     os.close(fd)
@@ -66,13 +51,40 @@ def atomic_path(target: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
         raise
 
 
-def _is_stream(path: Path) -> bool:
-    """Whether ``path`` (through links) exists and is neither a regular file nor a folder."""
+# /dev/stdout, /dev/stderr, /dev/fd/N, /proc/self/fd/N, /proc/PID/fd/N: a descriptor this process
+# has open (a shell's redirection, perhaps of a file with >>): written through that descriptor, never
+# reopened (which would truncate the file) nor renamed over (which would unlink it)
+_OWN_FD = re.compile(r"^/dev/(?:(std)(in|out|err)|fd/(\d+))$|^/proc/(?:self|\d+)/fd/(\d+)$")
+
+
+def write_output(target: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` where a user's output flag points: a regular file atomically
+    (:func:`atomic_path`), through a symbolic link (the file it names replaced, the link kept), a
+    descriptor this process holds (``/dev/stdout``, ``/dev/stderr``, ``/dev/fd/N``) by writing to it,
+    and a device or a pipe (``/dev/null``, a FIFO) by a plain write, neither of which a rename can
+    replace."""
+    text = os.fspath(target)
+    own = _OWN_FD.match(text)
+    if own is not None:
+        fd = {"in": 0, "out": 1, "err": 2}[own.group(2)] if own.group(1) else int(own.group(3) or own.group(4))
+        if not text.startswith("/proc/") or text.startswith(("/proc/self/", f"/proc/{os.getpid()}/")):
+            for stream in (sys.stdout, sys.stderr):  # what the process printed before comes first
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            return
     try:
-        mode = os.stat(path).st_mode
+        mode = os.stat(target).st_mode
     except OSError:
-        return False
-    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+        mode = None
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        with open(target, "wb") as f:
+            f.write(data)
+        return
+    path = Path(os.path.realpath(target)) if Path(target).is_symlink() else Path(target)
+    atomic_write(path, data)
 
 
 def atomic_write(target: str | os.PathLike, data: bytes | str, encoding: str = "utf-8") -> None:

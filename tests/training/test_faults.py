@@ -383,10 +383,13 @@ def test_a_full_disk_leaves_the_last_whole_checkpoint(env):
 @pytest.mark.parametrize("damage", ["truncated", "corrupt", "empty"])
 def test_a_damaged_last_pt_is_refused_in_one_line(env, damage, capsys):
     root, refs = env
-    path = root / f"{damage}.pt"
+    path = root / damage / "weights" / "last.pt"  # in a run directory: refused for its bytes, not its place
+    path.parent.mkdir(parents=True)
+    (root / damage / "config.yaml").write_bytes((refs["off"] / "config.yaml").read_bytes())
     good = (refs["off"] / "weights" / "last.pt").read_bytes()
     path.write_bytes({"truncated": good[:len(good) // 2], "corrupt": b"\x00garbage" * 64, "empty": b""}[damage])
     assert main(["train", "--resume", str(path)]) == 1
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and err[0].startswith("streamnmt: error: --resume:") and str(path) in err[0], err
+    assert "not a valid streamnmt checkpoint" in err[0], err
 

@@ -120,8 +120,11 @@ def test_a_checkpoint_from_before_the_tokenizer_rename_resumes(tmp_path):
     data = ckpt["config"]["data"]
     data["tokenizer_eng"], data["tokenizer_chn"] = str(tmp_path / "gone.model"), str(tmp_path / "gone2.model")
     del data["tokenizer_src"], data["tokenizer_tgt"]
-    torch.save(ckpt, tmp_path / "old.pt")
-    job, _ = resume_job(str(tmp_path / "old.pt"), log=lambda _: None)
+    old = tmp_path / "old" / "weights" / "last.pt"  # in a run directory, as --resume wants it
+    old.parent.mkdir(parents=True)
+    (tmp_path / "old" / "config.yaml").write_bytes((tmp_path / "a" / "config.yaml").read_bytes())
+    torch.save(ckpt, old)
+    job, _ = resume_job(str(old), log=lambda _: None)
     assert Path(job.data.tokenizer_src).is_file() and Path(job.data.tokenizer_tgt).is_file()
     assert "gone" not in job.data.tokenizer_src + job.data.tokenizer_tgt
 

@@ -101,15 +101,23 @@ def resolve_data_dir(cfg: DataConfig, build: bool = True) -> Path:
     return directory
 
 
-def read_pairs(cfg: DataConfig, split: str, stats: ReadStats | None = None) -> list[tuple[str, str]]:
+def read_pairs(cfg: DataConfig, split: str, stats: ReadStats | None = None,
+               records: list[int] | None = None) -> list[tuple[str, str]]:
     """The usable ``(source, target)`` text pairs of a split, in order (e.g. BLEU references).
 
     For dev and test, pair ``k`` here is pair ``k`` of ``prepare_data``'s corpus of that split.
-    ``stats`` (if given) receives the counts of the read, e.g. the pairs skipped for an empty side.
+    ``stats`` (if given) receives the counts of the read, e.g. the pairs skipped for an empty side;
+    ``records`` (if given) each pair's number in the split's file (its JSON record or line, from 1).
     """
     directory = resolve_data_dir(cfg)
-    return list(iter_pairs(require_split(directory, split, cfg.src_lang, cfg.tgt_lang),
-                           cfg.src_lang, cfg.tgt_lang, stats))
+    stats = stats if stats is not None else ReadStats()
+    pairs = []
+    for pair in iter_pairs(require_split(directory, split, cfg.src_lang, cfg.tgt_lang), cfg.src_lang,
+                           cfg.tgt_lang, stats):
+        pairs.append(pair)
+        if records is not None:
+            records.append(stats.read)  # the reader counts a record as it hands it on
+    return pairs
 
 
 def prepare_data(cfg: DataConfig, log: Log = print, build: bool = True) -> DataBundle:

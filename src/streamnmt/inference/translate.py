@@ -28,7 +28,7 @@ from streamnmt.data import DataConfig, Tokenizer, read_pairs
 from streamnmt.data.readers import ReadStats
 from streamnmt.inference.decoding import DTYPES, SearchOptions, decode_dtype, dtype_name
 from streamnmt.errors import ConfigError, InputError
-from streamnmt.fsutil import atomic_write
+from streamnmt.fsutil import write_output
 from streamnmt.models.transformer import ModelShape, Transformer
 from streamnmt.devices import resolve_device
 from streamnmt.inference.scoring import (CHINESE, bleu_on_pairs, encode_sources, score, translate_texts,
@@ -278,7 +278,7 @@ def run_translate(cfg: TranslateConfig) -> int:
         write_stdout(text)
     else:
         try:
-            atomic_write(cfg.output, text)
+            write_output(cfg.output, text.encode("utf-8"))
         except OSError as e:
             raise InputError(f"--output: cannot write {cfg.output}: {e.strerror}") from None
     rate = len(todo) / seconds if seconds > 0 else 0.0
@@ -331,19 +331,18 @@ def run_eval(cfg: EvalConfig) -> int:
     if cfg.data is None and dcfg.data and not Path(dcfg.data).expanduser().is_dir():
         raise InputError(f"--weights: {cfg.weights} was trained on {dcfg.data}, which is not there now; "
                          "name the corpus with --data DIR")
-    stats = ReadStats()
-    pairs = read_pairs(dcfg, cfg.split, stats)
+    stats, records = ReadStats(), []
+    pairs = read_pairs(dcfg, cfg.split, stats, records)
     if stats.empty_skipped:
-        warn(f"{cfg.split}: {stats.empty_skipped} of {stats.read} pairs have an empty side and are not "
-             f"scored (BLEU over the other {len(pairs)})")
+        warn(f"{cfg.split}: {stats.empty_skipped} of {stats.read} pairs have an empty side and are not scored")
     res = bleu_on_pairs(model, src_tok, tgt_tok, pairs, device=device, beam_size=cfg.beam_size,
                         batch_size=cfg.batch_size, tgt_lang=dcfg.tgt_lang, limit=cfg.limit or None,
                         options=cfg.search_options())
     if res["cut"]:
-        first = ", ".join(str(i + 1) for i in res["cut"][:MAX_WARNINGS])
+        first = ", ".join(str(records[i]) for i in res["cut"][:MAX_WARNINGS])
         warn(f"{cfg.split}: {len(res['cut'])} sources longer than the model's {model.shape.max_positions} "
-             f"positions (EOS included), truncated as in training's evaluations (pairs {first}"
-             f"{', ...' if len(res['cut']) > MAX_WARNINGS else ''})")
+             f"positions (EOS included), truncated as in training's evaluations (records {first}"
+             f"{', ...' if len(res['cut']) > MAX_WARNINGS else ''} of the split)")
     rate = res["n"] / res["seconds"] if res["seconds"] > 0 else 0.0
     print(f"{cfg.split}: {res['n']} sentences, beam {cfg.beam_size}, {res['seconds']:.2f} s, "
           f"{rate:.1f} sentences/s on {_mode(cfg, device)}")

@@ -346,13 +346,14 @@ class _RunBuilder:
             run.save_dir = increment_path(r.project, r.name, r.exist_ok)
             (run.save_dir / "weights").mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(run.save_dir / "weights")
-            atomic_write(run.save_dir / "config.yaml", self.job.to_yaml())
             # --exist-ok: an earlier run's best, EMA, step files and last.pt are not ours (its last.pt
-            # beside this run's config.yaml would be resumed as this run's after a kill before the first save)
+            # beside this run's config.yaml would be resumed as this run's after a kill before the
+            # first save), so they go before the config is written
             weights = run.save_dir / "weights"
             for stale in [weights / "best.pt", weights / "best.safetensors", weights / "ema.pt", weights / "last.pt",
                           *weights.glob("step_*.pt")]:
                 stale.unlink(missing_ok=True)
+            atomic_write(run.save_dir / "config.yaml", self.job.to_yaml())
             self.dist.broadcast(str(run.save_dir), "dist.setup")
         run.checkpoints.save_dir = run.save_dir
 
@@ -428,14 +429,16 @@ def resume_job(path: str, log: Callable[[str], None] = print, device: str | None
     """The job and loaded checkpoint that continue the run of checkpoint ``path``. ``changes`` gives new values for settings of
     :data:`streamnmt.config.RESUME_SETTINGS` (a longer run, a new time slot, ...); the change
     is said in one line. The tokenizers come from the checkpoint where it embeds them."""
+    where = Path(path).resolve()
+    if where.is_file() and not (where.parent.name == "weights" and (where.parent.parent / "config.yaml").is_file()):
+        # the run directory (weights/'s parent) is where a resume writes its logs and checkpoints
+        raise InputError(f"--resume: {path} is not in a run's weights/ folder beside its config.yaml "
+                         "(runs/train/NAME/weights/last.pt), where the run it continues lives; put it back "
+                         "there, or start a new run from its weights with --weights")
     ckpt = load_checkpoint(path, flag="--resume")
     if "optimizer" not in ckpt:
         raise InputError(f"--resume: {path} holds weights only (e.g. an averaged checkpoint); "
                          f"start from it with --weights instead")
-    if Path(path).resolve().parent.name != "weights":  # its run directory is where a resume writes
-        raise InputError(f"--resume: {path} is not in a run's weights/ folder (runs/train/NAME/weights/last.pt), "
-                         "where the run it continues lives; put it back there, or start a new run from its "
-                         "weights with --weights")
     config = {**ckpt["config"], "run": {**ckpt["config"].get("run", {})}}
     model_cfg = dict(config.get("model") or {})
     for key in ("attention_dropout", "activation_dropout"):  # a run from before these settings

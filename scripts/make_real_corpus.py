@@ -15,7 +15,8 @@ into a scratch folder, never into /) and writes ``train/dev/test.json`` arrays o
 
 Languages: ``--lang`` names locale directories exactly (``de``, ``zh_CN``, ``pt_BR``, ``sr@latin``);
 ``--variants`` also reads the same language's regional ones (``de`` -> ``de_CH``, ``de_AT``...,
-read after ``de``). The record key is the language part of the name (``zh_CN`` -> ``zh``, so that
+read after ``de``), in the same script only (not ``sr@latin`` beside ``sr``; ``zh`` reads ``zh_CN`` and
+``zh_SG``, not the Traditional ``zh_TW``, ``zh_HK``). The record key is the language part of the name (``zh_CN`` -> ``zh``, so that
 the project scores Chinese with sacrebleu's ``zh`` tokenizer). Several comma-separated languages
 make one corpus whose target key is ``mul`` and whose sources start with the target's tag
 (``<2de> Open file``); each language is deduplicated on its own, and an English sentence falls
@@ -151,7 +152,7 @@ def catalogue_entries(data: bytes, counts: Counts) -> Iterator[tuple[str, str]]:
         try:
             src = src if src is not None else msgid.decode(charset)
             tgt = msgstr.decode(charset)
-        except UnicodeDecodeError:
+        except UnicodeError:  # UnicodeDecodeError, and a codec the header names that fails otherwise
             counts.undecodable += 1
             continue
         yield src, tgt
@@ -211,11 +212,20 @@ def parse_langs(spec: str) -> list[str]:
     return langs
 
 
+# Chinese regions that write Traditional characters (zh_CN, zh_SG: Simplified)
+_TRADITIONAL = {"TW", "HK", "MO"}
+
+
 def locale_dirs(lang: str, variants: bool, names: set[str]) -> list[str]:
-    """The locale directory names read for ``lang``: itself, then (``variants``) ``lang_*``/``lang@*``."""
+    """The locale directory names read for ``lang``: itself, then (``variants``) its regional ones
+    (``de`` -> ``de_AT``, ``de_CH``), in the same script: not a script's own directory (``sr@latin``,
+    ``zh_Hant``) and, for Chinese, only the regions of the script ``lang`` writes."""
     out = [lang] if lang in names else []
     if variants:
-        out += sorted(n for n in names if n != lang and re.fullmatch(re.escape(lang) + r"[_@].+", n))
+        regional = re.compile(re.escape(lang) + r"_([A-Z]{2}|\d{3})(?:\.[\w-]+)?")
+        traditional = lang_key(lang) == "zh" and lang.partition("_")[2][:2] in _TRADITIONAL
+        out += sorted(n for n in names if n != lang and (m := regional.fullmatch(n))
+                      and (lang_key(lang) != "zh" or (m.group(1) in _TRADITIONAL) == traditional))
     return out
 
 
@@ -478,7 +488,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("outdir", help="corpus directory to write (train/dev/test.json, corpus_info.json)")
     ap.add_argument("--lang", required=True,
                     help="locale directory name(s): de, zh_CN, pt_BR; comma-separated for one tagged corpus")
-    ap.add_argument("--variants", action="store_true", help="also read LANG_* and LANG@* directories")
+    ap.add_argument("--variants", action="store_true", help="also read LANG_REGION directories in LANG's script (de: de_AT, de_CH; zh: zh_CN, zh_SG)")
     ap.add_argument("--locale-root", action="append", metavar="DIR",
                     help=f"where locale directories are (repeatable; default {' and '.join(DEFAULT_ROOTS)})")
     ap.add_argument("--download", action="store_true", help="also read the catalogues of --packages")

@@ -208,6 +208,27 @@ def test_variants_are_read_only_when_asked(tmp_path):
     assert var["Open file number 1"] == "anders"  # 1:1 tie -> smaller string, whatever the dir
 
 
+def test_variants_keep_to_the_languages_script():
+    dirs = {"de", "de_AT", "de_CH", "de@hebrew", "sr", "sr_RS", "sr@latin", "sr_RS@latin", "zh_CN", "zh_SG",
+            "zh_TW", "zh_HK", "zh_Hant", "zh_Hans", "deu", "de_DE.UTF-8"}
+    locale_dirs = mrc.locale_dirs
+    assert locale_dirs("de", True, dirs) == ["de", "de_AT", "de_CH", "de_DE.UTF-8"]
+    assert locale_dirs("sr", True, dirs) == ["sr", "sr_RS"]
+    assert locale_dirs("zh", True, dirs) == ["zh_CN", "zh_SG"]
+    assert locale_dirs("de", False, dirs) == ["de"]
+
+
+def test_a_catalogue_whose_charset_fails_to_decode_is_counted_not_fatal(tmp_path):
+    root = tmp_path / "locale"
+    write_mo(root, "de", "a", many(30))
+    odd = "Content-Type: text/plain; charset=punycode\n"
+    path = root / "de" / "LC_MESSAGES" / "odd.mo"
+    path.write_bytes(mo_bytes([("Street", "abc-.x")], header=odd))  # ASCII that punycode cannot decode
+    run(root, tmp_path / "out")
+    records = {r["en"] for s in splits(tmp_path / "out").values() for r in s}
+    assert len(records) == 30 and "Street" not in records
+
+
 def test_errors_are_one_line_and_leave_files_alone(tmp_path):
     root = tmp_path / "locale"
     write_mo(root, "de", "a", many(40))

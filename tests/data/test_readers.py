@@ -100,6 +100,34 @@ def test_text_pair_with_one_half_missing(tmp_path: Path) -> None:
     assert "train.en" in message and "train.zh" in message
 
 
+def test_one_half_found_names_the_splits_other_files(tmp_path: Path) -> None:
+    write_split(tmp_path, "train", make_pairs(5), "text:en:de")  # an en-de folder run without --tgt-lang
+    message = _error(small_config(tmp_path))
+    assert "train.ch or train.zh" in message and "other files here: train.de" in message and "--tgt-lang" in message
+
+
+def test_fairseqs_valid_split_is_the_dev_split(tmp_path: Path) -> None:
+    pairs = make_pairs(8)
+    write_split(tmp_path, "valid", pairs, "text:en:zh")
+    assert read_pairs(small_config(tmp_path), "dev") == pairs
+
+
+def test_a_split_in_two_formats_is_an_error_naming_both(tmp_path: Path) -> None:
+    write_split(tmp_path, "train", make_pairs(5), "json")
+    write_split(tmp_path, "train", make_pairs(6, 2), "text:en:ch")
+    message = _error(small_config(tmp_path))
+    assert "the train split is there twice" in message and "train.json" in message and "train.en" in message
+    write_split(tmp_path, "dev", make_pairs(5), "json")
+    write_split(tmp_path, "valid", make_pairs(5), "json")
+    assert "the dev split is there twice" in _error(small_config(tmp_path), "dev")
+
+
+def test_a_lone_surrogate_names_the_record(tmp_path: Path) -> None:
+    (tmp_path / "train.json").write_text('[{"en": "a", "ch": "b"}, {"en": "bad \\ud800 x", "ch": "c"}]')
+    message = _error(small_config(tmp_path))
+    assert "record 1" in message and "'en' is not valid Unicode" in message
+
+
 @pytest.mark.parametrize("chunk_kb", [None, 1])
 def test_malformed_json_names_line_and_column(tmp_path: Path, monkeypatch, chunk_kb) -> None:
     if chunk_kb:

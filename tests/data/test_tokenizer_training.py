@@ -146,6 +146,31 @@ def test_a_training_that_fails_leaves_the_records_of_the_models_on_disk(corpus_d
     assert not any("trained" in line for line in lines)
 
 
+def test_a_side_trained_beside_one_that_fails_leaves_no_model(corpus_dir: Path, monkeypatch) -> None:
+    """The two sides train at once: the target's model written while the source's training fails is
+    removed (a model without a record would be used as it is by every later run, on any corpus)."""
+    import pytest
+
+    from streamnmt.data import tokenizer_training
+
+    real = tokenizer_training.train_tokenizer
+
+    def source_fails(texts, path, *args, **kwargs):
+        if kwargs.get("name", "").startswith("source"):
+            time.sleep(0.5)  # the target's model is written first
+            raise RuntimeError("SentencePiece refused the source")
+        return real(texts, path, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer_training, "train_tokenizer", source_fails)
+    with pytest.raises(RuntimeError, match="refused the source"):
+        prepare_data(small_config(corpus_dir), log=_quiet)
+    assert sorted(p.name for p in (corpus_dir / "tokenizer").iterdir()) == []
+    monkeypatch.undo()
+    lines: list[str] = []
+    prepare_data(small_config(corpus_dir), log=lines.append)
+    assert any("trained source tokenizer and target tokenizer" in line for line in lines), lines
+
+
 def test_a_source_sized_by_the_target_is_trained_again_when_a_size_is_given(tmp_path: Path) -> None:
     """Where neither size is given the source's follows the target's pieces; --tgt-vocab gives the
     target its own and the source its rule's size, as a fresh folder's would be."""

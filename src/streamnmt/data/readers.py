@@ -25,6 +25,8 @@ from streamnmt.errors import InputError
 SPLITS = ("train", "dev", "test")
 # Language codes that name the same files: tgt_lang "ch" (the original keys) also finds train.zh.
 _ALIASES = {"ch": ("ch", "zh"), "zh": ("zh", "ch")}
+# File names of a split: fairseq and OpenNMT name the development split "valid"
+_STEMS = {"dev": ("dev", "valid")}
 
 
 @dataclass(frozen=True)
@@ -54,22 +56,33 @@ def lang_exts(lang: str) -> tuple[str, ...]:
 def find_split(data_dir: Path, split: str, src_lang: str, tgt_lang: str) -> SplitSource | None:
     """The split's source in ``data_dir`` (then ``data_dir/json``), or None if there is none.
 
-    Formats are tried in the order json, jsonl, tsv, text pairs; the first found is used.
+    The formats are json, jsonl, tsv and text pairs (``dev`` also as ``valid``, fairseq's name); a
+    folder holding a split in two of them is an error (which one a run trained on would be a guess).
     """
     for base in (data_dir, data_dir / "json"):
-        for fmt in ("json", "jsonl", "tsv"):
-            path = base / f"{split}.{fmt}"
-            if path.is_file():
-                return SplitSource(split, fmt, (path,))
-        src = _first_file(base, split, lang_exts(src_lang))
-        tgt = _first_file(base, split, lang_exts(tgt_lang))
-        if src and tgt:
-            return SplitSource(split, "text", (src, tgt))
-        if src or tgt:
-            have, lang = (src, tgt_lang) if src else (tgt, src_lang)
-            wanted = " or ".join(f"{split}.{e}" for e in lang_exts(lang))
-            raise InputError(f"{have}: found this half of a text pair but not its other half "
-                             f"({wanted} in {base})")
+        found: list[SplitSource] = []
+        for stem in _STEMS.get(split, (split,)):
+            for fmt in ("json", "jsonl", "tsv"):
+                path = base / f"{stem}.{fmt}"
+                if path.is_file():
+                    found.append(SplitSource(split, fmt, (path,)))
+            src = _first_file(base, stem, lang_exts(src_lang))
+            tgt = _first_file(base, stem, lang_exts(tgt_lang))
+            if src and tgt:
+                found.append(SplitSource(split, "text", (src, tgt)))
+            elif (src or tgt) and not found:
+                have, lang = (src, tgt_lang) if src else (tgt, src_lang)
+                wanted = " or ".join(f"{stem}.{e}" for e in lang_exts(lang))
+                others = sorted(p.name for p in base.glob(f"{stem}.*") if p != have and p.is_file())
+                hint = (f"; the split's other files here: {', '.join(others[:4])} (--src-lang/--tgt-lang name "
+                        f"the extensions)" if others else "")
+                raise InputError(f"{have}: found this half of a text pair but not its other half "
+                                 f"({wanted} in {base}){hint}")
+        if len(found) > 1:
+            raise InputError(f"{base}: the {split} split is there twice ({' and '.join(s.describe() for s in found)}): "
+                             "remove or move one, so that the run reads the one meant")
+        if found:
+            return found[0]
     return None
 
 
@@ -88,7 +101,8 @@ def require_split(data_dir: Path, split: str, src_lang: str, tgt_lang: str) -> S
     if source is None:
         pair = " + ".join(f"{split}.{lang_exts(lang)[0]}" for lang in (src_lang, tgt_lang))
         raise InputError(f"{data_dir}: no {split} split found (looked for {split}.json, {split}.jsonl, "
-                         f"{split}.tsv or {pair}, here and in {data_dir / 'json'})")
+                         f"{split}.tsv or {pair}{', or the same named valid' if split == 'dev' else ''}, here "
+                         f"and in {data_dir / 'json'})")
     return source
 
 
@@ -152,6 +166,12 @@ def _record_pair(obj: Any, path: Path, where: str, src_key: str, tgt_key: str) -
             value = ""  # counted as an empty sentence
         if not isinstance(value, str):
             raise InputError(f"{path}: {where}: {key!r} must be a string, got {type(value).__name__}")
+        if not value.isascii():
+            try:  # JSON's \ud800-style escapes can name half a character, which no tokenizer takes
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InputError(f"{path}: {where}: {key!r} is not valid Unicode (a lone surrogate "
+                                 f"{value[e.start]!r} at character {e.start})") from None
         out.append(value)
     return out[0], out[1]
 

@@ -290,14 +290,29 @@ def train(cfg: DataConfig, directory: Path, sources: dict[str, SplitSource | Non
     samples, pairs = sample_train(cfg, sources["train"])
     check_other_splits(cfg, sources)
     previous = {side.role: _text(record_path(side.path)) for side in missing}
+    models = {side.role: _identity(side.path) for side in missing}
     for side in missing:  # a run killed from here on leaves models that are trained again
         write_record(side, None, wanted[side.role])
     try:
         return _trained(cfg, directory, sources, missing, log, threads, samples, pairs, wanted, t0)
     except Exception:  # a training that fails (not a kill): the records say what the models on disk are again
         for side in missing:
-            _restore(record_path(side.path), previous[side.role])
+            if _identity(side.path) == models[side.role]:
+                _restore(record_path(side.path), previous[side.role])
+            elif models[side.role] is None:  # this run's model of a side trained beside one that failed:
+                side.path.unlink(missing_ok=True)  # without a record it would be used as it is for good
+                record_path(side.path).unlink(missing_ok=True)
+            # else: a model replaced by this run keeps its pending record, and is trained again
         raise
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """A file's inode, size and mtime (an atomic write makes a new inode), or None if there is none."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _text(path: Path) -> str | None:

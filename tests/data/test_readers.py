@@ -122,6 +122,17 @@ def test_a_split_in_two_formats_is_an_error_naming_both(tmp_path: Path) -> None:
     assert "the dev split is there twice" in _error(small_config(tmp_path), "dev")
 
 
+@pytest.mark.parametrize("fmt", ["json", "jsonl"])
+def test_a_key_given_twice_names_the_record(tmp_path: Path, fmt: str) -> None:
+    rows = ['{"en": "a", "ch": "b"}', '{"en": "hello", "ch": "x", "ch": ""}']
+    text = "[" + ", ".join(rows) + "]" if fmt == "json" else "\n".join(rows) + "\n"
+    (tmp_path / f"train.{fmt}").write_text(text)
+    message = _error(small_config(tmp_path))
+    assert "key 'ch' given twice" in message and ("record 1" in message or ":2" in message)
+    (tmp_path / f"train.{fmt}").write_text(text.replace('"ch": ""', '"note": 1, "note": 2'))
+    assert read_pairs(small_config(tmp_path), "train") == [("a", "b"), ("hello", "x")]  # other keys: no matter
+
+
 def test_a_lone_surrogate_names_the_record(tmp_path: Path) -> None:
     (tmp_path / "train.json").write_text('[{"en": "a", "ch": "b"}, {"en": "bad \\ud800 x", "ch": "c"}]')
     message = _error(small_config(tmp_path))

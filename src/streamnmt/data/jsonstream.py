@@ -99,20 +99,21 @@ class _Text:
             pos = self.refill(pos)
 
 
-def iter_json_array(path: Path, chunk: int = CHUNK) -> Iterator[tuple[int, int, Any]]:
-    """Yield ``(index, line, element)`` for each element of the JSON array in ``path``."""
+def iter_json_array(path: Path, chunk: int = CHUNK, decoder: json.JSONDecoder | None = None
+                    ) -> Iterator[tuple[int, int, Any]]:
+    """Yield ``(index, line, element)`` for each element of the JSON array in ``path`` (decoded by
+    ``decoder``, default a plain :class:`json.JSONDecoder`)."""
     try:
         text = _Text(path, chunk)
     except OSError as e:
         raise InputError(f"{path}: cannot open: {e.strerror}") from None
     try:
-        yield from _parse(text)
+        yield from _parse(text, decoder or json.JSONDecoder())
     finally:
         text.close()
 
 
-def _parse(t: _Text) -> Iterator[tuple[int, int, Any]]:
-    decoder = json.JSONDecoder()
+def _parse(t: _Text, decoder: json.JSONDecoder) -> Iterator[tuple[int, int, Any]]:
     pos = t.skip_ws(0)
     if pos >= len(t.buf):
         raise InputError(f"{t.path}: empty file (expected a JSON array of records)")

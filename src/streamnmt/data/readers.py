@@ -146,15 +146,37 @@ def iter_pairs(source: SplitSource, src_lang: str, tgt_lang: str,
 # ---- JSON array -------------------------------------------------------------------------------
 
 def _json_pairs(path: Path, src_key: str, tgt_key: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
-    for index, line, obj in iter_json_array(path):
+    for index, line, obj in iter_json_array(path, decoder=record_decoder()):
         stats.read += 1
         yield _record_pair(obj, path, f"record {index} (line {line})", src_key, tgt_key)
+
+
+class _Record(dict):
+    """A JSON object as read, with the first key it held twice (None: none)."""
+
+    duplicate: str | None = None
+
+
+def _record(pairs: list[tuple[str, Any]]) -> _Record:
+    obj = _Record(pairs)
+    if len(obj) != len(pairs):  # json keeps the last value of a repeated key without a word
+        seen: set[str] = set()
+        obj.duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+    return obj
+
+
+def record_decoder() -> json.JSONDecoder:
+    """The JSON decoder of corpus records: objects remember a key given twice."""
+    return json.JSONDecoder(object_pairs_hook=_record)
 
 
 def _record_pair(obj: Any, path: Path, where: str, src_key: str, tgt_key: str) -> tuple[str, str]:
     if not isinstance(obj, dict):
         raise InputError(f"{path}: {where}: expected an object like "
                          f'{{"{src_key}": ..., "{tgt_key}": ...}}, got {type(obj).__name__}')
+    duplicate = getattr(obj, "duplicate", None)
+    if duplicate in (src_key, tgt_key):  # which of its values is the sentence meant?
+        raise InputError(f"{path}: {where}: key {duplicate!r} given twice")
     out = []
     for key in (src_key, tgt_key):
         if key not in obj:
@@ -209,7 +231,7 @@ def count_lines(path: Path) -> int:
 
 
 def _jsonl_pairs(path: Path, src_key: str, tgt_key: str, stats: ReadStats) -> Iterator[tuple[str, str]]:
-    decoder = json.JSONDecoder()
+    decoder = record_decoder()
     index = 0
     for number, text in iter_lines(path):
         if not text.strip():

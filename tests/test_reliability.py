@@ -100,6 +100,10 @@ def test_resume_after_sigkill_is_exact(tmp_path, home, corpus, monkeypatch, caps
     else:
         assert {e for _, e, _ in ref_losses} == {"1"}  # the resume starts mid-epoch
     assert losses(tmp_path / "killed") == ref_losses
+    # results.csv: the epoch the resume started inside counts the steps before it too
+    means = [float(r[k]) for r in read_csv(tmp_path / "ref" / "results.csv") for k in ("train_loss", "train_nll")]
+    got = [float(r[k]) for r in read_csv(tmp_path / "killed" / "results.csv") for k in ("train_loss", "train_nll")]
+    assert got == pytest.approx(means, rel=1e-9)
     a = torch.load(tmp_path / "ref" / "weights" / "last.pt", weights_only=True)["model"]
     b = torch.load(last, weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -20,7 +20,7 @@ from streamnmt.errors import NonFiniteLoss
 from streamnmt.syncstats import format_table
 from streamnmt.training.plots import plot_results
 from streamnmt.training.reporting import Scalars, epoch_line, merge_sync_stats
-from streamnmt.training.runs import CsvLog, write_json
+from streamnmt.training.runs import CsvLog, read_csv, write_json
 
 STEP_COLUMNS = ["step", "epoch", "loss", "nll", "lr", "tokens", "grad_norm", "skipped"]
 # train_loss: with the training's label smoothing; train_nll (and train_ppl = exp of it): the plain
@@ -78,6 +78,22 @@ class RunMetrics:
         self.waits["save_s"] += checkpoints
         self.times["evaluation"] += evaluation
         self.times["checkpoints"] += checkpoints
+
+    def earlier_losses(self, epoch: int, upto: int) -> list[tuple[float, float]]:
+        """(loss, nll) of epoch ``epoch``'s finite steps up to ``upto`` as steps.csv holds them (a run
+        resumed mid-epoch: the steps before its resume); none where this rank keeps no steps.csv."""
+        path = getattr(self.steps_log, "path", None)
+        if path is None or not Path(path).is_file():
+            return []
+        out = []
+        for row in read_csv(path):
+            try:
+                step, loss, nll = int(row["step"]), float(row["loss"]), float(row["nll"])
+            except (KeyError, TypeError, ValueError):  # a row of an earlier version without its nll
+                continue
+            if row.get("epoch") == str(epoch) and step <= upto and math.isfinite(loss):
+                out.append((loss, nll))
+        return out
 
     def write_steps(self, pairs: list[StepLoss]) -> list[StepLoss]:
         """Log the extracted steps; returns them (their losses and named values) for the epoch's means."""

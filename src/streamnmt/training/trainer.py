@@ -62,6 +62,8 @@ class Trainer:
         self.cooldown = run.cooldown
         # the loop's state
         self.global_step, self.epoch, self.epoch_pos = run.start.step, run.start.epoch, run.start.epoch_pos
+        # resumed mid-epoch: that epoch's results row also counts the losses its steps.csv holds from before
+        self._resumed_in = (run.start.epoch, run.start.step) if run.start.epoch_pos else None
         self.clock = time.perf_counter  # the loop's timings (injectable: tests use a fake clock)
         self.stop_requested, self.stop_reason = False, ""  # this rank: a signal, --time-limit or --patience
         self._loop_s, self._loop_steps = 0.0, 0  # the loop's training seconds and steps (mean step time)
@@ -340,9 +342,12 @@ class Trainer:
                 ending or self.evaluator.cadence.due_at_epoch_end(self.global_step, self.dist)):
             evals.evaluate(self, epoch, beside=not ending)
             result = evals.last_eval
-        finite = [v for v in tally["losses"] if math.isfinite(v[1])]  # a skipped step's loss is left out
-        train_loss = sum(v[1] for v in finite) / max(len(finite), 1)
-        train_nll = sum(v.values["nll"] for v in finite) / max(len(finite), 1)
+        finite = [(v[1], v.values["nll"]) for v in tally["losses"] if math.isfinite(v[1])]  # a skipped step's left out
+        if self._resumed_in is not None and self._resumed_in[0] == epoch:
+            finite = self.metrics.earlier_losses(epoch + 1, self._resumed_in[1]) + finite
+            self._resumed_in = None
+        train_loss = sum(loss for loss, _ in finite) / max(len(finite), 1)
+        train_nll = sum(nll for _, nll in finite) / max(len(finite), 1)
         # the next epoch starts from its first batch (when due: see CheckpointManager.due_at_epoch_end)
         if ending or self.checkpoints.due_at_epoch_end(self.global_step):
             self._save_last()  # the end of the run waits for it (Trainer._close_logs)

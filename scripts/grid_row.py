@@ -30,7 +30,7 @@ ttb = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = ttb  # its dataclasses look their module up there
 _spec.loader.exec_module(ttb)
 
-EPOCH_LINE = re.compile(r"^\s+\d+\s+[\d.]+G\s+\d+\s+(\d+)\s", re.M)  # epoch, GPU_mem, batches, tokens/s
+EPOCH_LINE = re.compile(r"^\s+\d+\s+[\d.]+G\s+\d+\s+(\d+)\s", re.M)  # epoch, GPU_mem, steps, tokens/s
 SETUP_LINE = re.compile(r"^set-up ([\d.]+) s", re.M)
 END_LINE = re.compile(r"^wall \d+ s: training (\d+) %", re.M)
 DATA_LINE = re.compile(r"^data: ready in .*\(vocab (\d+) source, (\d+) target\)", re.M)

@@ -160,7 +160,7 @@ def test_nproc_resume_checks_the_checkpoints_device(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("flags", [["--nproc=2", "--epochs", "1"], ["--nproc", "2", "--epochs", "1"],
                                    ["--epochs", "1", "--nproc", "3", "--no-pack", "--compile", "--nproc", "2"],
-                                   ["--config", "CFG", "--nproc", "2", "--project", "p", "--name=--nproc", "--seed=-3"],
+                                   ["--config", "CFG", "--nproc", "2", "--project=-p", "--name=--nproc", "--seed=3"],
                                    ["--npr", "2", "--epochs", "1"]])
 def test_nproc_children_get_every_flag_but_nproc(flags, tmp_path, monkeypatch, capsys):
     """The ranks that ``train --nproc N`` starts get the flags argparse parsed, less --nproc: none

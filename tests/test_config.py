@@ -54,6 +54,12 @@ def test_the_seeds_tokenizer_names_are_read_as_the_source_and_target_ones(tmp_pa
     ({"dropout": "-0.1"}, "--dropout"),
     ({"device": "tpu"}, "--device"),
     ({"sync_strategy": "magic"}, "--sync-strategy"),
+    ({"name": "../../x"}, "--name"),
+    ({"name": ".."}, "--name"),
+    ({"name": ""}, "--name"),
+    ({"seed": "-1"}, "--seed"),
+    ({"seed": str(2**32)}, "--seed"),
+    ({"lr": "inf"}, "--lr"),
 ])
 def test_invalid_values_name_the_flag(flags, named):
     with pytest.raises(ConfigError, match=named):
@@ -148,3 +154,22 @@ def test_bench_accepts_model_big():
     big = ModelShape(32000, 32000, 1024, 6, 16, 4096, 0.3)
     ratio = forward_flops(big, 64, 128, 128) / forward_flops(base, 64, 128, 128)
     assert 3.0 < ratio < 4.0
+
+
+def test_time_limit_none_is_no_limit_and_plain_numbers_are_seconds():
+    assert build_job({"time_limit": "none"}).run.time_limit_s() is None
+    assert build_job({"time_limit": "90"}).run.time_limit_s() == 90.0
+
+
+def test_a_config_file_may_name_the_preset_flat_but_not_resume(tmp_path):
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("model: tiny\nlr: 3\n")
+    job = build_job({}, str(flat))
+    assert job.model.model == "tiny" and job.optim.lr == 3
+    resume = tmp_path / "resume.yaml"
+    resume.write_text("run:\n  resume: runs/train/exp/weights/last.pt\n")
+    with pytest.raises(ConfigError, match=r"resume.yaml: run.resume continues a run: give it as --resume"):
+        build_job({}, str(resume))
+    own = tmp_path / "own.yaml"  # a run's own config.yaml says resume: null
+    own.write_text(build_job({}).to_yaml())
+    assert build_job({}, str(own)).run.resume is None

@@ -157,7 +157,7 @@ class OptimConfig:
                    choices=("auto", "bf16", "fp16", "off"))
 
     def __post_init__(self) -> None:
-        check(self.lr > 0, "lr", f"must be positive; got {self.lr}")
+        check(math.isfinite(self.lr) and self.lr > 0, "lr", f"must be positive and finite; got {self.lr}")
         check(self.warmup is None or self.warmup >= 1, "warmup", f"must be at least 1; got {self.warmup}")
         check(self.clip_grad >= 0, "clip_grad", f"must be 0 (off) or positive; got {self.clip_grad}")
         check(0.0 <= self.lr_cooldown < 1.0, "lr_cooldown", f"must be in [0, 1); got {self.lr_cooldown}")
@@ -225,10 +225,13 @@ _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.
 
 
 def parse_duration(text: str | None, key: str = "time_limit") -> float | None:
-    """``"2h"``, ``"90m"``, ``"20s"``, ``"1h30m"``, or plain seconds (``"45"``) -> seconds; None -> None."""
+    """``"2h"``, ``"90m"``, ``"20s"``, ``"1h30m"``, or plain seconds (``"45"``) -> seconds; None or
+    ``"none"`` -> None."""
     if text is None:
         return None
     t = str(text).strip().lower()
+    if t == "none":
+        return None
     try:
         seconds = float(t)
     except ValueError:
@@ -327,8 +330,9 @@ class RunConfig:
                                      f"(0 = never); default: {PLATEAU_PATIENCE} for a --data run on a GPU given no "
                                      "--time-limit, --epochs or --max-steps (it trains until its plateau), else 0")
     time_limit: str | None = opt(None, "the run's wall clock, counted from the command's start, e.g. 2h, 90m, "
-                                       "20s, 1h30m: training stops early enough for the last evaluation and "
-                                       "last.pt to fit, exit 0, --resume continues (none = no limit)")
+                                       "20s, 1h30m or plain seconds (90): training stops early enough for the "
+                                       "last evaluation and last.pt to fit, exit 0, --resume continues "
+                                       "(none = no limit)")
     keep_last: int = opt(0, "with --save-every S: also keep the last N step checkpoints as weights/step_NNNNNN.pt "
                             "(for streamnmt average; 0 = none)")
     ema: float = opt(EMA_DECAY, "keep an exponential moving average of the weights on the device, updated in "
@@ -357,6 +361,9 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check(self.epochs is None or self.epochs >= 1, "epochs", f"must be at least 1; got {self.epochs}")
+        check(bool(self.name) and self.name not in (".", "..") and not any(c in self.name for c in "/\\"),
+              "name", f"must be a folder name inside --project (no '/', not '.' or '..'); got {self.name!r}")
+        check(0 <= self.seed < 2**32, "seed", f"must be in [0, 2**32); got {self.seed}")
         check(self.max_steps >= 0, "max_steps", f"must be 0 (no limit) or positive; got {self.max_steps}")
         check(self.save_every >= 0, "save_every", f"must be 0 (off) or positive; got {self.save_every}")
         check_choice(self.on_nan, "on_nan", ("stop", "skip"))
@@ -436,13 +443,15 @@ def load_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
     for key, value in raw.items():
         if key in SECTIONS and isinstance(value, dict):
             out.setdefault(key, {}).update(value)
-        elif key in SECTIONS:
+        elif key in SECTIONS and not _is_field(key):
             raise ConfigError(f"--config: {path}: section '{key}' must be a mapping")
         else:
             try:
                 out.setdefault(section_of(key), {})[key] = value
             except ConfigError:
                 raise ConfigError(f"--config: {path}: unknown config key '{key}'") from None
+    if (out.get("run") or {}).get("resume"):  # a run's own config.yaml says resume: null
+        raise ConfigError(f"--config: {path}: run.resume continues a run: give it as --resume PATH, alone")
     for name, values in out.items():
         # older key names read as their fields', so that a flag given for the field overrides them
         out[name] = values = canonical(SECTIONS[name], values, where=f"--config: {path}: ")
@@ -451,6 +460,15 @@ def load_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
             if key not in known:
                 raise ConfigError(f"--config: {path}: unknown config key '{name}.{key}'")
     return out
+
+
+def _is_field(key: str) -> bool:
+    """Whether ``key`` is also a setting of some section (``model``: the preset), flat in a file."""
+    try:
+        section_of(key)
+    except ConfigError:
+        return False
+    return True
 
 
 def build_job(flags: dict[str, Any], config_file: str | None = None) -> TrainJob:

@@ -59,7 +59,7 @@ class BenchConfig:
                                   "costs; 0 = the corpus's own tokenizers; default 32000 on CUDA, 0 on CPU")
     label_smoothing: float = opt(0.1, "label smoothing of the loss (the training default)")
     dropout: float | None = opt(None, "dropout of the residual connections and embeddings (default: the "
-                                      "training default of the preset, 0.3 for big, else 0.1)")
+                                      "training default of the preset, 0.3 for big and iwslt, else 0.1)")
     attention_dropout: float = opt(0.0, "dropout of the attention weights (the training default)")
     tie_embeddings: str = opt("none", "tie embeddings as the trainer's --tie-embeddings: decoder = the target "
                                       "embedding is the output projection; all = the source embedding too "

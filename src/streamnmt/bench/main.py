@@ -79,7 +79,9 @@ def _footnotes(cfg: BenchConfig, rows: list[dict[str, Any]], peak: float | None,
            f"n/a: no peak rate known for '{device_name}' at {precision(cfg.amp)}")
     lines = [
         f"ms/step: median of {cfg.repeats} interleaved runs of {cfg.steps} steps [min-max]; 'within noise': the "
-        "medians differ by less than the larger min-max range of the two rows",
+        "medians differ by less than the larger min-max range of the two rows"
+        + ("; ONE run per row (--repeats 1): no spread, so no difference is judged within noise and none is "
+           "shown to hold (run --repeats 3 or more before reading the ratios)" if cfg.repeats == 1 else ""),
         "real tok/s: non-PAD target tokens per second; padded tok/s: target positions (batch x length, "
         "filler rows included) per second",
         "vs baseline: baseline ms / row ms; % of limit: limit ms / row ms, the limit being "

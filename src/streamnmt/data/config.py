@@ -128,7 +128,9 @@ class DataConfig:
                                        "the longest training target); default --max-len. Narrow rows were "
                                        "slower on a GPU: attention kernels work in tiles of 64-128 positions "
                                        "(docs/PERFORMANCE.md, 'The packed shape')")
-    workers: int = opt(0, "DataLoader worker processes (0 = load in the main process)")
+    workers: int = opt(0, "DataLoader worker processes (0 = load in the main process, except under the "
+                          "strategies that load in workers, 'full' (the CPU's default) and 'graph' (CUDA's): "
+                          "they take min(4, cores))")
     prefetch_factor: int = opt(4, "batches each worker loads ahead")
     builtin_size: int | None = opt(None, "sentence pairs in the built-in corpus's training split "
                                          "(default: 40000; 16000 for the CPU presets)")

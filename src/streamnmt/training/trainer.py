@@ -119,7 +119,7 @@ class Trainer:
             self.cooldown.begin(self.global_step)
         with stop_signals(self):
             self.evaluations.resume(self)
-            self.log(f"{'Epoch':>7}{'GPU_mem':>9}{'batches':>9}{'tokens/s':>10}{'train_loss':>12}"
+            self.log(f"{'Epoch':>7}{'GPU_mem':>9}{'steps':>9}{'tokens/s':>10}{'train_loss':>12}"
                      f"{'train_nll':>11}{'ppl':>9}{'val_loss':>10}{'BLEU':>7}{'time':>8}")
             while self.epoch < r.epochs and not self._done():
                 row = self.run_epoch(self.epoch) or row

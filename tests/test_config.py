@@ -173,3 +173,12 @@ def test_a_config_file_may_name_the_preset_flat_but_not_resume(tmp_path):
     own = tmp_path / "own.yaml"  # a run's own config.yaml says resume: null
     own.write_text(build_job({}).to_yaml())
     assert build_job({}, str(own)).run.resume is None
+
+
+def test_a_bad_value_from_a_config_file_names_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("run:\n  max_steps: 3.7\n")
+    with pytest.raises(ConfigError, match=r"^--config: .*c\.yaml: --max-steps \(config key 'max_steps'\)"):
+        build_job({}, str(path))
+    with pytest.raises(ConfigError, match=r"^--max-steps"):  # the flag's own bad value: the flag only
+        build_job({"max_steps": "-2"}, str(path))

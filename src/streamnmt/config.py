@@ -474,11 +474,18 @@ def _is_field(key: str) -> bool:
 def build_job(flags: dict[str, Any], config_file: str | None = None) -> TrainJob:
     """Config file first, then flags (a flat dict of field name -> value) on top."""
     values = load_yaml(config_file) if config_file else {}
+    from_file = {key for section in values.values() for key in section}
     for key, value in flags.items():
         section = section_of(key)
         # a flag given by an older name replaces the file's value under either name
         values[section] = {**values.get(section, {}), **canonical(SECTIONS[section], {key: value})}
-    return TrainJob(**{name: from_dict(cls, values.get(name, {})) for name, cls in SECTIONS.items()})
+    try:
+        return TrainJob(**{name: from_dict(cls, values.get(name, {})) for name, cls in SECTIONS.items()})
+    except ConfigError as e:
+        key = getattr(e, "key", None)
+        if key in from_file and key not in flags:  # the value the file gave
+            raise ConfigError(f"--config: {config_file}: {e}") from None
+        raise
 
 
 def job_from_dict(d: dict[str, dict[str, Any]]) -> TrainJob:

@@ -40,7 +40,9 @@ def flag_name(key: str) -> str:
 def check(ok: bool, key: str, message: str) -> None:
     """Raise a ConfigError naming ``key`` (as flag and YAML key) unless ``ok``."""
     if not ok:
-        raise ConfigError(f"{flag_name(key)} (config key '{key}'): {message}")
+        error = ConfigError(f"{flag_name(key)} (config key '{key}'): {message}")
+        error.key = key  # type: ignore[attr-defined]  # a value from a config file: the file is named too
+        raise error
 
 
 def check_choice(value: Any, key: str, choices: tuple) -> None:

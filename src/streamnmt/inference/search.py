@@ -69,7 +69,7 @@ class StaticSearch:
 
     def __init__(self, model: Transformer, rows: int, beam: int, src_width: int, width: int, opts: SearchOptions,
                  dtype: torch.dtype, device: torch.device, *, greedy: bool | None = None, cached: bool = True,
-                 exact: bool = False):
+                 exact: bool = False, keep_pools: bool = False):
         r, k, w, v = rows, beam, width, model.shape.tgt_vocab
         self.model, self.rows, self.beam, self.width = model, rows, beam, width
         # The step's attention kernels (see STEP_ATTENTION); the CPU and the uncached reference
@@ -77,7 +77,7 @@ class StaticSearch:
         self.step_attention = (STEP_ATTENTION.get(dtype, DECODE_ATTENTION) if cached and device.type == "cuda"
                                else DECODE_ATTENTION)
         self.greedy = beam == 1 if greedy is None else greedy  # beam 1 runs the beam algorithm unless greedy
-        self.keep_pools = False  # also keep every sentence's k finished hypotheses (n-best lists; eager)
+        self.keep_pools = keep_pools  # also keep every sentence's k finished hypotheses (n-best lists; eager)
         if self.greedy and beam != 1:
             raise ValueError(f"greedy search keeps one hypothesis; got beam {beam}")
         self.cache = StaticCache(model, r * k, src_width, w, dtype, device, exact, reorders=not self.greedy) \
@@ -247,7 +247,6 @@ class StaticSearch:
         ids, best = host_sync("decode.result", lambda: (self.result[:b].tolist(), self.result_score[:b].tolist()))
         return _unpad(ids), best
 
-
     def results_pool(self, b: int, n: int) -> list[list[tuple[list[int], float]]]:
         """The ``n`` best finished hypotheses (ids, normalised score), best first, of the first ``b``
         sentences (a sentence whose pool holds fewer has fewer)."""
@@ -319,8 +318,7 @@ def _run_eagerly(model: Transformer, src: Tensor, opts: SearchOptions, beam: int
     src_mask = masks.src_mask(src)  # (B, 1, 1, S)
     mem = model.encode(src, src_mask)  # (B, S, D)
     state = StaticSearch(model, b, beam, src.size(1), max_steps + 1, opts, mem.dtype, src.device,
-                         greedy=greedy, cached=opts.cached, exact=True)
-    state.keep_pools = keep_pools
+                         greedy=greedy, cached=opts.cached, exact=True, keep_pools=keep_pools)
     state.load(mem, src_mask, limits)
     every = opts.sync_every or sync_interval(src.device)
     for t in range(max_steps + 1):

@@ -77,6 +77,28 @@ def test_bad_yaml_and_unknown_key(tmp_path):
         build_job({}, str(unknown))
 
 
+@pytest.mark.parametrize("text, message", [
+    ("max_steps: 3\noptim:\n  lr: 2\nmax_steps: 5\n", r"dup.yaml:4:1: .*'max_steps' given twice, first on line 1"),
+    ("run:\n  max_steps: 4\n  max_steps: 4\n", r"dup.yaml:3:3: .*'max_steps' given twice, first on line 2"),
+    ("run:\n  max_steps: 4\nrun:\n  seed: 1\n", r"'run' given twice"),
+    ("max_steps: 3\nrun:\n  max_steps: 4\n", r"'max_steps' is given flat and in section 'run'"),
+    ("run:\n  max_steps: 4\nmax_steps: 3\n", r"'max_steps' is given flat and in section 'run'"),
+])
+def test_a_key_given_twice_is_refused(tmp_path, text, message):
+    # PyYAML keeps the last of a repeated key: the run would silently train with one of the two values
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        build_job({}, str(path))
+
+
+def test_one_key_in_each_section_and_flat_keys_of_other_sections_still_load(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("max_steps: 3\noptim:\n  lr: 2\nmodel: tiny\n")
+    job = build_job({}, str(path))
+    assert (job.run.max_steps, job.optim.lr, job.model.model) == (3, 2.0, "tiny")
+
+
 @pytest.mark.parametrize("key", ["attention_dropout", "activation_dropout"])
 def test_attention_and_activation_dropout_default_off_and_are_checked(key):
     assert getattr(build_job({}).model, key) == 0.0

@@ -422,13 +422,36 @@ def section_of(key: str) -> str:
     raise ConfigError(f"unknown config key '{key}'")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a key given twice in one mapping is an error (PyYAML keeps the last
+    silently: a config file that sets ``max_steps`` twice would train with whichever came later)."""
+
+
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.get(key)
+        except TypeError:  # an unhashable key: construct_mapping names it
+            continue
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key '{key}' given twice, first on line {first}", key_node.start_mark)
+        seen[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def load_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
     """Read a config file into {section: {key: value}}; flat files (no sections) are accepted too."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config: file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
@@ -442,14 +465,22 @@ def load_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for key, value in raw.items():
         if key in SECTIONS and isinstance(value, dict):
-            out.setdefault(key, {}).update(value)
+            section = out.setdefault(key, {})
+            for k, v in value.items():
+                if k in section:  # given flat before the section
+                    raise ConfigError(f"--config: {path}: '{k}' is given flat and in section '{key}': give it once")
+                section[k] = v
         elif key in SECTIONS and not _is_field(key):
             raise ConfigError(f"--config: {path}: section '{key}' must be a mapping")
         else:
             try:
-                out.setdefault(section_of(key), {})[key] = value
+                section = out.setdefault(section_of(key), {})
             except ConfigError:
                 raise ConfigError(f"--config: {path}: unknown config key '{key}'") from None
+            if key in section:  # given in its section before, flat now
+                raise ConfigError(f"--config: {path}: '{key}' is given flat and in section "
+                                  f"'{section_of(key)}': give it once")
+            section[key] = value
     if (out.get("run") or {}).get("resume"):  # a run's own config.yaml says resume: null
         raise ConfigError(f"--config: {path}: run.resume continues a run: give it as --resume PATH, alone")
     for name, values in out.items():

@@ -50,11 +50,14 @@ from streamnmt.engine.auto import choose_compile, choose_strategy, graph_step_s
 from streamnmt.errors import ConfigError, InputError
 from streamnmt.inference.decoding import decode_dtype, dtype_name
 from streamnmt.models.attention import flex_available, resolve_attention, triton_runs
+from streamnmt.training.runs import check_project
 from streamnmt.training.step import noam_lr
 
 
 def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[str], None]) -> TrainJob:
-    """Fill the 'auto' settings from the device; the result is what config.yaml records."""
+    """Fill the 'auto' settings from the device; the result is what config.yaml records. A new run's
+    first check (rank 0 only, its error shared with the others): a --project it can make its folder in."""
+    check_project(job.run.project)
     cuda = device.type == "cuda"
     preset = job.model.model
     if preset == "auto":

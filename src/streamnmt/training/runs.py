@@ -10,11 +10,27 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
 
+from streamnmt.errors import ConfigError
 from streamnmt.fsutil import atomic_write
+
+
+def check_project(project: str | Path) -> None:
+    """Refuse a ``--project`` the run could not make its folder in, before the set-up spends its
+    seconds on data and model (the folder itself is made only once everything is valid, so that a
+    bad input leaves nothing behind). The nearest existing folder of the path must be a writable folder."""
+    path = Path(project).absolute()
+    nearest = next((p for p in (path, *path.parents) if os.path.lexists(p)), None)
+    if nearest is None:
+        return
+    if not nearest.is_dir():
+        raise ConfigError(f"--project: {nearest} is not a folder (a run is written to {path}/NAME)")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ConfigError(f"--project: cannot write in {nearest} (a run is written to {path}/NAME)")
 
 
 def increment_path(project: str | Path, name: str, exist_ok: bool = False) -> Path:

@@ -8,7 +8,7 @@ import pytest
 
 from streamnmt.cli import main
 from streamnmt.errors import ConfigError
-from streamnmt.training.runs import check_project, increment_path
+from streamnmt.training.runs import check_project, check_weights_kept, increment_path
 
 
 def test_a_project_under_a_file_is_refused_naming_the_flag(tmp_path):
@@ -42,3 +42,26 @@ def test_increment_path_numbers_the_next_free_name(tmp_path):
     (tmp_path / "exp3").mkdir()
     assert increment_path(tmp_path, "exp") == tmp_path / "exp4"
     assert increment_path(tmp_path, "exp", exist_ok=True) == tmp_path / "exp"
+
+
+def test_weights_in_the_folder_exist_ok_reuses_are_refused(tmp_path):
+    weights = tmp_path / "runs" / "exp" / "weights"
+    weights.mkdir(parents=True)
+    for name in ("best.pt", "last.pt", "ema.pt", "step_000100.pt"):
+        with pytest.raises(ConfigError, match=r"--weights: .* --exist-ok reuses"):
+            check_weights_kept(tmp_path / "runs", "exp", True, str(weights / name))
+    check_weights_kept(tmp_path / "runs", "exp", False, str(weights / "best.pt"))  # a new folder: kept
+    check_weights_kept(tmp_path / "runs", "exp2", True, str(weights / "best.pt"))  # another folder
+    check_weights_kept(tmp_path / "runs", "exp", True, str(weights / "mine.pt"))  # not removed
+
+
+def test_train_keeps_weights_it_would_have_removed(tmp_path, capsys, monkeypatch):
+    # fine-tuning from the earlier run's best.pt into the same folder deleted that best.pt once loaded
+    monkeypatch.setenv("STREAMNMT_HOME", str(tmp_path / "home"))
+    best = tmp_path / "runs" / "exp" / "weights" / "best.pt"
+    best.parent.mkdir(parents=True)
+    best.write_bytes(b"an earlier run's weights")
+    rc = main(["train", "--device", "cpu", "--model", "tiny", "--max-steps", "1", "--project",
+               str(tmp_path / "runs"), "--exist-ok", "--weights", str(best)])
+    assert rc != 0 and "--exist-ok reuses" in capsys.readouterr().err
+    assert best.read_bytes() == b"an earlier run's weights"

@@ -44,7 +44,7 @@ from streamnmt.training.loop_evaluation import LoopEvaluation
 from streamnmt.training.metrics import RunMetrics
 from streamnmt.training.recipe import resolve_compile_for_ranks, resolve_corpus, resolve_job_for_ranks
 from streamnmt.training.reporting import overlong_note, running, warmup_note
-from streamnmt.training.runs import increment_path
+from streamnmt.training.runs import increment_path, is_earlier_weights
 from streamnmt.training.step import example_batch, import_in_background, make_step
 from streamnmt.training.stopping import TimeBudget, command_start
 
@@ -349,10 +349,9 @@ class _RunBuilder:
             # --exist-ok: an earlier run's best, EMA, step files and last.pt are not ours (its last.pt
             # beside this run's config.yaml would be resumed as this run's after a kill before the
             # first save), so they go before the config is written
-            weights = run.save_dir / "weights"
-            for stale in [weights / "best.pt", weights / "best.safetensors", weights / "ema.pt", weights / "last.pt",
-                          *weights.glob("step_*.pt")]:
-                stale.unlink(missing_ok=True)
+            for stale in (run.save_dir / "weights").iterdir():
+                if is_earlier_weights(stale.name):
+                    stale.unlink(missing_ok=True)
             atomic_write(run.save_dir / "config.yaml", self.job.to_yaml())
             self.dist.broadcast(str(run.save_dir), "dist.setup")
         run.checkpoints.save_dir = run.save_dir

@@ -50,14 +50,16 @@ from streamnmt.engine.auto import choose_compile, choose_strategy, graph_step_s
 from streamnmt.errors import ConfigError, InputError
 from streamnmt.inference.decoding import decode_dtype, dtype_name
 from streamnmt.models.attention import flex_available, resolve_attention, triton_runs
-from streamnmt.training.runs import check_project
+from streamnmt.training.runs import check_project, check_weights_kept
 from streamnmt.training.step import noam_lr
 
 
 def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[str], None]) -> TrainJob:
     """Fill the 'auto' settings from the device; the result is what config.yaml records. A new run's
-    first check (rank 0 only, its error shared with the others): a --project it can make its folder in."""
+    first checks (rank 0 only, its error shared with the others): a --project it can make its folder in,
+    and no --weights among the files a reused folder's earlier run leaves to be removed."""
     check_project(job.run.project)
+    check_weights_kept(job.run.project, job.run.name, job.run.exist_ok, job.run.weights)
     cuda = device.type == "cuda"
     preset = job.model.model
     if preset == "auto":

@@ -33,6 +33,28 @@ def check_project(project: str | Path) -> None:
         raise ConfigError(f"--project: cannot write in {nearest} (a run is written to {path}/NAME)")
 
 
+def check_weights_kept(project: str | Path, name: str, exist_ok: bool, weights: str | None) -> None:
+    """``--exist-ok`` reuses ``project/name`` and removes the earlier run's weights files there
+    (:data:`EARLIER_WEIGHTS`) before the new run writes its own: a ``--weights`` among them (a fine-tune
+    from the earlier run's best.pt into the same folder) would be deleted once loaded."""
+    if not (exist_ok and weights):
+        return
+    folder = (Path(project) / name / "weights").resolve()
+    given = Path(weights).resolve()
+    if given.parent == folder and is_earlier_weights(given.name):
+        raise ConfigError(f"--weights: {weights} is in the folder --exist-ok reuses ({folder.parent}), whose "
+                          "earlier weights files are removed before the run starts: copy it elsewhere or "
+                          "give another --name")
+
+
+# The files a new run in a reused (--exist-ok) folder removes: an earlier run's, not this one's.
+EARLIER_WEIGHTS = ("best.pt", "best.safetensors", "ema.pt", "last.pt")
+
+
+def is_earlier_weights(filename: str) -> bool:
+    return filename in EARLIER_WEIGHTS or re.fullmatch(r"step_.*\.pt", filename) is not None
+
+
 def increment_path(project: str | Path, name: str, exist_ok: bool = False) -> Path:
     """``project/name`` if free (or exist_ok), else the next free ``project/name{2,3,...}``."""
     path = Path(project) / name

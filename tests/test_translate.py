@@ -118,6 +118,32 @@ def test_translate_stdin_stdout(env, monkeypatch, capsys):
     assert "translated 7 lines (3 non-empty)" in captured.err
 
 
+def test_translate_answers_each_line_of_a_pipe_before_the_input_ends(env):
+    # fairseq-interactive's and Marian's habit: a program (or a person) writes a line and waits for
+    # its translation; the whole input was read before the first line was translated
+    model, src_tok, tgt_tok, _ = load_for_inference(env["ckpt"], "cpu")
+    sentences = ["the cat sees a dog", "big red house"]
+    expect, _ = translate_texts(model, src_tok, tgt_tok, sentences, SearchOptions(beam_size=1), device="cpu")
+    proc = subprocess.Popen([sys.executable, "-m", "streamnmt", "translate", "--weights", str(env["ckpt"]),
+                             "--device", "cpu", "--beam-size", "1"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for sentence, want in zip(sentences, expect):
+            proc.stdin.write((sentence + "\n").encode())
+            proc.stdin.flush()
+            got: list[bytes] = []
+            reader = threading.Thread(target=lambda: got.append(proc.stdout.readline()), daemon=True)
+            reader.start()
+            reader.join(timeout=120)
+            assert got == [(want + "\n").encode()], f"no translation of {sentence!r} while the input stayed open"
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+        assert "translated 2 lines" in proc.stderr.read().decode()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_translate_truncates_long_lines_with_warning(env, tmp_path, capsys):
     src = tmp_path / "in.txt"
     src.write_text("a cat\n" + " ".join(["the big red house"] * 10) + "\n", encoding="utf-8")

@@ -11,7 +11,6 @@ here. On CUDA both commands decode through CUDA graphs (:mod:`streamnmt.inferenc
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
 import sys
 import time
@@ -29,6 +28,7 @@ from streamnmt.data.readers import ReadStats
 from streamnmt.inference.decoding import DTYPES, SearchOptions, decode_dtype, dtype_name
 from streamnmt.errors import ConfigError, InputError
 from streamnmt.fsutil import write_output
+from streamnmt.inference.lines import read_chunks, read_lines
 from streamnmt.models.transformer import ModelShape, Transformer
 from streamnmt.devices import resolve_device
 from streamnmt.inference.scoring import (CHINESE, bleu_on_pairs, encode_sources, score, translate_texts,
@@ -37,6 +37,7 @@ from streamnmt.inference.scoring import (CHINESE, bleu_on_pairs, encode_sources,
 __all__ = ["CHINESE", "EvalConfig", "InferenceConfig", "TranslateConfig", "bleu_on_pairs", "encode_sources",
            "load_for_inference", "read_lines", "run_eval", "run_translate", "score", "translate_texts"]
 MAX_WARNINGS = 10  # truncation warnings printed before they are only counted
+STREAM_LINES = 1024  # the most input lines decoded at once (fewer where the input has no more ready)
 
 
 def warn(message: str) -> None:
@@ -221,81 +222,64 @@ def _load(cfg: InferenceConfig) -> tuple[torch.device, torch.dtype, Transformer,
 # -- commands --------------------------------------------------------------------------------
 
 
-def read_lines(path: str | None) -> tuple[str, list[str]]:
-    """(name for messages, lines) of a UTF-8 file or stdin; a final newline ends the last line."""
-    if path in (None, "-"):
-        name, data = "<stdin>", sys.stdin.buffer.read()
-    else:
-        name = path
-        try:
-            data = Path(path).read_bytes()
-        except FileNotFoundError:
-            raise InputError(f"--input: file not found: {path}") from None
-        except OSError as e:
-            raise InputError(f"--input: cannot read {path}: {e.strerror}") from None
-    skip = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
-    try:
-        text = data[skip:].decode("utf-8")
-    except UnicodeDecodeError as e:
-        offset = skip + e.start
-        line = data[:offset].count(b"\n") + 1
-        raise InputError(f"{name}:{line}: not UTF-8 text (byte 0x{data[offset]:02x} at byte offset {offset})") from None
-    lines = text.split("\n")
-    if lines[-1] == "":
-        lines.pop()  # the final newline ends the last line; it does not start another
-    return name, [line.removesuffix("\r") for line in lines]
-
-
 def run_translate(cfg: TranslateConfig) -> int:
-    """Translate ``cfg.input`` line by line; empty lines stay empty. Returns the exit code."""
+    """Translate ``cfg.input`` line by line; empty lines stay empty. Returns the exit code. The input
+    is read in chunks (:func:`~streamnmt.inference.lines.read_chunks`): on stdout each chunk's
+    translations are written as soon as they are decoded (a pipe or a terminal gets them line by
+    line); a file given to --output is written once, whole, when the input has ended."""
     device, dtype, model, src_tok, tgt_tok, _ = _load(cfg)
-    name, lines = read_lines(cfg.input)
-    todo = [i for i, line in enumerate(lines) if line.strip()]  # empty lines are not sent to the model
-
-    t0 = time.perf_counter()
     max_len = min(cfg.max_input_len, model.shape.max_positions)
-    texts = [lines[i] for i in todo]
-    if cfg.nbest:
-        lists, cut = translate_texts_nbest(model, src_tok, tgt_tok, texts, cfg.search_options(), cfg.nbest,
-                                           device=device, batch_size=cfg.batch_size, max_input_len=max_len)
-    else:
-        hyps, cut = translate_texts(model, src_tok, tgt_tok, texts, cfg.search_options(),
-                                    device=device, batch_size=cfg.batch_size, max_input_len=max_len)
-    seconds = time.perf_counter() - t0
-    for j in cut[:MAX_WARNINGS]:
-        warn(f"{name}:{todo[j] + 1}: input longer than {max_len} tokens (EOS included); truncated")
-    if len(cut) > MAX_WARNINGS:
-        warn(f"{name}: {len(cut) - MAX_WARNINGS} more lines truncated to {max_len} tokens")
-
-    if cfg.nbest:
-        text = nbest_text(len(lines), todo, lists)
-    else:
-        out = [""] * len(lines)
-        for i, hyp in zip(todo, hyps):
-            out[i] = hyp
-        text = "".join(line + "\n" for line in out)
-    if cfg.output in (None, "-"):
-        write_stdout(text)
-    else:
+    to_stdout = cfg.output in (None, "-")
+    name = "<stdin>" if cfg.input in (None, "-") else cfg.input
+    written: list[str] = []
+    n_lines = n_todo = n_cut = 0
+    seconds = 0.0
+    for chunk in read_chunks(cfg.input, max_lines=STREAM_LINES):
+        todo = [i for i, line in enumerate(chunk.lines) if line.strip()]  # empty lines are not sent to the model
+        texts = [chunk.lines[i] for i in todo]
+        t0 = time.perf_counter()
+        if cfg.nbest:
+            lists, cut = translate_texts_nbest(model, src_tok, tgt_tok, texts, cfg.search_options(), cfg.nbest,
+                                               device=device, batch_size=cfg.batch_size, max_input_len=max_len)
+            text = nbest_text(len(chunk.lines), todo, lists, first=chunk.first)
+        else:
+            hyps, cut = translate_texts(model, src_tok, tgt_tok, texts, cfg.search_options(),
+                                        device=device, batch_size=cfg.batch_size, max_input_len=max_len)
+            out = [""] * len(chunk.lines)
+            for i, hyp in zip(todo, hyps):
+                out[i] = hyp
+            text = "".join(line + "\n" for line in out)
+        seconds += time.perf_counter() - t0
+        for j in cut[:max(0, MAX_WARNINGS - n_cut)]:
+            warn(f"{name}:{chunk.first + todo[j] + 1}: input longer than {max_len} tokens (EOS included); truncated")
+        n_lines, n_todo, n_cut = n_lines + len(chunk.lines), n_todo + len(todo), n_cut + len(cut)
+        if to_stdout:
+            write_stdout(text)
+        else:
+            written.append(text)
+    if n_cut > MAX_WARNINGS:
+        warn(f"{name}: {n_cut - MAX_WARNINGS} more lines truncated to {max_len} tokens")
+    if not to_stdout:
         try:
-            write_output(cfg.output, text.encode("utf-8"))
+            write_output(cfg.output, "".join(written).encode("utf-8"))
         except OSError as e:
             raise InputError(f"--output: cannot write {cfg.output}: {e.strerror}") from None
-    rate = len(todo) / seconds if seconds > 0 else 0.0
-    print(f"translated {len(lines)} lines ({len(todo)} non-empty) in {seconds:.2f} s, {rate:.1f} sentences/s "
+    rate = n_todo / seconds if seconds > 0 else 0.0
+    print(f"translated {n_lines} lines ({n_todo} non-empty) in {seconds:.2f} s, {rate:.1f} sentences/s "
           f"on {_mode(cfg, device)}", file=sys.stderr)
     return 0
 
 
-def nbest_text(n_lines: int, todo: list[int], lists: list[list[tuple[str, float]]]) -> str:
+def nbest_text(n_lines: int, todo: list[int], lists: list[list[tuple[str, float]]], first: int = 0) -> str:
     """Moses' n-best lines, ``LINE ||| TRANSLATION ||| F0= SCORE ||| SCORE``, every input line's
     hypotheses best first; an empty input line gets one empty translation of score 0 (every line
-    number appears, so a reader can align the lists with the input)."""
+    number appears, so a reader can align the lists with the input). ``first``: the input's line
+    number of this chunk's first line (LINE counts the whole input from 0)."""
     by_line = dict(zip(todo, lists))
     out = []
     for i in range(n_lines):
         for hyp, sc in by_line.get(i, [("", 0.0)]):
-            out.append(f"{i} ||| {hyp} ||| F0= {sc:.6f} ||| {sc:.6f}\n")
+            out.append(f"{first + i} ||| {hyp} ||| F0= {sc:.6f} ||| {sc:.6f}\n")
     return "".join(out)
 
 

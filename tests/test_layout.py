@@ -70,7 +70,7 @@ FLOORS = (
     ("inference",),                          # search, translate, scoring, export, average
     ("checkpoint", "config"),                # the file format, the job's dataclasses
     ("data", "engine"),
-    ("dist", "configbase"),                  # process group; dataclass-to-flags machinery
+    ("dist", "configbase", "configfile"),    # process group; dataclass-to-flags machinery, YAML files
     ("models",),
     ("syncstats", "errors", "fsutil", "devices", "lazyinit", "setupclock", "testhooks", "streamnmt"),  # the ground
 )

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from streamnmt.configbase import canonical, check, check_choice, from_dict, names_of, opt, to_dict
+from streamnmt.configfile import read_yaml
 from streamnmt.data.config import GPU_PRESETS, DataConfig, builtin_size_for, small_corpus  # noqa: F401 (re-exported)
 from streamnmt.data.writing import UNSPACED_SHARE
 from streamnmt.engine.config import EngineConfig
@@ -422,42 +423,10 @@ def section_of(key: str) -> str:
     raise ConfigError(f"unknown config key '{key}'")
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, but a key given twice in one mapping is an error (PyYAML keeps the last
-    silently: a config file that sets ``max_steps`` twice would train with whichever came later)."""
-
-
-def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            first = seen.get(key)
-        except TypeError:  # an unhashable key: construct_mapping names it
-            continue
-        if first is not None:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"key '{key}' given twice, first on line {first}", key_node.start_mark)
-        seen[key] = key_node.start_mark.line + 1
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
-
-
 def load_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
     """Read a config file into {section: {key: value}}; flat files (no sections) are accepted too."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--config: file not found: {path}")
-    try:
-        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        raise ConfigError(f"--config: {path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"--config: {path}: not UTF-8 text (byte {e.start})") from None
+    raw = read_yaml(path, "--config")
     if raw is None:
         return {}
     if not isinstance(raw, dict):

@@ -58,6 +58,18 @@ def test_train_writes_the_run_dir(tmp_path, capsys):
     assert (tmp_path / "runs" / "exp2" / "steps.csv").is_file()
 
 
+def test_a_run_patience_stops_says_where_its_results_are(tmp_path, capsys):
+    # a stop by --patience (or --time-limit) is a run's normal end: its done and best lines, and its
+    # epoch's row (the first epoch, cut: none was written)
+    assert train(tmp_path, "--lr", "1e-12", "--eval-every", "2", "--patience", "1", "--max-steps", "40",
+                 "--best-metric", "val_loss", name="pat") == 0
+    out = capsys.readouterr().out
+    rows = read_csv(tmp_path / "runs" / "pat" / "results.csv")
+    assert len(rows) == 1 and int(rows[0]["steps"]) < 40
+    assert [line for line in out.splitlines() if line.startswith("done: ")]
+    assert [line for line in out.splitlines() if line.startswith("best: val_loss")]
+
+
 @pytest.mark.parametrize("flag,value", [("--batch-size", "0"), ("--dropout", "1.5"), ("--n-heads", "3"),
                                         ("--device", "quantum"), ("--sync-strategy", "nope")])
 def test_invalid_flag_exits_2_naming_it(tmp_path, capsys, flag, value):

@@ -77,11 +77,12 @@ def _run_trainer(args: dict, config_file: str | None, resume: str | None) -> int
     del trainer
     gc.collect()
     d.close()
-    if not result["stopped"] and d.main:
+    if d.main:  # every end but a signal's (the job is being stopped) says where the results are
         best = "" if stopper.best is None else \
             f", best {'dev BLEU' if stopper.metric == 'bleu' else 'val_loss'} {stopper.best:.4f} at step {stopper.best_step}"
-        print(f"done: {result['steps']} steps, lowest val_loss {result['best_val']:.4f}{best}; "
-              f"results in {result['save_dir']}")
+        if not result.get("signalled"):
+            print(f"done: {result['steps']} steps, lowest val_loss {result['best_val']:.4f}{best}; "
+                  f"results in {result['save_dir']}")
         where = stopper.where_best(result["steps"])
         if where:
             print(where)

@@ -3,6 +3,7 @@ saves and evaluations, and what a resume makes of them (tiny model, CPU, fake cl
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -67,7 +68,37 @@ def test_a_stop_at_an_epochs_last_batch_resumes_at_the_next_epoch(tmp_path, monk
     assert [(int(r["step"]), int(r["epoch"])) for r in evals] == [(n, 1), (2 * n, 2)]
     assert resumed.evaluator.stopper.bad == 0 or evals[-1]["best"] == "0"
     rows = read_csv(tmp_path / "b" / "results.csv")
-    assert [int(r["epoch"]) for r in rows] == [2] and float(rows[0]["tokens_per_s"]) > 0
+    assert [(int(r["epoch"]), int(r["steps"])) for r in rows] == [(1, n), (2, 2 * n)]  # epoch 1's by the stop
+    assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+
+
+def test_a_stop_mid_epoch_writes_its_part_and_a_resume_replaces_it(tmp_path, monkeypatch):
+    """A --time-limit, --patience or signal stop inside an epoch: the epoch's part gets its
+    results.csv row and sync_stats.json entry (a run stopped in its first epoch wrote neither); the
+    resume that finishes the epoch writes the whole epoch's row in its place."""
+    t = make_trainer(tmp_path, "--name", "m", "--epochs", "1", "--eval-every", "0", "--best-metric", "val_loss",
+                     "--average-last", "0")
+    n, cut = len(t.train_loader), 3
+    real = Trainer._trained
+
+    def trained(self, seconds):
+        real(self, seconds)
+        if self.global_step == cut and not self.stop_requested:
+            self.request_stop("a stop inside epoch 1")
+
+    monkeypatch.setattr(Trainer, "_trained", trained)
+    result = t.train()
+    monkeypatch.setattr(Trainer, "_trained", real)
+    assert n > cut and result["last"]["steps"] == cut
+    rows = read_csv(tmp_path / "m" / "results.csv")
+    assert [(int(r["epoch"]), int(r["steps"])) for r in rows] == [(1, cut)]
+    assert rows[0]["val_loss"] != "" and float(rows[0]["train_loss"]) > 0  # the end's evaluation of its step
+    stats = json.loads((tmp_path / "m" / "sync_stats.json").read_text())
+    assert [e["epoch"] for e in stats] == [1]
+    Trainer.from_checkpoint(str(tmp_path / "m" / "weights" / "last.pt"), log=lambda _: None).train()
+    rows = read_csv(tmp_path / "m" / "results.csv")
+    assert [(int(r["epoch"]), int(r["steps"])) for r in rows] == [(1, n)]
+    assert [e["epoch"] for e in json.loads((tmp_path / "m" / "sync_stats.json").read_text())] == [1]
 
 
 def test_a_best_pt_newer_than_last_pt_is_replaced_only_by_a_better_model(tmp_path, monkeypatch):

@@ -37,6 +37,10 @@ class LoopEvaluation:
         # an evaluation a signal kept from running at its step ({step, epoch, beside}): a resume runs it first
         self.eval_due: dict[str, Any] | None = None
 
+    def last_eval_at(self, step: int) -> Evaluation | None:
+        """The newest evaluation if it evaluated ``step`` (whole: its BLEU pass decided)."""
+        return self.last_eval if self.last_eval_step == step == self.decided_eval_step else None
+
     def evaluate(self, loop: Any, epoch: int, beside: bool = True) -> list[StepLoss]:
         """Drain, then validation loss and BLEU (with the EMA weights under --eval-ema); best.pt when
         --best-metric improved; a stop request when --patience ran out. With --async-eval and

@@ -72,6 +72,8 @@ class Trainer:
         self.kept_s = 0.0  # the reserve's sum at this step (_check_budget)
         self.signalled = False  # a first signal arrived (a second Ctrl-C aborts)
         self.pending_losses: list[StepLoss] = []  # drained by a stop mid-epoch, for the end's means
+        # a stop mid-epoch: (epoch, tally, sync statistics) of its part, whose row the end writes
+        self.stopped_epoch: tuple[int, dict[str, Any], dict[str, Any]] | None = None
         self.switch_s = 0.0  # --compile background: seconds of switching to the compiled step (set-up)
 
     @classmethod
@@ -124,6 +126,8 @@ class Trainer:
             while self.epoch < r.epochs and not self._done():
                 row = self.run_epoch(self.epoch) or row
             self._finish()
+            if self.stopped_epoch is not None:  # a --time-limit, --patience or signal stop mid-epoch
+                row = self._epoch_row(*self.stopped_epoch, self.evaluations.last_eval_at(self.global_step))
             loop_s = self.clock() - loop_start
             times["training"] = loop_s - times["evaluation"] - times["checkpoints"] - self.switch_s
             times["set-up"] += self.switch_s
@@ -134,7 +138,7 @@ class Trainer:
             times["checkpoints"] += ema_s
             write_s = self._close_logs()  # inside: a SIGTERM meanwhile is caught as in the loop
         result = {"save_dir": self.save_dir, "best_val": self.evaluator.best_val, "steps": self.global_step,
-                  "last": row, "stopped": self.stopped, "times": times}
+                  "last": row, "stopped": self.stopped, "signalled": self.signalled, "times": times}
         if not self.dist.main:
             return result
         if ema is not None:
@@ -257,10 +261,14 @@ class Trainer:
                        quiet=not self.dist.main)
         tally = self._steps(epoch, n_batches, bar)
         if self.stopped:  # the end of the run (_finish) drains, evaluates and saves where we are
-            self.pending_losses = tally["losses"]
+            self.pending_losses = tally["losses"]  # _finish adds the steps it drains
             bar.close()
-            nvml.stop()
-            cpu.stop()
+            waits = self.metrics.waits
+            tally["epoch_s"] = self.clock() - t0 - waits["eval_s"] - waits["save_s"]
+            tally["gpu_busy"] = nvml.stop().get("util_mean_pct")
+            tally["cpu_util"] = cpu.stop()["util_pct"]
+            if tally["tokens"]:  # its part's row (results.csv, sync_stats.json) once _finish evaluated
+                self.stopped_epoch = (epoch, tally, STATS.reset())
             return {}
         # 4. epoch end: drain the streams and the remaining losses
         # Needed: the epoch's time and every loss must be final before they are reported.
@@ -332,7 +340,7 @@ class Trainer:
     def _epoch_end(self, epoch: int, tally: dict[str, Any], train_stats: dict[str, Any]) -> dict[str, Any]:
         """5. validation loss and BLEU when due, or at the run's last epoch end (timed apart from
         training); 6. last.pt when due; the epoch's row, statistics and line."""
-        r, epoch_s = self.job.run, tally["epoch_s"]
+        r = self.job.run
         cut = bool(r.max_steps) and self.global_step >= r.max_steps and self.epoch_pos < len(self.train_loader)
         if not cut:  # --max-steps ended the run mid-epoch: a resume with a larger one goes on from here
             self.epoch, self.epoch_pos = epoch + 1, 0
@@ -342,15 +350,21 @@ class Trainer:
                 ending or self.evaluator.cadence.due_at_epoch_end(self.global_step, self.dist)):
             evals.evaluate(self, epoch, beside=not ending)
             result = evals.last_eval
+        # the next epoch starts from its first batch (when due: see CheckpointManager.due_at_epoch_end)
+        if ending or self.checkpoints.due_at_epoch_end(self.global_step):
+            self._save_last()  # the end of the run waits for it (Trainer._close_logs)
+        return self._epoch_row(epoch, tally, train_stats, result)
+
+    def _epoch_row(self, epoch: int, tally: dict[str, Any], train_stats: dict[str, Any],
+                   result: Any) -> dict[str, Any]:
+        """The epoch's results.csv row (a run stopped inside it: its part's), sync statistics and line."""
+        epoch_s = tally["epoch_s"]
         finite = [(v[1], v.values["nll"]) for v in tally["losses"] if math.isfinite(v[1])]  # a skipped step's left out
         if self._resumed_in is not None and self._resumed_in[0] == epoch:
             finite = self.metrics.earlier_losses(epoch + 1, self._resumed_in[1]) + finite
             self._resumed_in = None
         train_loss = sum(loss for loss, _ in finite) / max(len(finite), 1)
         train_nll = sum(nll for _, nll in finite) / max(len(finite), 1)
-        # the next epoch starts from its first batch (when due: see CheckpointManager.due_at_epoch_end)
-        if ending or self.checkpoints.due_at_epoch_end(self.global_step):
-            self._save_last()  # the end of the run waits for it (Trainer._close_logs)
         waits, gpu_busy = self.metrics.waits, tally["gpu_busy"]
         row = {"epoch": epoch + 1, "train_loss": train_loss, "train_nll": train_nll,
                "train_ppl": math.exp(min(train_nll, 700.0)), "val_loss": "" if result is None else result.val_loss,

@@ -269,3 +269,21 @@ def test_a_set_up_error_under_torchrun_is_not_taken_for_a_lost_peer(tmp_path, mo
     assert train(tmp_path, "--dist-backend", "nccl") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--dist-backend" in err[0] and "collective failed" not in err[0]
+
+
+@pytest.mark.parametrize("argv", [["train", "--batch-size", "-3"], ["train", "--bogus-flag", "1"]])
+def test_a_rank_other_than_0_leaves_a_set_up_error_to_rank_0(argv, monkeypatch, capsys):
+    # under torchrun every rank meets the same bad flag: one line (rank 0's), and the others wait
+    # before exiting, since torchrun SIGTERMs the rest when the first exits (rank 0 died unheard)
+    import streamnmt.cli as cli_module
+    slept: list[float] = []
+    monkeypatch.setattr(cli_module.time, "sleep", slept.append)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exit_:  # argparse's exit, or main's return code below
+        raise SystemExit(main(argv))
+    assert exit_.value.code == 2 and slept == [cli_module.SILENT_RANK_WAIT_S]
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit):
+        raise SystemExit(main(argv))
+    assert "error" in capsys.readouterr().err and len(slept) == 1

@@ -259,3 +259,16 @@ def test_weights_fine_tunes_with_the_tokenizers_it_carries(trained, tmp_path, ho
     b = load_checkpoint(tmp_path / "ft" / "weights" / "last.pt")["tokenizers"]
     assert [a[s]["sha256"] for s in ("src", "tgt")] == [b[s]["sha256"] for s in ("src", "tgt")]
     assert {f"{a[s]['sha256'][:16]}.model" for s in ("src", "tgt")} <= {p.name for p in (home / "tokenizers").iterdir()}
+
+
+def test_the_resume_line_says_no_limit_and_a_time_limit_kept(tmp_path):
+    # a run resumed for "longer" kept its --time-limit silently (and stopped at the old slot's length);
+    # an unlimited --epochs read 1000000
+    from streamnmt.training.build import resume_job
+    corpus = write_corpus(tmp_path / "corpus")
+    run = make_trainer(tmp_path, corpus, "--name", "t", "--max-steps", "3", "--time-limit", "1h")
+    run.train()
+    said: list[str] = []
+    resume_job(str(tmp_path / "t" / "weights" / "last.pt"), log=said.append, changes={"max_steps": 0})
+    assert said == ["resume: --max-steps 3 -> no limit, --time-limit 1h as the run had (give --time-limit for "
+                    "another, or none)"]

@@ -11,12 +11,15 @@ imported (:mod:`streamnmt.lazyinit`): ``--help`` and a bad flag answer at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import functools
 import gc
 import importlib
+import io
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -327,23 +330,42 @@ def command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.Argum
     return dict(sub.choices)
 
 
+SILENT_RANK_WAIT_S = 3.0
+
+
+def _let_rank_0_say_it() -> None:
+    """A rank other than 0 that stops on a set-up error rank 0 meets too (a bad flag, a bad file)
+    says nothing, so the line is printed once; it waits before exiting, because torchrun ends the
+    other ranks with SIGTERM as soon as one exits, and a rank 0 a moment behind died unheard."""
+    sys.stderr.flush()
+    time.sleep(SILENT_RANK_WAIT_S)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command of ``argv``; None: this process's command line (``sys.argv``), whose config
     packages then import torch only once the flags are checked (:mod:`streamnmt.lazyinit`)."""
     if argv is None:
         argv = sys.argv[1:]
         lazyinit.defer(*CONFIG_PACKAGES)
-    args = parse(build_parser(_command_of(argv)), argv)
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun: rank 0 alone says what is wrong
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) if rank else contextlib.nullcontext():
+            args = parse(build_parser(_command_of(argv)), argv)
+    except SystemExit as e:
+        if rank and e.code:
+            _let_rank_0_say_it()
+        raise
     run = args.pop("_run")
     args.pop("command")
     try:
         return run(args)
     except (ConfigError, InputError, NonFiniteLoss, DeviceError, PeerLost, CaptureFailed) as e:
-        rank = int(os.environ.get("RANK", "0"))
         if rank == 0 or isinstance(e, PeerLost):  # a set-up error is the same line on every rank
             print(f"streamnmt: error: {e}", file=sys.stderr)
         elif isinstance(e, (NonFiniteLoss, DeviceError)):  # this rank's own (its loss seen first, its memory)
             print(f"streamnmt: error: rank {rank}: {e}", file=sys.stderr)
+        elif isinstance(e, (ConfigError, InputError)):
+            _let_rank_0_say_it()
         if isinstance(e, (PeerLost, CaptureFailed)) and "WORLD_SIZE" in os.environ:
             # PeerLost: a collective whose peer died may never finish. CaptureFailed: graphs that
             # captured NCCL collectives may be alive, and tearing down the process group under them

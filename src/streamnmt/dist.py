@@ -252,8 +252,11 @@ def wait_event(event: Any, timeout_s: float, what: str = "the GPU") -> None:
             rank, world, _ = world_from_env()
             raise PeerLost(f"rank {rank} of {world}: {what} did not finish its queued work within --dist-timeout "
                            f"{timeout_s:g} s; another rank died or stopped responding ({lost_peers(rank)}; the "
-                           f"last checkpoint is intact)")
+                           f"checkpoints written so far are whole)")
         time.sleep(POLL_S)
+
+
+SHUTDOWN_TIMEOUT_S = 300  # the ranks' grace after a signal before torchrun kills them (`train --nproc`)
 
 
 def run_torchrun(n: int, argv: list[str]) -> int:
@@ -265,6 +268,10 @@ def run_torchrun(n: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    # torchrun SIGKILLs the ranks 30 s after passing a SIGTERM on (its default): a stop agreed at the
+    # next --sync-interval boundary and rank 0's save can take longer on a large model, and were then
+    # lost. Read by torch >= 2.11's launcher (older ones keep 30 s); a value in the environment wins.
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     try:  # as `torchrun --standalone --nproc-per-node N ARGV`
         torchrun(["--standalone", f"--nproc-per-node={n}", *argv])
     except SignalException as e:  # torchrun passed the signal on; the ranks finished their step and saved
@@ -305,7 +312,7 @@ def peer_lost(d: Dist, e: BaseException) -> PeerLost:
     """The one-line error for a failed collective on rank ``d.rank``."""
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
     return PeerLost(f"rank {d.rank} of {d.world}: a collective failed, another rank died or stopped "
-                    f"responding ({lost_peers(d.rank)}); the last checkpoint is intact ({first})")
+                    f"responding ({lost_peers(d.rank)}); the checkpoints written so far are whole ({first})")
 
 
 # Every rank's (node, host name, pid), gathered once at init: which host a failed collective lost.

@@ -423,6 +423,13 @@ def setup_line(run: Any) -> str:
     return f"set-up {sum(run.setup_s.values()):.1f} s: {parts}"
 
 
+def _shown(key: str, value: Any) -> str:
+    """A setting's value for the resume line: 'no limit', not the internal 1,000,000 epochs or 0 steps."""
+    if value is None or (key == "epochs" and value >= 1_000_000) or (key == "max_steps" and value == 0):
+        return "no limit"
+    return str(value)
+
+
 def resume_job(path: str, log: Callable[[str], None] = print, device: str | None = None,
                time_limit: str | None = None, changes: dict[str, Any] | None = None) -> tuple[TrainJob, dict[str, Any]]:
     """The job and loaded checkpoint that continue the run of checkpoint ``path``. ``changes`` gives new values for settings of
@@ -459,8 +466,10 @@ def resume_job(path: str, log: Callable[[str], None] = print, device: str | None
     # older key names first, so that the embedded tokenizers' paths replace rather than contradict them
     config["data"] = {**canonical(DataConfig, config.get("data", {})), **embedded_tokenizers(ckpt, path)}
     job = job_from_dict(config)
-    said = [f"--{k.replace('_', '-')} {getattr(before, k)} -> {getattr(job.run, k)}" for k in changes
-            if getattr(before, k) != getattr(job.run, k)]
+    said = [f"--{k.replace('_', '-')} {_shown(k, getattr(before, k))} -> {_shown(k, getattr(job.run, k))}"
+            for k in changes if getattr(before, k) != getattr(job.run, k)]
+    if job.run.time_limit and "time_limit" not in changes:  # a new slot would stop at the old one's length
+        said.append(f"--time-limit {job.run.time_limit} as the run had (give --time-limit for another, or none)")
     if said:
         log(f"resume: {', '.join(said)}")
     run = dataclasses.replace(job.run, resume=str(path))

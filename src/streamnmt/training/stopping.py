@@ -153,8 +153,11 @@ def stop_signals(trainer: Any) -> Iterator[None]:
             raise KeyboardInterrupt  # (several ranks: Ctrl-C reaches a rank from the terminal and from torchrun)
         trainer.signalled = True
         trainer.stop_requested, trainer.stop_reason = True, ""
-        trainer.log(f"\n{signal.Signals(signum).name}: finishing the current step, then saving "
-                    "(Ctrl-C again to abort)")
+        # several ranks: the agreement every --sync-interval steps decides the step they stop after;
+        # a second signal reaches them through torchrun, which kills them after its shutdown timeout
+        again = "torchrun kills the ranks after its --shutdown-timeout" if trainer.dist.active else \
+            "Ctrl-C again to abort"
+        trainer.log(f"\n{signal.Signals(signum).name}: finishing the current step, then saving ({again})")
 
     old = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:

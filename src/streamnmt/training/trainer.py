@@ -40,6 +40,7 @@ from streamnmt.training.monitor import CpuSampler, NvmlSampler
 from streamnmt.training.reporting import merge_sync_stats, progress, time_line
 from streamnmt.training.stopping import stop_signals
 from streamnmt import testhooks
+from streamnmt.dist import PeerLost
 
 END_SHARE = 0.02  # of --time-limit, kept for the run's end (exports, plots), at most 5 s
 
@@ -80,7 +81,11 @@ class Trainer:
     def from_checkpoint(cls, path: str, log: Callable[[str], None] = print, device: str | None = None,
                         time_limit: str | None = None, changes: dict[str, Any] | None = None) -> Trainer:
         """Continue the run of checkpoint ``path`` (see :func:`streamnmt.training.build.resume_job`)."""
-        job, ckpt = resume_job(path, log=log, device=device, time_limit=time_limit, changes=changes)
+        # before the process group exists: rank 0 alone says what the resume changes (a rank's error
+        # is raised on every rank all the same)
+        quiet = int(os.environ.get("RANK", "0")) != 0
+        job, ckpt = resume_job(path, log=(lambda _: None) if quiet else log, device=device, time_limit=time_limit,
+                               changes=changes)
         return cls(build_run(job, log, ckpt))
 
     # -- the run ------------------------------------------------------------------------------
@@ -90,6 +95,11 @@ class Trainer:
         try:
             return self._train()
         except BaseException as e:
+            if isinstance(e, PeerLost):
+                # torchrun stops a lost rank's survivors with SIGTERM: this one lands its writes and
+                # exits with its one line (cli) instead of dying silently on the way
+                with contextlib.suppress(ValueError):  # (not the main thread: no handler to set)
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self._abandon(e)
             raise
 

@@ -287,11 +287,11 @@ def _eval_corpus(root: Path, records: list[dict]) -> Path:
 
 
 def test_eval_reads_a_corpus_of_other_keys_with_the_language_flags(env, tmp_path, capsys):
-    data = _eval_corpus(tmp_path / "zhkey", [{"en": e, "zh": z} for e, z in env["pairs"][:12]])
-    with pytest.raises(InputError, match="'ch'"):
+    data = _eval_corpus(tmp_path / "zhkey", [{"english": e, "zh": z} for e, z in env["pairs"][:12]])
+    with pytest.raises(InputError, match="'en'"):
         run_eval(EvalConfig(weights=str(env["ckpt"]), device="cpu", data=str(data), beam_size=1))
     assert cli.main(["eval", "--weights", str(env["ckpt"]), "--device", "cpu", "--data", str(data),
-                     "--tgt-lang", "zh", "--beam-size", "1"]) == 0
+                     "--src-lang", "english", "--tgt-lang", "zh", "--beam-size", "1"]) == 0
     out = capsys.readouterr().out
     assert "test: 12 sentences" in out and "tok:zh" in out
 
@@ -647,6 +647,7 @@ def test_translate_config_errors_name_the_flag(values, flag):
 def test_eval_config_errors_name_the_flag():
     with pytest.raises(ConfigError, match="--split"):
         EvalConfig(weights="w.pt", split="train")
+    assert EvalConfig(weights="w.pt", split="valid").split == "dev"  # fairseq's name of the dev split
     with pytest.raises(ConfigError, match="--limit"):
         EvalConfig(weights="w.pt", limit=-1)
 

@@ -38,6 +38,15 @@ def test_language_keys_and_extensions_are_configurable(tmp_path: Path) -> None:
         assert read_pairs(cfg, "train") == pairs
 
 
+@pytest.mark.parametrize("fmt", ["json", "jsonl"])
+@pytest.mark.parametrize("asked, written", [("ch", "zh"), ("zh", "ch")])
+def test_chinese_records_read_under_either_key(tmp_path: Path, fmt: str, asked: str, written: str) -> None:
+    # the default --tgt-lang ch (the original trainer's) found train.zh but not records keyed "zh"
+    pairs = make_pairs(30)
+    write_split(tmp_path, "train", pairs, fmt, "en", written)
+    assert read_pairs(small_config(tmp_path, tgt_lang=asked), "train") == pairs
+
+
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 64, 1 << 20])
 def test_json_array_parser_across_chunk_boundaries(tmp_path: Path, chunk: int) -> None:
     records = [{"en": f"héllo {i}", "ch": "你好" * (i % 5), "x": [i, 1.5, None, True]} for i in range(60)]
@@ -182,7 +191,7 @@ def test_missing_language_key_names_record_index(tmp_path: Path, fmt: str) -> No
     write_split(tmp_path, "train", pairs, fmt)
     path = tmp_path / f"train.{fmt}"
     records = [{"en": s, "ch": t} for s, t in pairs]
-    records[12] = {"en": pairs[12][0], "zh": pairs[12][1]}
+    records[12] = {"en": pairs[12][0], "cn": pairs[12][1]}
     if fmt == "json":
         path.write_text(json.dumps(records, ensure_ascii=False), encoding="utf-8")
     else:

@@ -179,6 +179,8 @@ def _record_pair(obj: Any, path: Path, where: str, src_key: str, tgt_key: str) -
         raise InputError(f"{path}: {where}: key {duplicate!r} given twice")
     out = []
     for key in (src_key, tgt_key):
+        if key not in obj:  # Chinese keyed by the other name (the default --tgt-lang ch, records "zh")
+            key = next((alias for alias in lang_exts(key) if alias in obj), key)
         if key not in obj:
             present = ", ".join(map(repr, list(obj)[:6])) or "none"
             raise InputError(f"{path}: {where}: missing key {key!r} (keys present: {present}; "

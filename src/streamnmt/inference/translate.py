@@ -121,7 +121,7 @@ class TranslateConfig(InferenceConfig):
 class EvalConfig(InferenceConfig):
     data: str | None = opt(None, "corpus directory; none = the checkpoint's data config (the built-in "
                                  "corpus if it had none)")
-    split: str = opt("test", "split to score", choices=("dev", "test"))
+    split: str = opt("test", "split to score (valid: fairseq's name of dev)", choices=("dev", "valid", "test"))
     limit: int = opt(0, "score only the first N sentences (0 = all)")
     src_lang: str | None = opt(None, "source-language key in --data's records / file extension; none = "
                                      "the checkpoint's")
@@ -130,7 +130,9 @@ class EvalConfig(InferenceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_choice(self.split, "split", ("dev", "test"))
+        check_choice(self.split, "split", ("dev", "valid", "test"))
+        if self.split == "valid":  # the readers find a split named valid as dev
+            self.split = "dev"
         check(self.limit >= 0, "limit", f"must be 0 (all) or positive; got {self.limit}")
 
 

@@ -92,6 +92,19 @@ def test_a_key_given_twice_is_refused(tmp_path, text, message):
         build_job({}, str(path))
 
 
+def test_keys_take_the_flags_spelling_and_unknown_ones_get_a_hint(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("max-steps: 3\ndata:\n  batch-size: 8\n")  # as the flags are written
+    job = build_job({}, str(path))
+    assert (job.run.max_steps, job.data.batch_size) == (3, 8)
+    for text, message in [("run:\n  batchsize: 2\n", r"'run.batchsize'; did you mean 'batch_size' \(section data\)"),
+                          ("model:\n  warmup: 3\n", r"'model.warmup'; 'warmup' belongs in section 'optim'"),
+                          ("max-steps: 3\nmax_steps: 4\n", r"'max-steps' and 'max_steps' are one key given twice")]:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            build_job({}, str(path))
+
+
 def test_one_key_in_each_section_and_flat_keys_of_other_sections_still_load(tmp_path):
     path = tmp_path / "ok.yaml"
     path.write_text("max_steps: 3\noptim:\n  lr: 2\nmodel: tiny\n")

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from streamnmt.configbase import canonical, check, check_choice, from_dict, names_of, opt, to_dict
-from streamnmt.configfile import read_yaml
+from streamnmt.configfile import read_yaml, snake_keys, unknown_key
 from streamnmt.data.config import GPU_PRESETS, DataConfig, builtin_size_for, small_corpus  # noqa: F401 (re-exported)
 from streamnmt.data.writing import UNSPACED_SHARE
 from streamnmt.engine.config import EngineConfig
@@ -426,7 +426,7 @@ def section_of(key: str) -> str:
 def load_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
     """Read a config file into {section: {key: value}}; flat files (no sections) are accepted too."""
     path = Path(path)
-    raw = read_yaml(path, "--config")
+    raw = snake_keys(read_yaml(path, "--config"), path, "--config")
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -445,7 +445,7 @@ def load_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
             try:
                 section = out.setdefault(section_of(key), {})
             except ConfigError:
-                raise ConfigError(f"--config: {path}: unknown config key '{key}'") from None
+                raise unknown_key("--config", path, key, _keys()) from None
             if key in section:  # given in its section before, flat now
                 raise ConfigError(f"--config: {path}: '{key}' is given flat and in section "
                                   f"'{section_of(key)}': give it once")
@@ -458,8 +458,12 @@ def load_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
         known = {f.name for f in dataclasses.fields(SECTIONS[name])}
         for key in values:
             if key not in known:
-                raise ConfigError(f"--config: {path}: unknown config key '{name}.{key}'")
+                raise unknown_key("--config", path, key, _keys(), section=name)
     return out
+
+
+def _keys() -> dict[str, list[str]]:
+    return {name: list(names_of(cls)) for name, cls in SECTIONS.items()}
 
 
 def _is_field(key: str) -> bool:

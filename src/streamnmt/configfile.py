@@ -4,6 +4,7 @@ that sets ``max_steps`` twice would train with whichever came later)."""
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -46,3 +47,32 @@ def read_yaml(path: Path, flag: str) -> Any:
         raise ConfigError(f"{flag}: {path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{flag}: {path}: not UTF-8 text (byte {e.start})") from None
+
+
+def snake_keys(doc: Any, path: Path, flag: str) -> Any:
+    """A mapping's keys, and its mappings' keys, with '-' read as '_' (``max-steps``, the flag's
+    spelling, is the key ``max_steps``); two spellings of one key in a mapping are refused."""
+    if not isinstance(doc, dict):
+        return doc
+    out: dict[Any, Any] = {}
+    spelled: dict[Any, Any] = {}
+    for key, value in doc.items():
+        name = key.replace("-", "_") if isinstance(key, str) else key
+        if name in out:
+            raise ConfigError(f"{flag}: {path}: '{spelled[name]}' and '{key}' are one key given twice")
+        out[name], spelled[name] = snake_keys(value, path, flag), key
+    return out
+
+
+def unknown_key(flag: str, path: Path, key: str, sections: dict[str, list[str]], section: str | None = None
+                ) -> ConfigError:
+    """The error of a key no setting has (``section``: the one it was given in): the section it
+    belongs in where it is another's, else the nearest key of any section."""
+    home = next((name for name, keys in sections.items() if key in keys), None)
+    where = f"{section}.{key}" if section else key
+    if home:
+        return ConfigError(f"{flag}: {path}: unknown config key '{where}'; '{key}' belongs in section '{home}'")
+    every = {k: name for name, keys in sections.items() for k in keys}
+    near = difflib.get_close_matches(key, list(every), n=1)
+    hint = f"; did you mean '{near[0]}' (section {every[near[0]]})?" if near else ""
+    return ConfigError(f"{flag}: {path}: unknown config key '{where}'{hint}")

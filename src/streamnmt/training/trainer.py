@@ -137,7 +137,7 @@ class Trainer:
                 row = self.run_epoch(self.epoch) or row
             self._finish()
             if self.stopped_epoch is not None:  # a --time-limit, --patience or signal stop mid-epoch
-                row = self._epoch_row(*self.stopped_epoch, self.evaluations.last_eval_at(self.global_step))
+                row = epoch_row(self, *self.stopped_epoch, self.evaluations.last_eval_at(self.global_step))
             loop_s = self.clock() - loop_start
             times["training"] = loop_s - times["evaluation"] - times["checkpoints"] - self.switch_s
             times["set-up"] += self.switch_s
@@ -363,34 +363,7 @@ class Trainer:
         # the next epoch starts from its first batch (when due: see CheckpointManager.due_at_epoch_end)
         if ending or self.checkpoints.due_at_epoch_end(self.global_step):
             self._save_last()  # the end of the run waits for it (Trainer._close_logs)
-        return self._epoch_row(epoch, tally, train_stats, result)
-
-    def _epoch_row(self, epoch: int, tally: dict[str, Any], train_stats: dict[str, Any],
-                   result: Any) -> dict[str, Any]:
-        """The epoch's results.csv row (a run stopped inside it: its part's), sync statistics and line."""
-        epoch_s = tally["epoch_s"]
-        finite = [(v[1], v.values["nll"]) for v in tally["losses"] if math.isfinite(v[1])]  # a skipped step's left out
-        if self._resumed_in is not None and self._resumed_in[0] == epoch:
-            finite = self.metrics.earlier_losses(epoch + 1, self._resumed_in[1]) + finite
-            self._resumed_in = None
-        train_loss = sum(loss for loss, _ in finite) / max(len(finite), 1)
-        train_nll = sum(nll for _, nll in finite) / max(len(finite), 1)
-        waits, gpu_busy = self.metrics.waits, tally["gpu_busy"]
-        row = {"epoch": epoch + 1, "train_loss": train_loss, "train_nll": train_nll,
-               "train_ppl": math.exp(min(train_nll, 700.0)), "val_loss": "" if result is None else result.val_loss,
-               "bleu": "" if result is None or result.bleu is None else round(result.bleu, 2),
-               "tokens_per_s": tally["tokens"] / epoch_s, "padded_tokens_per_s": tally["padded"] / epoch_s,
-               "epoch_s": round(epoch_s, 3), "bleu_s": "" if result is None else round(result.bleu_s, 3),
-               "eval_s": round(waits["eval_s"], 3), "save_s": round(waits["save_s"], 3),
-               "gpu_mem_gb": torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else 0.0,
-               "gpu_busy": "" if gpu_busy is None else round(gpu_busy, 1),
-               "sync_count": sum(s["count"] for s in train_stats.values()),
-               "sync_ms": round(sum(s["total_ms"] for s in train_stats.values()), 3),
-               "steps": self.global_step, "cpu_util": round(tally["cpu_util"], 1)}
-        self.metrics.end_epoch(row, self.global_step, train_stats, {
-            "epoch": epoch + 1, "strategy": self.strategy.name, "train": train_stats,
-            "engine": self.strategy.counters(), "eval": merge_sync_stats([*waits["stats"], STATS.reset()])})
-        return row
+        return epoch_row(self, epoch, tally, train_stats, result)
 
     def _trained(self, seconds: float) -> None:
         """Training time since the last mark: the evaluation and save cadences count it."""
@@ -472,3 +445,32 @@ class Trainer:
         """The loop's part of a checkpoint of this step."""
         return LoopRecord(self.global_step, self.epoch, self.epoch_pos, self.evaluations.record(self.global_step),
                           self.run.wall_s())
+
+
+def epoch_row(trainer: Trainer, epoch: int, tally: dict[str, Any], train_stats: dict[str, Any],
+              result: Any) -> dict[str, Any]:
+    """The epoch's results.csv row (a run stopped inside it: its part's), sync statistics and line
+    (a function of the trainer's state, apart from its class: Trainer keeps to 20 methods)."""
+    epoch_s = tally["epoch_s"]
+    finite = [(v[1], v.values["nll"]) for v in tally["losses"] if math.isfinite(v[1])]  # a skipped step's left out
+    if trainer._resumed_in is not None and trainer._resumed_in[0] == epoch:
+        finite = trainer.metrics.earlier_losses(epoch + 1, trainer._resumed_in[1]) + finite
+        trainer._resumed_in = None
+    train_loss = sum(loss for loss, _ in finite) / max(len(finite), 1)
+    train_nll = sum(nll for _, nll in finite) / max(len(finite), 1)
+    waits, gpu_busy = trainer.metrics.waits, tally["gpu_busy"]
+    row = {"epoch": epoch + 1, "train_loss": train_loss, "train_nll": train_nll,
+           "train_ppl": math.exp(min(train_nll, 700.0)), "val_loss": "" if result is None else result.val_loss,
+           "bleu": "" if result is None or result.bleu is None else round(result.bleu, 2),
+           "tokens_per_s": tally["tokens"] / epoch_s, "padded_tokens_per_s": tally["padded"] / epoch_s,
+           "epoch_s": round(epoch_s, 3), "bleu_s": "" if result is None else round(result.bleu_s, 3),
+           "eval_s": round(waits["eval_s"], 3), "save_s": round(waits["save_s"], 3),
+           "gpu_mem_gb": torch.cuda.max_memory_allocated(trainer.device) / 1e9 if trainer.device.type == "cuda" else 0.0,
+           "gpu_busy": "" if gpu_busy is None else round(gpu_busy, 1),
+           "sync_count": sum(s["count"] for s in train_stats.values()),
+           "sync_ms": round(sum(s["total_ms"] for s in train_stats.values()), 3),
+           "steps": trainer.global_step, "cpu_util": round(tally["cpu_util"], 1)}
+    trainer.metrics.end_epoch(row, trainer.global_step, train_stats, {
+        "epoch": epoch + 1, "strategy": trainer.strategy.name, "train": train_stats,
+        "engine": trainer.strategy.counters(), "eval": merge_sync_stats([*waits["stats"], STATS.reset()])})
+    return row

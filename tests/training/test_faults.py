@@ -146,10 +146,15 @@ def test_the_uninterrupted_runs_stop_early_and_agree(env):
     rows = {m: [r for r in read_csv(refs[m] / "evals.csv") if not r["kind"]] for m in MODES}  # not the average
     assert sum(r["best"] == "1" for r in rows["off"]) >= 2 and rows["off"][-1]["best"] == "0"
     assert Pool.open == 0  # each run closed its scoring workers
-    for m in MODES:
-        assert load_checkpoint(refs[m] / "weights" / "last.pt")["stopping"]["bad"] >= 3  # stopped by --patience
+    assert load_checkpoint(refs["off"] / "weights" / "last.pt")["stopping"]["bad"] >= 3  # stopped by --patience
     cols = [{c: r[c] for c in EVAL_COLS} for r in rows["off"]]
     assert [{c: r[c] for c in EVAL_COLS} for r in rows["on"]][:len(cols)] == cols
+    # beside training, the pass that asks the stop decides while the loop trains on: on a fast machine
+    # the loop reaches its next evaluation first (which may score a new best, so last.pt's count of
+    # evaluations without one restarts); never a second one
+    on = load_checkpoint(refs["on"] / "weights" / "last.pt")["stopping"]
+    assert len(rows["on"]) in (len(cols), len(cols) + 1)
+    assert on["bad"] >= 3 or len(rows["on"]) == len(cols) + 1
 
 
 # -- kills: a write's stages --------------------------------------------------------------------

@@ -55,6 +55,21 @@ def test_a_size_asked_that_the_model_was_not_trained_for_trains_it_again(corpus_
     assert not any("trained" in line for line in lines)  # the same request again: found
 
 
+def test_the_sizes_the_rule_chose_asked_by_number_find_its_models(corpus_dir: Path) -> None:
+    # a run's config.yaml records the sizes the corpus rule chose: replaying it trained both models
+    # again, and the next run without sizes trained them back
+    rule = prepare_data(small_config(corpus_dir, src_vocab=None, tgt_vocab=None), log=_quiet)
+    for sizes in ({"src_vocab": rule.src_tok.vocab_size, "tgt_vocab": rule.tgt_tok.vocab_size},
+                  {"src_vocab": None, "tgt_vocab": None}):
+        lines: list[str] = []
+        again = prepare_data(small_config(corpus_dir, **sizes), log=lines.append)
+        assert not any("trained" in line for line in lines), lines
+        assert (again.src_tok.sha256, again.tgt_tok.sha256) == (rule.src_tok.sha256, rule.tgt_tok.sha256)
+    lines = []
+    prepare_data(small_config(corpus_dir, src_vocab=rule.src_tok.vocab_size - 7, tgt_vocab=None), log=lines.append)
+    assert any("src.model was trained for the corpus rule's size" in line for line in lines)  # another number
+
+
 def test_a_model_without_a_record_is_used_as_it_is_and_says_so(corpus_dir: Path) -> None:
     """An earlier version's model, or one put there by hand: never overwritten; where its size is not the
     one asked, one line says so and how to train one."""

@@ -153,15 +153,28 @@ def misfit(side: Side, asked: dict, target: str | None = None) -> str | None:
         return "left by a training cut short"
     if record.get("langs") != asked["langs"]:
         return f"trained for {'/'.join(map(str, record.get('langs') or []))}, not {'/'.join(asked['langs'])}"
-    if record.get("size") != asked["size"]:
+    holds = record.get("size") != asked["size"] and _holds(side.path, record.get("size"), asked["size"])
+    if record.get("size") != asked["size"] and not holds:
         return f"trained for {_size(record.get('size'))}, not {_size(asked['size'])}"
     if not _same_files(record.get("train"), asked["train"], asked[PATHS]):
         return "trained on another version of the training split"
-    if side.role == "source" and record.get("target") != target:
+    if side.role == "source" and record.get("target") != target and not holds:
         if target is None:  # a size of its own now (--src-vocab or --tgt-vocab given)
             return "trained at a size that followed the target's pieces, which no size given now asks"
         return "trained beside another target model (its size follows the target's pieces)"
     return None
+
+
+def _holds(path: Path, recorded: object, asked: object) -> bool:
+    """A model the corpus rule sized that has just the pieces now asked serves that ask: replaying a
+    run's config.yaml (which records the sizes the rule chose) trained the tokenizers again, and the
+    next run without sizes trained them back."""
+    if recorded is not None or not isinstance(asked, int):
+        return False
+    try:
+        return Tokenizer(path).vocab_size == asked
+    except (OSError, RuntimeError):  # not a model SentencePiece reads: trained again
+        return False
 
 
 def _same_files(recorded: object, now: list | None, paths: list[str]) -> bool:

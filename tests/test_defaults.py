@@ -110,3 +110,16 @@ def test_big_model_gets_half_the_budget_and_the_warmup_of_its_tokens(monkeypatch
     data, optim = resolve(DataConfig(), OptimConfig(), ModelConfig().resolve("big"))
     assert (data.max_tokens, optim.warmup) == (4096, 1200)
     assert "--max-tokens 4096" in lines[0] and "x 512/1024" in lines[0]
+
+
+def test_a_peak_learning_rate_given_as_the_noam_factor_is_warned_of():
+    # fairseq's --lr 5e-4 is a peak; here --lr multiplies d_model^-0.5 * warmup^-0.5 (a peak ~1e-8)
+    resolve, lines = _resolver("cpu")
+    model = ModelConfig().resolve("small")
+    _, optim = resolve(DataConfig(), OptimConfig(lr=5e-4), model)
+    (line,) = [line for line in lines if line.startswith("warning: --lr")]
+    unit = noam_lr(optim.warmup, model.d_model, optim.warmup, 1.0)
+    assert f"its peak (step {optim.warmup}) is {5e-4 * unit:.2e}" in line and f"--lr {5e-4 / unit:.3g} here" in line
+    resolve, lines = _resolver("cpu")
+    resolve(DataConfig(), OptimConfig(lr=2.0), model)
+    assert not [line for line in lines if line.startswith("warning")]

@@ -53,6 +53,8 @@ from streamnmt.models.attention import flex_available, resolve_attention, triton
 from streamnmt.training.runs import check_project, check_weights_kept
 from streamnmt.training.step import noam_lr
 
+NOAM_FACTOR_FLOOR = 0.05  # --lr under it gives a peak no run trains at (the default factor is 1)
+
 
 def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[str], None]) -> TrainJob:
     """Fill the 'auto' settings from the device; the result is what config.yaml records. A new run's
@@ -216,6 +218,11 @@ def resolve_recipe(data: DataConfig, optim: OptimConfig, model: ModelConfig, acc
         optim = dataclasses.replace(optim, warmup=warmup)
     if notes:
         log("recipe: " + "; ".join(notes))
+    if optim.lr < NOAM_FACTOR_FLOOR:  # a peak learning rate given as the factor (fairseq's, OpenNMT's --lr)
+        unit = noam_lr(optim.warmup, d_model, optim.warmup, 1.0)
+        log(f"warning: --lr {optim.lr:g} is the Noam schedule's factor, not a learning rate: its peak (step "
+            f"{optim.warmup}) is {optim.lr * unit:.2e}; a peak of 5e-4 (fairseq's and OpenNMT's --lr) is "
+            f"--lr {5e-4 / unit:.3g} here")
     return data, optim
 
 def resolve_compile(job: TrainJob, train: TokenizedCorpus, device: torch.device, world: int,

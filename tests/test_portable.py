@@ -19,7 +19,7 @@ from streamnmt.checkpoint import embedded_tokenizer, load_checkpoint, save_check
 from streamnmt.cli import build_parser, main
 from streamnmt.config import RESUME_SETTINGS, build_job
 from streamnmt.inference.decoding import decode_dtype, decoding_copy
-from streamnmt.errors import ConfigError
+from streamnmt.errors import ConfigError, InputError
 from streamnmt.models.transformer import make_model
 from streamnmt.training.runs import read_csv
 from streamnmt.training.trainer import Trainer
@@ -136,7 +136,6 @@ def test_damaged_embedded_tokenizer_is_named(trained, tmp_path):
     bad = tmp_path / "bad.pt"
     save_checkpoint(bad, ckpt)
     assert main(["translate", "--weights", str(bad), "--device", "cpu", "--input", "/dev/null"]) == 1
-    from streamnmt.errors import InputError
     with pytest.raises(InputError, match="embedded src tokenizer is damaged"):
         embedded_tokenizer(ckpt, "src", bad)
 
@@ -272,3 +271,21 @@ def test_the_resume_line_says_no_limit_and_a_time_limit_kept(tmp_path):
     resume_job(str(tmp_path / "t" / "weights" / "last.pt"), log=said.append, changes={"max_steps": 0})
     assert said == ["resume: --max-steps 3 -> no limit, --time-limit 1h as the run had (give --time-limit for "
                     "another, or none)"]
+
+
+def test_weights_without_a_model_flag_build_the_checkpoints_model(trained, tmp_path):
+    # a fine-tune of a tiny model on the CPU was built at the CPU's default preset (small) and refused
+    # the weights ("holds another model"); --model still chooses
+    best = trained["run"] / "weights" / "best.pt"
+    flags = [f for f in TINY if f not in ("--model", "tiny")]
+    args = vars(build_parser().parse_args(["train", *flags, "--data", str(trained["corpus"]), "--project",
+                                           str(tmp_path), "--name", "ft", "--weights", str(best), "--max-steps", "1"]))
+    for key in ("_run", "command"):
+        args.pop(key)
+    lines: list[str] = []
+    Trainer(build_job(args), log=lines.append).train()
+    assert any(line.startswith(f"weights: the model of {best}: tiny (2+2 x 64") for line in lines)
+    assert load_checkpoint(tmp_path / "ft" / "weights" / "last.pt")["model_shape"]["d_model"] == 64
+    args["model"] = "small"
+    with pytest.raises(InputError, match="holds another model"):
+        Trainer(build_job({**args, "name": "ft2"}), log=lambda _: None)

@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 
+from streamnmt.checkpoint import load_checkpoint
 from streamnmt.config import (
     EPOCHS_UNLIMITED,
     GPU_PRESETS,
     PLATEAU_PATIENCE,
+    PRESETS,
     TIME_TO_BLEU_TOKENS,
     TOKENS_PER_GIB,
     WARMUP_TOKENS,
@@ -56,6 +58,26 @@ from streamnmt.training.step import noam_lr
 NOAM_FACTOR_FLOOR = 0.05  # --lr under it gives a peak no run trains at (the default factor is 1)
 
 
+def shape_of_weights(job: TrainJob, log: Callable[[str], None]) -> TrainJob:
+    """``--weights`` without ``--model`` or a size: the model its checkpoint holds (a fine-tune of a
+    tiny model on the CPU was built at the CPU's default preset and refused the weights). The preset
+    of the same sizes, else base with the checkpoint's sizes; its tying too."""
+    m = job.model
+    if not job.run.weights or m.model != "auto" or any(v is not None for v in (m.d_model, m.n_layers, m.n_heads, m.d_ff)):
+        return job
+    shape = load_checkpoint(job.run.weights).get("model_shape") or {}
+    try:
+        sizes = tuple(int(shape[k]) for k in ("d_model", "n_layers", "n_heads", "d_ff"))
+    except (KeyError, TypeError, ValueError):  # an older checkpoint: the preset rule, as before
+        return job
+    preset = next((name for name, dims in PRESETS.items() if dims == sizes), None)
+    model = dataclasses.replace(m, model=preset or "base", tie_embeddings=shape.get("tie_embeddings", m.tie_embeddings),
+                                **({} if preset else dict(zip(("d_model", "n_layers", "n_heads", "d_ff"), sizes))))
+    log(f"weights: the model of {job.run.weights}: {preset or 'base with its sizes'} ({sizes[1]}+{sizes[1]} x "
+        f"{sizes[0]}, {sizes[2]} heads, d_ff {sizes[3]}; --model or a size to choose another)")
+    return dataclasses.replace(job, model=model)
+
+
 def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[str], None]) -> TrainJob:
     """Fill the 'auto' settings from the device; the result is what config.yaml records. A new run's
     first checks (rank 0 only, its error shared with the others): a --project it can make its folder in,
@@ -63,6 +85,7 @@ def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[
     check_project(job.run.project)
     check_weights_kept(job.run.project, job.run.name, job.run.exist_ok, job.run.weights)
     cuda = device.type == "cuda"
+    job = shape_of_weights(job, log)
     preset = job.model.model
     if preset == "auto":
         preset = "base" if cuda else "small"

@@ -289,3 +289,13 @@ def test_weights_without_a_model_flag_build_the_checkpoints_model(trained, tmp_p
     args["model"] = "small"
     with pytest.raises(InputError, match="holds another model"):
         Trainer(build_job({**args, "name": "ft2"}), log=lambda _: None)
+
+
+def test_a_relative_data_folder_is_recorded_as_a_whole_path(tmp_path, monkeypatch):
+    # eval and --resume started from another folder (a scheduler's job) did not find a relative --data
+    write_corpus(tmp_path / "corpus")
+    monkeypatch.chdir(tmp_path)
+    make_trainer(tmp_path, Path("corpus"), "--name", "rel", "--max-steps", "1").train()
+    whole = str(tmp_path / "corpus")
+    assert load_checkpoint(tmp_path / "rel" / "weights" / "last.pt")["config"]["data"]["data"] == whole
+    assert f"data: {whole}" in (tmp_path / "rel" / "config.yaml").read_text()

@@ -15,6 +15,7 @@ stops with the same line naming it and the setting.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +113,10 @@ def resolve_job(job: TrainJob, device: torch.device, world: int, log: Callable[[
         run = dataclasses.replace(run, eval_dtype=dtype_name(decode_dtype(run.eval_dtype, device, "eval_dtype")))
     if data.builtin_size is None:
         data = dataclasses.replace(data, builtin_size=builtin_size_for(preset))
+    if data.data and not os.path.isabs(data.data) and os.path.isdir(data.data):
+        # config.yaml and the checkpoints name the corpus wherever they are used from: eval and --resume
+        # started in another folder (a scheduler's job) did not find a relative --data
+        data = dataclasses.replace(data, data=os.path.abspath(data.data))
     run = dataclasses.replace(run, device=str(device))
     strategy = choose_strategy(job.engine.sync_strategy, device)
     if job.engine.sync_strategy == "auto":

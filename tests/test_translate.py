@@ -279,6 +279,18 @@ def test_eval_prints_bleu_and_chrf(env, capsys):
     assert "test: 5 sentences, beam 1" in capsys.readouterr().out
 
 
+def test_eval_writes_its_translations_in_the_splits_order(env, tmp_path, capsys):
+    out = tmp_path / "hyp.zh"
+    assert cli.main(["eval", "--weights", str(env["ckpt"]), "--device", "cpu", "--split", "dev", "--beam-size", "1",
+                     "--output", str(out)]) == 0
+    lines = out.read_text(encoding="utf-8").split("\n")
+    assert lines[-1] == "" and len(lines) == 41  # 40 dev sentences, each ended by a newline
+    model, src_tok, tgt_tok, _ = load_for_inference(env["ckpt"], "cpu")
+    dev = [e for e, _ in env["pairs"][200:240]]
+    expect, _ = translate_texts(model, src_tok, tgt_tok, dev, SearchOptions(beam_size=1), device="cpu")
+    assert lines[:-1] == expect
+
+
 def _eval_corpus(root: Path, records: list[dict]) -> Path:
     root.mkdir()
     for split in ("train", "dev", "test"):

@@ -359,8 +359,9 @@ def bleu_on_pairs(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, pa
     batches, ends the decoding early (a time limit): the scores are then those of the ``n``
     sentences decoded, the longest first.
     Returns ``bleu``, ``chrf``, ``n`` (sentences scored), ``seconds`` (wall time of the whole call),
-    the sacrebleu ``signature`` and ``cut`` (the indices of the sources truncated to the model's
-    positions, as the training's dev batches truncate them). The model is put in eval mode and back in train mode if it was. Each
+    the sacrebleu ``signature``, ``cut`` (the indices of the sources truncated to the model's
+    positions, as the training's dev batches truncate them) and ``hyps`` (the translations in the
+    pairs' order; None where a stop left one undecoded). The model is put in eval mode and back in train mode if it was. Each
     decoded batch is detokenized and scored (:class:`Scorer`) while the next one decodes.
     """
     t0 = time.perf_counter()
@@ -383,4 +384,4 @@ def bleu_on_pairs(model: Transformer, src_tok: Tokenizer, tgt_tok: Tokenizer, pa
         model.train(was_training)
     n = sum(h is not None for h in scorer.hyps)
     result = scorer.result(added_only=stop is not None)
-    return {**result, "n": n, "seconds": time.perf_counter() - t0, "cut": cut}
+    return {**result, "n": n, "seconds": time.perf_counter() - t0, "cut": cut, "hyps": list(scorer.hyps)}

@@ -123,6 +123,8 @@ class EvalConfig(InferenceConfig):
                                  "corpus if it had none)")
     split: str = opt("test", "split to score (valid: fairseq's name of dev)", choices=("dev", "valid", "test"))
     limit: int = opt(0, "score only the first N sentences (0 = all)")
+    output: str | None = opt(None, "also write the translations, one a line in the split's order (the "
+                                   "hypotheses fairseq-generate prints, for another scorer)")
     src_lang: str | None = opt(None, "source-language key in --data's records / file extension; none = "
                                      "the checkpoint's")
     tgt_lang: str | None = opt(None, "target-language key in --data's records / file extension (it also "
@@ -329,6 +331,11 @@ def run_eval(cfg: EvalConfig) -> int:
         warn(f"{cfg.split}: {len(res['cut'])} sources longer than the model's {model.shape.max_positions} "
              f"positions (EOS included), truncated as in training's evaluations (records {first}"
              f"{', ...' if len(res['cut']) > MAX_WARNINGS else ''} of the split)")
+    if cfg.output:
+        try:
+            write_output(cfg.output, "".join(f"{h or ''}\n" for h in res["hyps"]).encode("utf-8"))
+        except OSError as e:
+            raise InputError(f"--output: cannot write {cfg.output}: {e.strerror}") from None
     rate = res["n"] / res["seconds"] if res["seconds"] > 0 else 0.0
     print(f"{cfg.split}: {res['n']} sentences, beam {cfg.beam_size}, {res['seconds']:.2f} s, "
           f"{rate:.1f} sentences/s on {_mode(cfg, device)}")

@@ -268,6 +268,7 @@ def test_one_process_checkpoint_resumes_on_two_ranks(tmp_path, home):
     assert sum(1 for r in rows if r["epoch"] == "1" and int(r["step"]) > 10) == two - -(-10 * two // one)
     said = [ln for ln in (res.stdout + res.stderr).splitlines() if "not bit-exactly" in ln]
     assert len(said) == 1 and f"epoch 1 continues at its step {-(-10 * two // one)} of {two}," in said[0], said
+    assert "a step now trains 2 batches (of --batch-size or --max-tokens each), not 1" in said[0]
 
 
 @pytest.mark.parametrize("target", ["rank 1", "launcher"])

@@ -206,7 +206,10 @@ class CheckpointManager:
                     f"{k}: epoch {loader.epoch + 1} continues at its step {loader.position // k} of {steps}, the "
                     f"share of the epoch the saved run had trained rounded up to a whole step (at most one step's "
                     f"pairs of the epoch left out); from there each step groups the epoch's pairs differently, "
-                    f"so training continues from step {ckpt['step']}, not bit-exactly")
+                    f"so training continues from step {ckpt['step']}, not bit-exactly" + (
+                        f"; a step now trains {dist.world * k} batches (of --batch-size or --max-tokens each), "
+                        f"not {saved[0] * saved[1]}, with the learning-rate schedule as it was"
+                        if dist.world * k != saved[0] * saved[1] else ""))
         if dist.rank < len(ranks):
             set_rng_state(ranks[dist.rank])
         else:  # a rank the checkpoint had not: rank 0's state, then a dropout stream of its own

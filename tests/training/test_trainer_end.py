@@ -95,7 +95,14 @@ def test_a_stop_mid_epoch_writes_its_part_and_a_resume_replaces_it(tmp_path, mon
     assert rows[0]["val_loss"] != "" and float(rows[0]["train_loss"]) > 0  # the end's evaluation of its step
     stats = json.loads((tmp_path / "m" / "sync_stats.json").read_text())
     assert [e["epoch"] for e in stats] == [1]
-    Trainer.from_checkpoint(str(tmp_path / "m" / "weights" / "last.pt"), log=lambda _: None).train()
+    # a resume that ends before a step (here --max-steps at the step it stopped; a --patience stop resumed)
+    # keeps the part's row and entry: it wrote none in their place
+    Trainer.from_checkpoint(str(tmp_path / "m" / "weights" / "last.pt"), log=lambda _: None,
+                            changes={"max_steps": cut}).train()
+    assert read_csv(tmp_path / "m" / "results.csv") == rows
+    assert json.loads((tmp_path / "m" / "sync_stats.json").read_text()) == stats
+    Trainer.from_checkpoint(str(tmp_path / "m" / "weights" / "last.pt"), log=lambda _: None,
+                            changes={"max_steps": 0}).train()
     rows = read_csv(tmp_path / "m" / "results.csv")
     assert [(int(r["epoch"]), int(r["steps"])) for r in rows] == [(1, n)]
     assert [e["epoch"] for e in json.loads((tmp_path / "m" / "sync_stats.json").read_text())] == [1]

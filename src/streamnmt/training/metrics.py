@@ -47,6 +47,11 @@ class RunMetrics:
                  overflow_skips: bool = False):
         null = distributed.NullLog
         self.save_dir, self.main, self.run, self.log = save_dir, main, run, log
+        # a run resumed inside an epoch an earlier stop wrote a row of (its part): the row goes with the
+        # truncation below and is written again at the end unless this run writes the epoch's own
+        self.held: tuple[dict[str, str], dict[str, Any] | None] | None = None
+        if resumed and main:
+            self.held = _held_part(save_dir, epoch + 1)
         self.steps_log = CsvLog(save_dir / "steps.csv", STEP_COLUMNS, truncate_after=step) if main else null()
         self.results_log = CsvLog(save_dir / "results.csv", RESULT_COLUMNS, truncate_after=epoch) if main else null()
         self.evals_log = CsvLog(save_dir / "evals.csv", EVAL_COLUMNS, truncate_after=evals_after) \
@@ -139,8 +144,22 @@ class RunMetrics:
         if not kind:
             self.scalars.add(result.step, {"dev/val_loss": result.val_loss, "dev/bleu": result.bleu})
 
+    def restore_held(self) -> None:
+        """The end of a resumed run that wrote no row of the epoch it resumed inside (it stopped before a
+        step): the earlier part's row and sync entry back as they were."""
+        if self.held is None:
+            return
+        row, sync = self.held
+        self.held = None
+        self.results_log.write(row)
+        if sync is not None:
+            self.sync_stats.append(sync)
+            write_json(self.save_dir / "sync_stats.json", self.sync_stats)
+
     def end_epoch(self, row: dict[str, Any], step: int, train_stats: dict[str, Any], sync: dict[str, Any]) -> None:
         """An epoch's results.csv row, its sync statistics (sync_stats.json), scalars and console line."""
+        if self.held is not None and str(row["epoch"]) == self.held[0].get("epoch"):
+            self.held = None  # this run's row of that epoch replaces the earlier part's
         self.results_log.write(row)
         self.sync_stats.append(sync)
         if self.main:
@@ -171,3 +190,17 @@ class RunMetrics:
         for log in self.logs():
             with contextlib.suppress(Exception):
                 log.close()
+
+
+def _held_part(save_dir: Path, epoch: int) -> tuple[dict[str, str], dict[str, Any] | None] | None:
+    """results.csv's row of ``epoch`` and its sync_stats.json entry, where an earlier stop wrote them."""
+    path = save_dir / "results.csv"
+    rows = [r for r in read_csv(path) if r.get("epoch") == str(epoch)] if path.is_file() else []
+    if not rows:
+        return None
+    stats_path = save_dir / "sync_stats.json"
+    try:
+        entries = json.loads(stats_path.read_text()) if stats_path.is_file() else []
+    except ValueError:
+        entries = []
+    return rows[-1], next((e for e in entries if e.get("epoch") == epoch), None)

@@ -136,8 +136,10 @@ class Trainer:
             while self.epoch < r.epochs and not self._done():
                 row = self.run_epoch(self.epoch) or row
             self._finish()
+            self.train_loader.close()  # its workers ignore SIGTERM: the interpreter's exit would wait on them
             if self.stopped_epoch is not None:  # a --time-limit, --patience or signal stop mid-epoch
                 row = epoch_row(self, *self.stopped_epoch, self.evaluations.last_eval_at(self.global_step))
+            self.metrics.restore_held()  # a resume that stopped before a step of its epoch
             loop_s = self.clock() - loop_start
             times["training"] = loop_s - times["evaluation"] - times["checkpoints"] - self.switch_s
             times["set-up"] += self.switch_s

@@ -70,7 +70,9 @@ def read_chunks(path: str | None, max_lines: int = 1024) -> Iterator[Chunk]:
 
 def _chunks(name: str, stream: BinaryIO, max_lines: int) -> Iterator[Chunk]:
     read = getattr(stream, "read1", stream.read)
-    pending, consumed, emitted, ready = b"", 0, 0, []  # consumed: the input's bytes before pending
+    # pending: the bytes after the last newline (a bytearray: a long line grows in amortised linear
+    # time, and is split only once a read brings its newline); consumed: the input's bytes before it
+    pending, consumed, emitted, ready = bytearray(), 0, 0, []
     started = False
     while True:
         data = read(READ_BYTES)
@@ -80,11 +82,12 @@ def _chunks(name: str, stream: BinaryIO, max_lines: int) -> Iterator[Chunk]:
                             or len(pending) >= len(codecs.BOM_UTF8)):
             started = True
             if pending.startswith(codecs.BOM_UTF8):
-                pending, consumed = pending[len(codecs.BOM_UTF8):], len(codecs.BOM_UTF8)
-        if not started:
-            continue
-        parts = pending.split(b"\n")
-        pending = b"" if eof else parts.pop()
+                del pending[:len(codecs.BOM_UTF8)]
+                consumed = len(codecs.BOM_UTF8)
+        if not started or (not eof and b"\n" not in data):
+            continue  # no line ended in this read
+        parts = bytes(pending).split(b"\n")
+        pending = bytearray() if eof else bytearray(parts.pop())
         if eof and parts and parts[-1] == b"":
             parts.pop()  # the final newline ends the last line
         error = None

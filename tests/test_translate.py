@@ -289,6 +289,13 @@ def test_eval_writes_its_translations_in_the_splits_order(env, tmp_path, capsys)
     dev = [e for e, _ in env["pairs"][200:240]]
     expect, _ = translate_texts(model, src_tok, tgt_tok, dev, SearchOptions(beam_size=1), device="cpu")
     assert lines[:-1] == expect
+    # a pair with an empty side is not scored: its line stays, empty, so the file aligns with the split
+    data = _eval_corpus(tmp_path / "gaps", [{"en": e, "ch": z} for e, z in env["pairs"][200:204]]
+                        + [{"en": "the cat", "ch": ""}] + [{"en": e, "ch": z} for e, z in env["pairs"][204:206]])
+    assert cli.main(["eval", "--weights", str(env["ckpt"]), "--device", "cpu", "--data", str(data), "--beam-size",
+                     "1", "--output", str(out)]) == 0
+    lines = out.read_text(encoding="utf-8").split("\n")[:-1]
+    assert len(lines) == 7 and lines[4] == "" and lines[:4] == expect[:4] and lines[5:] == expect[4:6]
 
 
 def _eval_corpus(root: Path, records: list[dict]) -> Path:

@@ -123,8 +123,9 @@ class EvalConfig(InferenceConfig):
                                  "corpus if it had none)")
     split: str = opt("test", "split to score (valid: fairseq's name of dev)", choices=("dev", "valid", "test"))
     limit: int = opt(0, "score only the first N sentences (0 = all)")
-    output: str | None = opt(None, "also write the translations, one a line in the split's order (the "
-                                   "hypotheses fairseq-generate prints, for another scorer)")
+    output: str | None = opt(None, "also write the translations, a line for each of the split's records in "
+                                   "its order (empty where a pair is not scored: an empty side), for another "
+                                   "scorer (the hypotheses fairseq-generate prints)")
     src_lang: str | None = opt(None, "source-language key in --data's records / file extension; none = "
                                      "the checkpoint's")
     tgt_lang: str | None = opt(None, "target-language key in --data's records / file extension (it also "
@@ -331,9 +332,13 @@ def run_eval(cfg: EvalConfig) -> int:
         warn(f"{cfg.split}: {len(res['cut'])} sources longer than the model's {model.shape.max_positions} "
              f"positions (EOS included), truncated as in training's evaluations (records {first}"
              f"{', ...' if len(res['cut']) > MAX_WARNINGS else ''} of the split)")
-    if cfg.output:
+    if cfg.output:  # a line a record of the split (an empty one where a pair was not scored), to align with it
+        hyps = res["hyps"]
+        lines = [""] * (stats.read if not cfg.limit else records[len(hyps) - 1] if hyps else 0)
+        for record, hyp in zip(records, hyps):
+            lines[record - 1] = hyp or ""
         try:
-            write_output(cfg.output, "".join(f"{h or ''}\n" for h in res["hyps"]).encode("utf-8"))
+            write_output(cfg.output, "".join(f"{line}\n" for line in lines).encode("utf-8"))
         except OSError as e:
             raise InputError(f"--output: cannot write {cfg.output}: {e.strerror}") from None
     rate = res["n"] / res["seconds"] if res["seconds"] > 0 else 0.0

@@ -99,10 +99,18 @@ def test_keys_take_the_flags_spelling_and_unknown_ones_get_a_hint(tmp_path):
     assert (job.run.max_steps, job.data.batch_size) == (3, 8)
     for text, message in [("run:\n  batchsize: 2\n", r"'run.batchsize'; did you mean 'batch_size' \(section data\)"),
                           ("model:\n  warmup: 3\n", r"'model.warmup'; 'warmup' belongs in section 'optim'"),
-                          ("max-steps: 3\nmax_steps: 4\n", r"'max-steps' and 'max_steps' are one key given twice")]:
+                          ("max-steps: 3\nmax_steps: 4\n", r"'max-steps' and 'max_steps' are one key given twice"),
+                          ("1: 5\n", r"unknown config key '1'"), ("yes: 1\n", r"unknown config key 'True'")]:
         path.write_text(text)
         with pytest.raises(ConfigError, match=message):
             build_job({}, str(path))
+
+
+def test_yaml_merge_keys_still_load(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("run:\n  <<: {max_steps: 5, epochs: 9}\n  epochs: 2\n")  # the explicit key wins
+    job = build_job({}, str(path))
+    assert (job.run.max_steps, job.run.epochs) == (5, 2)
 
 
 def test_one_key_in_each_section_and_flat_keys_of_other_sections_still_load(tmp_path):

@@ -20,6 +20,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: explicit keys override merged ones
+            continue
         key = loader.construct_object(key_node, deep=True)
         try:
             first = seen.get(key)
@@ -64,10 +66,11 @@ def snake_keys(doc: Any, path: Path, flag: str) -> Any:
     return out
 
 
-def unknown_key(flag: str, path: Path, key: str, sections: dict[str, list[str]], section: str | None = None
+def unknown_key(flag: str, path: Path, key: Any, sections: dict[str, list[str]], section: str | None = None
                 ) -> ConfigError:
     """The error of a key no setting has (``section``: the one it was given in): the section it
     belongs in where it is another's, else the nearest key of any section."""
+    key = str(key)  # YAML reads `1:` or `yes:` as a number or a boolean
     home = next((name for name, keys in sections.items() if key in keys), None)
     where = f"{section}.{key}" if section else key
     if home:

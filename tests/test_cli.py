@@ -279,6 +279,7 @@ def test_a_rank_other_than_0_leaves_a_set_up_error_to_rank_0(argv, monkeypatch, 
     slept: list[float] = []
     monkeypatch.setattr(cli_module.time, "sleep", slept.append)
     monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit) as exit_:  # argparse's exit, or main's return code below
         raise SystemExit(main(argv))
     assert exit_.value.code == 2 and slept == [cli_module.SILENT_RANK_WAIT_S]
@@ -287,3 +288,10 @@ def test_a_rank_other_than_0_leaves_a_set_up_error_to_rank_0(argv, monkeypatch, 
     with pytest.raises(SystemExit):
         raise SystemExit(main(argv))
     assert "error" in capsys.readouterr().err and len(slept) == 1
+    # a RANK left in a plain command's environment (no torchrun, no world), or not a number: rank 0
+    monkeypatch.delenv("WORLD_SIZE")
+    for rank in ("1", "abc", ""):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit):
+            raise SystemExit(main(argv))
+        assert "error" in capsys.readouterr().err and len(slept) == 1

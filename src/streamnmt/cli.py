@@ -333,6 +333,17 @@ def command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.Argum
 SILENT_RANK_WAIT_S = 3.0
 
 
+def _launched_rank() -> int:
+    """This process's rank where torchrun started it among others, else 0 (a RANK left in the
+    environment of a plain command, or one that is not a number, makes no rank of it)."""
+    env = os.environ
+    try:
+        several = "TORCHELASTIC_RUN_ID" in env or int(env.get("WORLD_SIZE") or 1) > 1
+        return int(env.get("RANK") or 0) if several else 0
+    except ValueError:
+        return 0
+
+
 def _let_rank_0_say_it() -> None:
     """A rank other than 0 that stops on a set-up error rank 0 meets too (a bad flag, a bad file)
     says nothing, so the line is printed once; it waits before exiting, because torchrun ends the
@@ -347,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
         lazyinit.defer(*CONFIG_PACKAGES)
-    rank = int(os.environ.get("RANK", "0"))  # under torchrun: rank 0 alone says what is wrong
+    rank = _launched_rank()  # under torchrun: rank 0 alone says what is wrong
     try:
         with contextlib.redirect_stderr(io.StringIO()) if rank else contextlib.nullcontext():
             args = parse(build_parser(_command_of(argv)), argv)

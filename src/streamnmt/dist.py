@@ -167,9 +167,15 @@ class Dist:
 
 
 def world_from_env() -> tuple[int, int, int]:
-    """(rank, world size, local rank) as torchrun sets them; (0, 1, 0) outside torchrun."""
-    env = os.environ
-    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+    """(rank, world size, local rank) as torchrun sets them; (0, 1, 0) outside torchrun (an empty or
+    non-numeric value left in a plain command's environment counts as not set)."""
+    def number(name: str, default: int) -> int:
+        try:
+            return int(os.environ.get(name) or default)
+        except ValueError:
+            return default
+
+    return number("RANK", 0), number("WORLD_SIZE", 1), number("LOCAL_RANK", 0)
 
 
 def init(backend: str, device: str | None, timeout_s: int) -> Dist:

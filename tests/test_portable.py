@@ -289,6 +289,13 @@ def test_weights_without_a_model_flag_build_the_checkpoints_model(trained, tmp_p
     args["model"] = "small"
     with pytest.raises(InputError, match="holds another model"):
         Trainer(build_job({**args, "name": "ft2"}), log=lambda _: None)
+    # sizes off a preset: the preset its run trained, with them (its recipe follows, not base's)
+    make_trainer(tmp_path, trained["corpus"], "--name", "wide", "--d-ff", "96", "--max-steps", "1").train()
+    args.update(model="auto", name="ft3", weights=str(tmp_path / "wide" / "weights" / "last.pt"))
+    lines.clear()
+    Trainer(build_job(args), log=lines.append).train()
+    assert any(": tiny with its sizes (2+2 x 64, 4 heads, d_ff 96;" in line for line in lines), lines[:5]
+    assert load_checkpoint(tmp_path / "ft3" / "weights" / "last.pt")["config"]["model"]["model"] == "tiny"
 
 
 def test_a_relative_data_folder_is_recorded_as_a_whole_path(tmp_path, monkeypatch):

@@ -62,20 +62,24 @@ NOAM_FACTOR_FLOOR = 0.05  # --lr under it gives a peak no run trains at (the def
 def shape_of_weights(job: TrainJob, log: Callable[[str], None]) -> TrainJob:
     """``--weights`` without ``--model`` or a size: the model its checkpoint holds (a fine-tune of a
     tiny model on the CPU was built at the CPU's default preset and refused the weights). The preset
-    of the same sizes, else base with the checkpoint's sizes; its tying too."""
+    the checkpoint's run trained (its config), with the sizes the checkpoint holds where they differ from
+    the preset's (so the preset's recipe follows: its built-in corpus, its warm-up); its tying too."""
     m = job.model
     if not job.run.weights or m.model != "auto" or any(v is not None for v in (m.d_model, m.n_layers, m.n_heads, m.d_ff)):
         return job
-    shape = load_checkpoint(job.run.weights).get("model_shape") or {}
+    ckpt = load_checkpoint(job.run.weights)
+    shape = ckpt.get("model_shape") or {}
+    names = ("d_model", "n_layers", "n_heads", "d_ff")
     try:
-        sizes = tuple(int(shape[k]) for k in ("d_model", "n_layers", "n_heads", "d_ff"))
+        sizes = tuple(int(shape[k]) for k in names)
     except (KeyError, TypeError, ValueError):  # an older checkpoint: the preset rule, as before
         return job
-    preset = next((name for name, dims in PRESETS.items() if dims == sizes), None)
-    model = dataclasses.replace(m, model=preset or "base", tie_embeddings=shape.get("tie_embeddings", m.tie_embeddings),
-                                **({} if preset else dict(zip(("d_model", "n_layers", "n_heads", "d_ff"), sizes))))
-    log(f"weights: the model of {job.run.weights}: {preset or 'base with its sizes'} ({sizes[1]}+{sizes[1]} x "
-        f"{sizes[0]}, {sizes[2]} heads, d_ff {sizes[3]}; --model or a size to choose another)")
+    trained = ((ckpt.get("config") or {}).get("model") or {}).get("model")
+    preset = trained if trained in PRESETS else next((p for p, dims in PRESETS.items() if dims == sizes), "base")
+    own = {k: v for k, v, d in zip(names, sizes, PRESETS[preset]) if v != d}  # sizes off the preset's
+    model = dataclasses.replace(m, model=preset, tie_embeddings=shape.get("tie_embeddings", m.tie_embeddings), **own)
+    log(f"weights: the model of {job.run.weights}: {preset}{' with its sizes' if own else ''} ({sizes[1]}+{sizes[1]} "
+        f"x {sizes[0]}, {sizes[2]} heads, d_ff {sizes[3]}; --model or a size to choose another)")
     return dataclasses.replace(job, model=model)
 
 

@@ -40,7 +40,7 @@ from streamnmt.training.monitor import CpuSampler, NvmlSampler
 from streamnmt.training.reporting import merge_sync_stats, progress, time_line
 from streamnmt.training.stopping import stop_signals
 from streamnmt import testhooks
-from streamnmt.dist import PeerLost
+from streamnmt.dist import PeerLost, world_from_env
 
 END_SHARE = 0.02  # of --time-limit, kept for the run's end (exports, plots), at most 5 s
 
@@ -83,7 +83,8 @@ class Trainer:
         """Continue the run of checkpoint ``path`` (see :func:`streamnmt.training.build.resume_job`)."""
         # before the process group exists: rank 0 alone says what the resume changes (a rank's error
         # is raised on every rank all the same)
-        quiet = int(os.environ.get("RANK", "0")) != 0
+        rank, world, _ = world_from_env()
+        quiet = world > 1 and rank != 0
         job, ckpt = resume_job(path, log=(lambda _: None) if quiet else log, device=device, time_limit=time_limit,
                                changes=changes)
         return cls(build_run(job, log, ckpt))

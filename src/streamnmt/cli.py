@@ -80,7 +80,7 @@ def _run_trainer(args: dict, config_file: str | None, resume: str | None) -> int
     del trainer
     gc.collect()
     d.close()
-    if d.main:  # every end but a signal's (the job is being stopped) says where the results are
+    if d.main:  # the done line on every end but a signal's (the job is being stopped); the best line on every end
         best = "" if stopper.best is None else \
             f", best {'dev BLEU' if stopper.metric == 'bleu' else 'val_loss'} {stopper.best:.4f} at step {stopper.best_step}"
         if not result.get("signalled"):
@@ -330,7 +330,7 @@ def command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.Argum
     return dict(sub.choices)
 
 
-SILENT_RANK_WAIT_S = 3.0
+SILENT_RANK_WAIT_S = 3.0  # a silent rank's wait for rank 0's line (the ranks meet a bad flag within ms)
 
 
 def _launched_rank() -> int:

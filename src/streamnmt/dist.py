@@ -276,7 +276,7 @@ def run_torchrun(n: int, argv: list[str]) -> int:
 
     # torchrun SIGKILLs the ranks 30 s after passing a SIGTERM on (its default): a stop agreed at the
     # next --sync-interval boundary and rank 0's save can take longer on a large model, and were then
-    # lost. Read by torch >= 2.11's launcher (older ones keep 30 s); a value in the environment wins.
+    # lost. Read by recent launchers (torch 2.13's; older ones keep 30 s); a value in the environment wins.
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     try:  # as `torchrun --standalone --nproc-per-node N ARGV`
         torchrun(["--standalone", f"--nproc-per-node={n}", *argv])

@@ -60,6 +60,8 @@ def test_the_seeds_tokenizer_names_are_read_as_the_source_and_target_ones(tmp_pa
     ({"seed": "-1"}, "--seed"),
     ({"seed": str(2**32)}, "--seed"),
     ({"lr": "inf"}, "--lr"),
+    ({"tgt_lang": "en"}, "--tgt-lang .*must differ from --src-lang"),  # one key: each sentence with itself
+    ({"src_lang": "zh"}, "--tgt-lang .*must differ from --src-lang"),  # zh and ch name one language's keys
 ])
 def test_invalid_values_name_the_flag(flags, named):
     with pytest.raises(ConfigError, match=named):

@@ -663,6 +663,11 @@ def test_translate_config_errors_name_the_flag(values, flag):
         from_dict(TranslateConfig, values)
 
 
+def test_eval_refuses_one_key_for_both_sides(env):
+    with pytest.raises(InputError, match=r"^--tgt-lang .*must differ from --src-lang \(en\)"):
+        run_eval(EvalConfig(weights=str(env["ckpt"]), device="cpu", data=str(env["data"]), tgt_lang="en"))
+
+
 def test_eval_config_errors_name_the_flag():
     with pytest.raises(ConfigError, match="--split"):
         EvalConfig(weights="w.pt", split="train")

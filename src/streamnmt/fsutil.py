@@ -31,23 +31,30 @@ def streamnmt_home() -> Path:
 def atomic_path(target: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``target``; on success it replaces ``target``.
 
-    On an exception the temporary file is removed and ``target`` is left as it was.
+    On an exception the temporary file is removed and ``target`` is left as it was, and so are its
+    missing parent folders (made for the write, removed again).
     """
     target = Path(target)
+    made = [p for p in (target.parent, *target.parent.parents) if not p.exists()]  # the deepest first
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix + ".tmp", dir=target.parent)
-    os.close(fd)
-    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual permissions
-    tmp_path = Path(tmp)
+    tmp_path = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix + ".tmp", dir=target.parent)
+        os.close(fd)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual permissions
+        tmp_path = Path(tmp)
         yield tmp_path
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp_path, target)
         _fsync_dir(target.parent)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp_path.unlink()
+        if tmp_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                tmp_path.unlink()
+        for folder in made:
+            with contextlib.suppress(OSError):  # not empty (another writer's): kept
+                folder.rmdir()
         raise
 
 

@@ -145,6 +145,8 @@ class DataConfig:
         check(self.max_tokens is None or self.max_tokens >= 0, "max_tokens",
               f"must be 0 (off) or a positive integer; got {self.max_tokens}")
         check(self.max_len >= 4, "max_len", f"must be at least 4; got {self.max_len}")
+        check(_key(self.src_lang) != _key(self.tgt_lang), "tgt_lang", f"must differ from --src-lang "
+              f"({self.src_lang}): one key pairs each sentence with itself")
         check_choice(self.overlong, "overlong", ("truncate", "drop"))
         check(self.pad_multiple >= 1, "pad_multiple", f"must be a positive integer; got {self.pad_multiple}")
         check(not self.max_tokens or self.max_tokens >= self.max_len, "max_tokens",
@@ -180,3 +182,8 @@ class DataConfig:
 def builtin_dir(cfg: DataConfig) -> Path:
     """Where the built-in corpus of ``cfg``'s size is written (and its tokenizers trained)."""
     return streamnmt_home() / f"builtin-{cfg.builtin_pairs}"
+
+
+def _key(lang: str) -> str:
+    """A record key as the readers take it (``ch`` and ``zh`` name one language's files and records)."""
+    return "zh" if lang == "ch" else lang

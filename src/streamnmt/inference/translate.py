@@ -307,7 +307,10 @@ def eval_data_config(config: dict[str, Any], data: str | None, src_lang: str | N
     ``src_lang``/``tgt_lang`` as its language keys where given."""
     dcfg = from_dict(DataConfig, pick(DataConfig, config.get("data") or {}))
     given = {k: v for k, v in (("data", data), ("src_lang", src_lang), ("tgt_lang", tgt_lang)) if v is not None}
-    return dataclasses.replace(dcfg, **given) if given else dcfg
+    try:
+        return dataclasses.replace(dcfg, **given) if given else dcfg
+    except ConfigError as e:  # the flags' own values (one key for both sides): named as such
+        raise InputError(str(e)) from None
 
 
 def run_eval(cfg: EvalConfig) -> int:

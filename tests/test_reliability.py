@@ -238,6 +238,7 @@ def test_a_failed_checkpoint_write_is_an_os_error_naming_the_file(tmp_path, monk
 
     monkeypatch.setattr(torch, "save", failing_save)
     target = tmp_path / "weights" / "last.pt"
+    target.parent.mkdir()  # a run's folder (one the write made itself goes with the failure)
     with pytest.raises(OSError, match="writing the checkpoint failed .*unexpected pos") as e:
         save_checkpoint(target, {"step": 1})
     assert e.value.filename == str(target)

@@ -80,8 +80,9 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
                                      f"{reason}", str(path)) from None
 
 
-def load_checkpoint(path: str | Path, flag: str = "--weights") -> dict[str, Any]:
-    """Load a streamnmt checkpoint safely (``weights_only``); clear InputError for anything else."""
+def load_checkpoint(path: str | Path, flag: str = "--weights", mmap: bool = False) -> dict[str, Any]:
+    """Load a streamnmt checkpoint safely (``weights_only``); clear InputError for anything else.
+    ``mmap``: the tensors mapped from the file, not read (a caller that reads the checkpoint's records only)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{flag}: checkpoint not found: {path}")
@@ -89,7 +90,7 @@ def load_checkpoint(path: str | Path, flag: str = "--weights") -> dict[str, Any]
         raise InputError(f"{flag}: {path} holds the weights alone (safetensors, for other tools); "
                          f"pass the streamnmt checkpoint beside it: {path.with_suffix('.pt')}")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError,
             AttributeError, ImportError, IndexError, KeyError, OSError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

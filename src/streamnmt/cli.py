@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 from streamnmt import lazyinit
 from streamnmt.configbase import add_args, from_dict
-from streamnmt.dist import CaptureFailed, PeerLost
+from streamnmt.dist import CaptureFailed, PeerLost, world_from_env
 from streamnmt.errors import ConfigError, DeviceError, InputError, NonFiniteLoss
 
 # The packages that hold config classes of ``train`` beside modules that import torch
@@ -336,12 +336,8 @@ SILENT_RANK_WAIT_S = 3.0  # a silent rank's wait for rank 0's line (the ranks me
 def _launched_rank() -> int:
     """This process's rank where torchrun started it among others, else 0 (a RANK left in the
     environment of a plain command, or one that is not a number, makes no rank of it)."""
-    env = os.environ
-    try:
-        several = "TORCHELASTIC_RUN_ID" in env or int(env.get("WORLD_SIZE") or 1) > 1
-        return int(env.get("RANK") or 0) if several else 0
-    except ValueError:
-        return 0
+    rank, world, _ = world_from_env()
+    return rank if "TORCHELASTIC_RUN_ID" in os.environ or world > 1 else 0
 
 
 def _let_rank_0_say_it() -> None:

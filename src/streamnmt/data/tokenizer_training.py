@@ -35,6 +35,7 @@ from streamnmt.data.readers import ReadStats, SplitSource, find_split, iter_pair
 from streamnmt.data.tokenizer import (Tokenizer, cpu_threads, file_sha256, is_cjk, is_unspaced, min_pieces, train_shared_tokenizer,
                                       train_tokenizer, vocab_cap)
 from streamnmt.data.writing import FORM_WINDOW, corpus_word_forms, written_language
+from streamnmt.errors import InputError
 from streamnmt.fsutil import atomic_write
 
 Log = Callable[[str], None]
@@ -173,7 +174,7 @@ def _holds(path: Path, recorded: object, asked: object) -> bool:
         return False
     try:
         return Tokenizer(path).vocab_size == asked
-    except (OSError, RuntimeError):  # not a model SentencePiece reads: trained again
+    except InputError:  # not a model SentencePiece reads: trained again
         return False
 
 

@@ -67,7 +67,7 @@ def shape_of_weights(job: TrainJob, log: Callable[[str], None]) -> TrainJob:
     m = job.model
     if not job.run.weights or m.model != "auto" or any(v is not None for v in (m.d_model, m.n_layers, m.n_heads, m.d_ff)):
         return job
-    ckpt = load_checkpoint(job.run.weights)
+    ckpt = load_checkpoint(job.run.weights, mmap=True)  # its records only: the weights load with the model
     shape = ckpt.get("model_shape") or {}
     names = ("d_model", "n_layers", "n_heads", "d_ff")
     try:
